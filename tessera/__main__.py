@@ -1,0 +1,61 @@
+"""`tessera VERB ...`: one entry point, verbs mapped to functions that are imported lazily.
+
+Each verb names a `module:function` taking the remaining argv; importing only the chosen module
+keeps `tessera --help` fast and lets, e.g., `tessera preprocess` run without the serving stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from tessera import __version__
+
+# verb -> ("module:function", one-line help). The function receives argv after the verb.
+VERBS: dict[str, tuple[str, str]] = {
+    "pretrain": ("tessera.training.cli:main", "pretrain a GPT (YAML config + --key value overrides)"),
+    "evaluate": ("tessera.training.evaluate:main", "loss and perplexity of a checkpoint on data"),
+    "tokenizer": ("tessera.training.tokenizer_cli:main", "train a sentencepiece tokenizer"),
+    "preprocess": ("tessera.training.preprocess:main", "tokenize text/JSONL into an indexed dataset"),
+    "convert": ("tessera.converters.cli:main", "reshard, cast, FP8, or import/export Hugging Face"),
+    "inspect": ("tessera.converters.inspect:main", "describe a checkpoint in plain words"),
+    "tune": ("tessera.tuning.cli:main", "prompt tuning / p-tuning on a frozen model"),
+    "serve": ("tessera.serving.cli:main", "run the HTTP text-generation server"),
+    "generate": ("tessera.clients.cli:main", "generate text from a server or a local checkpoint"),
+}
+
+
+def _usage() -> str:
+    lines = [f"tessera {__version__}", "", "usage: tessera VERB [options]   (tessera VERB --help)", ""]
+    lines += [f"  {verb:<11} {help_}" for verb, (_, help_) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["pretrain"]  # the embedded default: the demo pretraining run
+    if argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(__version__)
+        return 0
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        print(f"tessera: unknown verb {verb!r}.\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name = VERBS[verb][0].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("tessera"):
+            print(f"tessera: the verb {verb!r} is not available in this build.", file=sys.stderr)
+            return 2
+        raise
+    result = getattr(module, func_name)(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
