@@ -1,1 +1,16 @@
-"""core"""
+"""The shared model core: configs, the GPT model, parallel layers and rules, checkpoints."""
+
+from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.core.init import build_model
+from tessera.core.model import GPTModel
+from tessera.core.parallel.groups import ParallelGroups, init_groups
+
+__all__ = [
+    "ConfigError",
+    "GPTModel",
+    "ModelConfig",
+    "ParallelConfig",
+    "ParallelGroups",
+    "build_model",
+    "init_groups",
+]

@@ -1,0 +1,337 @@
+"""Checkpoint directories: a JSON manifest, the tokenizer, and safetensors weight files.
+
+Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
+- `manifest.json`: format name and version, model config, the layout the weights were saved
+  under, dtype, FP8 description if any, step, tokenizer file, and `weight_map`: for each global
+  parameter name, the files holding its tensor-parallel shards in tp-rank order (one file for a
+  replicated tensor);
+- `tokenizer.model` (or `tokenizer.json`), when the model has one;
+- `model-tp{t}-pp{p}.safetensors`: the tensors of tp rank t, pipeline rank p, under their global
+  names. Rank (t, p) of the same layout reads only its own file; any other layout reads the shards
+  it needs and re-slices them with `sharding`, so every checkpoint loads under every layout,
+  bit-exactly. Files are opened lazily (memory-mapped); no pickle anywhere.
+
+Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
+last, so a crash mid-write leaves any earlier checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.model import GPTModel
+from tessera.core.parallel.sharding import global_param_shapes, shard_spec, shard_tensor, unshard_tensors
+
+FORMAT = "tessera-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked; the message names the file and the problem."""
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+    name = aliases.get(name, name)
+    if name not in _DTYPES:
+        raise CheckpointError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Manifest:
+    """The parsed `manifest.json` of a checkpoint."""
+
+    model: ModelConfig
+    layout: ParallelConfig
+    dtype: str = "float32"
+    step: int = 0
+    tokenizer: str | None = None
+    fp8: dict[str, Any] | None = None  # {"format": "e4m3", "granularity": "tensor" | "channel"}
+    weight_map: dict[str, list[str]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. training metadata
+
+    def to_json(self) -> str:
+        layout = {k: getattr(self.layout, k) for k in ("tp", "pp", "virtual_stages")}
+        body = {"format": FORMAT, "format_version": FORMAT_VERSION,
+                "model": self.model.to_dict(), "layout": layout, "dtype": self.dtype,
+                "step": self.step, "tokenizer": self.tokenizer, "fp8": self.fp8,
+                "extra": self.extra, "weight_map": self.weight_map}
+        return json.dumps(body, indent=2) + "\n"
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Parse and validate `path/manifest.json`, with an error that says what is wrong."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        hint = " (it looks like a Hugging Face model: use `tessera convert --from hf`)" if (
+            Path(path) / "config.json").is_file() else ""
+        raise CheckpointError(f"{path} is not a Tessera checkpoint: {MANIFEST} is missing{hint}")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}); the checkpoint is damaged") from exc
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: format is {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: format version {data.get('format_version')} is not supported by this "
+            f"Tessera (reads version {FORMAT_VERSION}); use the Tessera release that wrote it "
+            "or convert it with that release")
+    layout = ParallelConfig(**data["layout"])
+    return Manifest(model=ModelConfig.from_dict(data["model"]), layout=layout,
+                    dtype=data.get("dtype", "float32"), step=data.get("step", 0),
+                    tokenizer=data.get("tokenizer"), fp8=data.get("fp8"),
+                    weight_map=data["weight_map"], extra=data.get("extra", {}))
+
+
+def shard_file_name(tp_rank: int, pp_rank: int) -> str:
+    return f"model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
+
+
+class CheckpointReader:
+    """Lazy access to a checkpoint's tensors: global (unsharded) or one layout's shard."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.manifest = read_manifest(path)
+        self._files: dict[str, Any] = {}
+        expected = set(global_param_shapes(self.manifest.model))
+        missing = expected - set(self.manifest.weight_map)
+        if missing:
+            raise CheckpointError(f"{self.path}: manifest lacks tensors {sorted(missing)[:5]}...")
+
+    def _open(self, file: str):
+        if file not in self._files:
+            full = self.path / file
+            if not full.is_file():
+                raise CheckpointError(f"{full} is missing; the checkpoint is incomplete")
+            try:
+                self._files[file] = safe_open(str(full), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{full} is not a readable safetensors file ({exc}); it "
+                                      "may be truncated: re-copy or re-convert it") from exc
+        return self._files[file]
+
+    def _get(self, file: str, key: str) -> torch.Tensor:
+        handle = self._open(file)
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({exc})") from exc
+
+    def names(self) -> list[str]:
+        return list(self.manifest.weight_map)
+
+    def raw_shards(self, name: str) -> list[torch.Tensor]:
+        """The stored shards of `name` as saved (fp8 ones still quantized)."""
+        return [self._get(f, name) for f in self.manifest.weight_map[name]]
+
+    def global_tensor(self, name: str) -> torch.Tensor:
+        """The unsharded tensor `name`, dequantized to the checkpoint's dtype if stored as FP8."""
+        shards = [self._dequantized(f, name) for f in self.manifest.weight_map[name]]
+        return unshard_tensors(name, shards, self.manifest.model)
+
+    def _dequantized(self, file: str, name: str) -> torch.Tensor:
+        t = self._get(file, name)
+        if self.manifest.fp8 and t.dtype == torch.float8_e4m3fn:
+            from tessera.core.fp8 import dequantize
+
+            return dequantize(t, self._get(file, name + ".scale"), dtype_from_name(
+                self.manifest.dtype))
+        return t
+
+    def shard(self, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """The tensor `name` for tp rank `tp_rank` of `tp_size`, read from as few files as can be."""
+        files = self.manifest.weight_map[name]
+        if len(files) == tp_size and tp_size == self.manifest.layout.tp:
+            return self._dequantized(files[tp_rank], name)
+        return shard_tensor(name, self.global_tensor(name), self.manifest.model, tp_rank, tp_size)
+
+
+@contextmanager
+def atomic_directory(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temporary sibling of `final`; on success it replaces `final` in one rename."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists; pass --overwrite to replace it")
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _local_tensors(models: list[GPTModel]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for model in models:
+        for local_name, param in model.named_parameters():
+            if local_name.startswith("embedding_hook."):
+                continue
+            name = model.global_name(local_name)
+            if name not in out:
+                out[name] = param.detach().to("cpu").contiguous()
+    return out
+
+
+def write_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str]]:
+    """Write this rank's shard file into `directory`; return its part of the weight map."""
+    g = models[0].groups
+    file = shard_file_name(g.tp_rank, g.pp_rank)
+    tensors = _local_tensors(models)
+    config = models[0].config
+    # Replicated tensors are stored once, by tp rank 0; a tied output copy is never stored.
+    keep = {n: t for n, t in tensors.items()
+            if shard_spec(n, config).dim is not None or g.tp_rank == 0}
+    save_file(keep, str(directory / file), metadata={"format": "pt"})
+    return {n: [file] for n in keep}
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    models: GPTModel | list[GPTModel],
+    *,
+    step: int = 0,
+    tokenizer: str | os.PathLike | None = None,
+    extra: dict[str, Any] | None = None,
+    write_extra_files: Any = None,
+) -> Path:
+    """Save the model chunks of every rank as one checkpoint at `path`, atomically.
+
+    Collective when torch.distributed is initialized: every rank calls it with its own chunks;
+    data-parallel replicas other than dp rank 0 write nothing. `write_extra_files(tmp_dir)` is
+    called on every rank before the directory is published (training state goes there).
+    """
+    models = models if isinstance(models, list) else [models]
+    g, distributed = models[0].groups, dist.is_available() and dist.is_initialized()
+    path = Path(path)
+    token = [uuid.uuid4().hex[:8]]
+    if distributed:
+        dist.broadcast_object_list(token, src=0)
+    tmp = path.with_name(f".{path.name}.tmp-{token[0]}")
+    if not distributed or dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    if distributed:
+        dist.barrier()
+    weight_map = write_weights(tmp, models) if g.dp_rank == 0 else {}
+    if write_extra_files is not None:
+        write_extra_files(tmp)
+    maps = [weight_map]
+    if distributed:
+        maps = [None] * dist.get_world_size()
+        dist.all_gather_object(maps, weight_map)
+    if not distributed or dist.get_rank() == 0:
+        merged = _merge_weight_maps(maps, models[0])
+        tok_name = None
+        if tokenizer is not None:
+            tok_name = "tokenizer.json" if str(tokenizer).endswith(".json") else "tokenizer.model"
+            shutil.copyfile(tokenizer, tmp / tok_name)
+        par = models[0].parallel
+        layout = ParallelConfig(tp=g.tp_size, pp=g.pp_size, virtual_stages=par.virtual_stages)
+        dtype = next(models[0].parameters()).dtype
+        manifest = Manifest(model=models[0].config, layout=layout, dtype=dtype_name(dtype),
+                            step=step, tokenizer=tok_name, weight_map=merged, extra=extra or {})
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        _publish(tmp, path)
+    if distributed:
+        dist.barrier()
+    return path
+
+
+def _merge_weight_maps(maps: list[dict[str, list[str]]], model: GPTModel) -> dict[str, list[str]]:
+    merged: dict[str, list[str]] = {}
+    for part in maps:
+        for name, files in part.items():
+            merged.setdefault(name, []).extend(f for f in files if f not in merged.get(name, []))
+    order = list(global_param_shapes(model.config))
+    return {n: sorted(merged[n]) for n in order if n in merged}
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Swap `tmp` into `final`; a previous checkpoint at `final` is removed only afterwards."""
+    with os.scandir(tmp) as it:  # flush file contents before the rename makes them visible
+        for entry in it:
+            if entry.is_file():
+                with open(entry.path, "rb") as fh:
+                    os.fsync(fh.fileno())
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def load_weights(models: GPTModel | list[GPTModel], path: str | os.PathLike) -> Manifest:
+    """Fill the model chunks of this rank from the checkpoint at `path`, whatever its layout."""
+    models = models if isinstance(models, list) else [models]
+    reader = CheckpointReader(path)
+    _check_config(reader.manifest.model, models[0].config, path)
+    for model in models:
+        g = model.groups
+        for local_name, param in model.named_parameters():
+            if local_name.startswith("embedding_hook."):
+                continue
+            name = model.global_name(local_name)
+            value = reader.shard(name, g.tp_rank, g.tp_size)
+            if value.shape != param.shape:
+                raise CheckpointError(f"{path}: tensor {name} has shape {tuple(value.shape)}, "
+                                      f"the model expects {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+    return reader.manifest
+
+
+def _check_config(saved: ModelConfig, wanted: ModelConfig, path: Any) -> None:
+    a, b = saved.to_dict(), wanted.to_dict()
+    a.pop("name"), b.pop("name")
+    a.pop("dropout"), b.pop("dropout")
+    diff = {k: (a[k], b[k]) for k in a if a[k] != b.get(k)}
+    if diff:
+        raise CheckpointError(f"{path}: the checkpoint's model differs from the one being loaded "
+                              f"into: {diff} (saved, wanted)")
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str = "cpu") -> GPTModel:
+    """A single-process model with the checkpoint's weights (any saved layout; FP8 dequantized).
+
+    `dtype` defaults to the checkpoint's own dtype (its higher-precision dtype for FP8 ones).
+    """
+    from tessera.core.init import build_model
+
+    manifest = read_manifest(path)
+    if isinstance(dtype, str):
+        dtype = dtype_from_name(dtype)
+    dtype = dtype or dtype_from_name(manifest.dtype)
+    model = build_model(manifest.model, device=device, dtype=dtype, init=False)
+    load_weights(model, path)
+    return model.eval()

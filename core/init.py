@@ -1,0 +1,80 @@
+"""Layout-independent initialization and model building on the meta device.
+
+Each global parameter is drawn from its own generator, seeded from the run seed and the
+parameter's name, as one full tensor which is then sliced by the sharding rules. So a model
+built with seed S under any tp/pp layout equals the single-process model built with seed S,
+shard for shard, and peak memory is one global tensor, never the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.model import GPTModel
+from tessera.core.parallel.groups import ParallelGroups
+from tessera.core.parallel.sharding import global_param_shapes, shard_tensor
+
+
+def init_global_tensor(name: str, config: ModelConfig, seed: int,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 initial value of global parameter `name` for run seed `seed`."""
+    shape = global_param_shapes(config)[name]
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = name.startswith("norm.") or "_norm." in name
+    if leaf == "bias":
+        return torch.zeros(shape, device=device)
+    if is_norm:  # LayerNorm1P stores weight - 1
+        return torch.full(shape, 0.0 if config.norm == "layernorm1p" else 1.0, device=device)
+    std = config.init_std
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std /= math.sqrt(2 * config.num_layers)  # GPT-2's scaled init of residual projections
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen, device=device) * std
+
+
+@torch.no_grad()
+def init_weights(model: GPTModel, seed: int) -> None:
+    """Fill every parameter of `model` (one stage, one tp rank) from the global initialization."""
+    g = model.groups
+    for local_name, param in model.named_parameters():
+        if local_name.startswith("embedding_hook."):
+            continue
+        name = model.global_name(local_name)
+        full = init_global_tensor(name, model.config, seed, param.device)
+        param.copy_(shard_tensor(name, full, model.config, g.tp_rank, g.tp_size))
+
+
+def build_model(
+    config: ModelConfig,
+    parallel: ParallelConfig | None = None,
+    groups: ParallelGroups | None = None,
+    *,
+    stage_id: int = 0,
+    num_stages: int = 1,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    init: bool = True,
+) -> GPTModel:
+    """Build one stage of the model for this rank: on the meta device, then materialized.
+
+    With `init=False` the weights are left uninitialized (a checkpoint will be loaded into them).
+    """
+    with torch.device("meta"):
+        model = GPTModel(config, parallel, groups, stage_id, num_stages)
+    model.to_empty(device=device)
+    if model.rotary is not None:  # buffers are not parameters: recompute them for real
+        model.rotary.__init__(config)
+        model.rotary.to(device)
+    if init:
+        init_weights(model, seed)
+    return model.to(dtype)
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,48 @@
+"""A preallocated key/value cache addressed by slot, for iteration-level batching.
+
+Each running sequence owns one *slot* (a row of the cache). A forward pass gives, per row of its
+batch, the slot and the absolute positions of its new tokens; keys and values are written there
+and attention reads the slot's prefix up to the largest position in the batch, masked so each
+query sees only positions <= its own. Rows of one batch may therefore have different lengths
+(prefill of one request next to decode steps of others).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for the layers `layer_ids`, shape `(slots, kv_heads, max_seq, head_dim)`."""
+
+    def __init__(self, layer_ids: list[int], num_slots: int, max_seq: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        shape = (num_slots, kv_heads, max_seq, head_dim)
+        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.num_slots, self.max_seq = num_slots, max_seq
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.keys, self.values)
+                   for t in d.values())
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store new `k, v (B, nkv, T, hd)` at `positions (B, T)` of `slots (B,)`.
+
+        Returns all keys and values of those slots up to the largest position, and the boolean
+        attention mask `(B, 1, T, L)` (True = attend).
+        """
+        if int(positions.max()) >= self.max_seq:
+            raise ValueError(f"position {int(positions.max())} exceeds the cache length "
+                             f"{self.max_seq}")
+        rows = slots.unsqueeze(1)  # (B, 1) broadcast against positions (B, T)
+        self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
+        self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
+        length = int(positions.max()) + 1
+        keys = self.keys[layer][slots, :, :length]
+        values = self.values[layer][slots, :, :length]
+        key_pos = torch.arange(length, device=positions.device)
+        mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
+        return keys.to(k.dtype), values.to(v.dtype), mask

@@ -1,0 +1,299 @@
+"""The GPT decoder shared by the GPT-2, Llama and Nemotron families, tensor/sequence parallel.
+
+One `GPTModel` is one pipeline stage: stage 0 holds the embeddings, the last stage the final
+norm and the output projection, and each holds the layers `sharding.stage_layers` gives it,
+named by their *global* index (`layers.7....`), so local parameter names equal the checkpoint's.
+With the default (single stage, `ParallelGroups()`) it is the whole model in one process.
+
+Activations inside are `(T, B, C)`; under sequence parallelism `(T / tp, B, C)` between the
+tensor-parallel regions. Callers see `(B, T, ...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.kv_cache import KVCache
+from tessera.core.parallel.groups import ParallelGroups
+from tessera.core.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    vocab_parallel_cross_entropy,
+)
+from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
+from tessera.core.parallel.random import recompute, tracker
+from tessera.core.parallel.sharding import local_shape, stage_layers
+
+
+class Norm(nn.Module):
+    """LayerNorm, RMSNorm, or Nemotron's LayerNorm1P (weight stored as an offset from 1)."""
+
+    def __init__(self, config: ModelConfig, sequence_parallel: bool):
+        super().__init__()
+        self.kind, self.eps = config.norm, config.norm_eps
+        self.weight = nn.Parameter(torch.empty(config.hidden_size))
+        self.bias = nn.Parameter(torch.empty(config.hidden_size)) if self.kind != "rmsnorm" else None
+        for p in self.parameters():
+            # Under SP each tp rank sees a different sequence chunk: gradients must be summed.
+            p.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * h.to(x.dtype)
+        weight = self.weight + 1 if self.kind == "layernorm1p" else self.weight
+        return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half convention) over the first `rotary_dim` dims."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        dim = config.rotary_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin of shape `(B, 1, T, rotary_dim)` for integer `positions (B, T)`."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` dims of `x (B, nh, T, hd)`; the rest pass through."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x_rot = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
+
+
+class Attention(nn.Module):
+    """Causal self-attention with fused QKV, grouped-query heads, RoPE and an optional KV cache."""
+
+    def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups, sp: bool,
+                 selective_recompute: bool):
+        super().__init__()
+        tp = groups.tp_size
+        self.layer, self.head_dim = layer, config.head_dim
+        self.n_heads, self.n_kv = config.num_heads // tp, config.num_kv_heads // tp
+        self.dropout, self.selective_recompute = config.dropout, selective_recompute
+        qkv_rows = local_shape(f"layers.{layer}.attention.wqkv.weight", config, tp)[0]
+        self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.bias,
+                                         groups.tp_group, sp)
+        self.wo = RowParallelLinear(self.n_heads * self.head_dim, config.hidden_size, config.bias,
+                                    groups.tp_group, sp)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        with tracker.fork():  # heads differ per tp rank: independent dropout masks
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=mask is None, enable_gqa=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...] | None,
+                cache: KVCache | None, positions: torch.Tensor | None,
+                slots: torch.Tensor | None) -> torch.Tensor:
+        qkv = self.wqkv(x)  # (T, B, (nh + 2 nkv) hd) local heads; full T even under SP
+        T, B = qkv.shape[:2]
+        hd = self.head_dim
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q = q.reshape(T, B, self.n_heads, hd).permute(1, 2, 0, 3)  # (B, nh, T, hd)
+        k = k.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
+        v = v.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(self.layer, k, v, positions, slots)
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            y = recompute(self._core, q, k, v, mask)
+        else:
+            y = self._core(q, k, v, mask)
+        y = y.permute(2, 0, 1, 3).reshape(T, B, self.n_heads * hd)
+        return self.wo(y)
+
+
+class MLP(nn.Module):
+    """Two linear layers around GELU, squared ReLU, or SwiGLU (fused gate/up in `w1`)."""
+
+    def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups, sp: bool):
+        super().__init__()
+        self.activation = config.activation
+        rows = local_shape(f"layers.{layer}.feed_forward.w1.weight", config, groups.tp_size)[0]
+        self.w1 = ColumnParallelLinear(config.hidden_size, rows, config.bias, groups.tp_group, sp)
+        self.w2 = RowParallelLinear(config.ffn_hidden_size // groups.tp_size, config.hidden_size,
+                                    config.bias, groups.tp_group, sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "squared_relu":
+            h = F.relu(h).square()
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            h = F.gelu(h)
+        return self.w2(h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups,
+                 parallel: ParallelConfig):
+        super().__init__()
+        sp = parallel.sequence_parallel
+        self.attention_norm = Norm(config, sp)
+        self.attention = Attention(config, layer, groups, sp, parallel.recompute == "selective")
+        self.ffn_norm = Norm(config, sp)
+        self.feed_forward = MLP(config, layer, groups, sp)
+        self.dropout, self.sp = config.dropout, sp
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout == 0.0:
+            return x
+        if self.sp:  # sequence chunks differ per tp rank
+            with tracker.fork():
+                return F.dropout(x, self.dropout, True)
+        return F.dropout(x, self.dropout, True)
+
+    def forward(self, x: torch.Tensor, rope=None, cache=None, positions=None, slots=None):
+        x = x + self._drop(self.attention(self.attention_norm(x), rope, cache, positions, slots))
+        return x + self._drop(self.feed_forward(self.ffn_norm(x)))
+
+
+# A module called as hook(embeddings (B, T, C), input_ids (B, T)) -> embeddings (B, T, C).
+EmbeddingHook = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage (by default: all of it) of a GPT decoder.
+
+    `forward(x)` takes token ids `(B, T)` on the first stage, otherwise the previous stage's
+    hidden states; it returns hidden states on inner stages, and on the last stage:
+    - `labels` given: the mean cross-entropy over labels != -100 (vocab-parallel, never gathered);
+    - `local_logits=True`: this tp rank's logits `(B, T, V_padded / tp)` (pipeline schedules);
+    - otherwise logits `(B, T, vocab_size)` gathered over tp, padding removed.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig | None = None,
+                 groups: ParallelGroups | None = None, stage_id: int = 0, num_stages: int = 1):
+        super().__init__()
+        self.config, self.parallel = config, parallel or ParallelConfig()
+        self.groups = groups or ParallelGroups()
+        g, par = self.groups, self.parallel
+        self.stage_id, self.num_stages = stage_id, num_stages
+        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
+        self.layer_ids = list(stage_layers(stage_id, num_stages, config.num_layers))
+        if self.is_first:
+            rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]
+            self.tok_embeddings = VocabParallelEmbedding(rows, config.hidden_size, g.tp_rank,
+                                                         g.tp_group)
+            if config.position == "learned":
+                self.pos_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                   config.hidden_size)
+        self.rotary = Rotary(config) if config.position == "rope" else None
+        self.layers = nn.ModuleDict({str(i): Block(config, i, g, par) for i in self.layer_ids})
+        n_full = len(self.layer_ids) if par.recompute_layers is None else par.recompute_layers
+        self.recompute_ids = set(self.layer_ids[:n_full]) if par.recompute == "full" else set()
+        if self.is_last:
+            self.norm = Norm(config, par.sequence_parallel)
+            rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]
+            self.output = None
+            if not (config.tied_embeddings and self.is_first):
+                # A tied model on a separate last stage keeps its own copy of the embedding,
+                # kept equal by summing gradients over `groups.embedding_group`.
+                self.output = ColumnParallelLinear(config.hidden_size, rows, False, g.tp_group,
+                                                   par.sequence_parallel)
+        self.embedding_hook: nn.Module | None = None  # set by prompt tuning
+
+    def global_name(self, local_name: str) -> str:
+        """The checkpoint name of a local parameter (a tied output copy maps to the embedding)."""
+        if local_name == "output.weight" and self.config.tied_embeddings:
+            return "tok_embeddings.weight"
+        return local_name
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position) embeddings `(B, T, C)`, then the embedding hook if set."""
+        h = self.tok_embeddings(ids)
+        if self.config.position == "learned":
+            pos = positions if positions is not None else torch.arange(ids.shape[1],
+                                                                        device=ids.device)
+            h = h + self.pos_embeddings(pos)
+        if self.embedding_hook is not None:
+            h = self.embedding_hook(h, ids)
+        return h
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                slots: torch.Tensor | None = None, local_logits: bool = False) -> torch.Tensor:
+        sp = self.parallel.sequence_parallel and cache is None
+        if self.is_first:
+            B, T = x.shape
+            h = self.embed(x, positions).transpose(0, 1).contiguous()  # (T, B, C)
+            if sp:
+                h = scatter_to_sequence(h, self.groups.tp_group)
+            if self.training and self.config.dropout:
+                with tracker.fork() if sp else contextlib.nullcontext():
+                    h = F.dropout(h, self.config.dropout, True)
+        else:
+            h = x
+            T = h.shape[0] * (self.groups.tp_size if sp else 1)
+            B = h.shape[1]
+        rope = None
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(T, device=h.device).expand(B, T)
+            rope = self.rotary.cos_sin(positions, h.dtype)
+        for i, layer in self.layers.items():
+            if int(i) in self.recompute_ids and self.training and torch.is_grad_enabled():
+                h = recompute(layer, h, rope)
+            else:
+                h = layer(h, rope, cache, positions, slots)
+        if not self.is_last:
+            return h
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)
+        if labels is not None:
+            losses = vocab_parallel_cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.transpose(0, 1).reshape(-1),
+                self.groups.tp_group, self.groups.tp_rank, self.config.vocab_size)
+            return losses.sum() / (labels != -100).sum().clamp(min=1)
+        logits = logits.transpose(0, 1)
+        if local_logits:
+            return logits
+        return gather_from_tp(logits, self.groups.tp_group)[..., : self.config.vocab_size]
+
+
+def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, counted as Megatron does: 6 N plus the attention term."""
+    n = config.num_parameters()
+    attention = 6 * config.num_layers * seq_len * config.num_heads * config.head_dim
+    return 6 * n + attention
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Reference mean cross-entropy of full logits `(B, T, V)` against `labels (B, T)`."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100)
+
+

@@ -1,0 +1,94 @@
+"""Explicit process groups, built once from the world and passed to constructors.
+
+Rank order is tp fastest, then dp, then pp: global rank = pp_rank * (dp * tp) + dp_rank * tp +
+tp_rank. Tensor-parallel peers are therefore neighbours (same node), as Megatron lays them out.
+With no distributed world every group is `None` and every size is 1, so each parallel layer
+becomes a plain layer and the whole model runs in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from tessera.core.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's coordinates and groups. A `None` group means size 1 (nothing to communicate)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: dist.ProcessGroup | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
+    # Ranks holding the first and last pipeline stage at this tp rank (tied-embedding gradients).
+    embedding_group: dist.ProcessGroup | None = None
+    # Global ranks of this rank's pipeline peers, by pp rank (for point-to-point sends).
+    pp_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def is_first_pp(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: ParallelConfig) -> int:
+    """Global rank of the given coordinates (tp fastest, then dp, then pp)."""
+    return (pp_rank * par.dp + dp_rank) * par.tp + tp_rank
+
+
+def init_groups(par: ParallelConfig) -> ParallelGroups:
+    """Build every group of the layout. Collective: all ranks must call it, in the same order.
+
+    Without an initialized process group this returns the single-process `ParallelGroups()`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if par.world_size != 1:
+            raise RuntimeError(
+                f"layout tp={par.tp} pp={par.pp} dp={par.dp} needs {par.world_size} processes but "
+                "torch.distributed is not initialized; launch with torchrun or --nproc-per-node"
+            )
+        return ParallelGroups()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != par.world_size:
+        raise RuntimeError(
+            f"world size {world} != tp {par.tp} x pp {par.pp} x dp {par.dp} = {par.world_size}"
+        )
+    tp_rank = rank % par.tp
+    dp_rank = (rank // par.tp) % par.dp
+    pp_rank = rank // (par.tp * par.dp)
+    mine: dict[str, dist.ProcessGroup | None] = {}
+
+    def make(kind: str, ranks: list[int]) -> None:
+        # new_group is collective over the world: every rank creates every group.
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine[kind] = group
+
+    for p in range(par.pp):
+        for d in range(par.dp):
+            make("tp", [rank_of(t, d, p, par) for t in range(par.tp)])
+    for p in range(par.pp):
+        for t in range(par.tp):
+            make("dp", [rank_of(t, d, p, par) for d in range(par.dp)])
+    for d in range(par.dp):
+        for t in range(par.tp):
+            make("pp", [rank_of(t, d, p, par) for p in range(par.pp)])
+            make("embedding", sorted({rank_of(t, d, 0, par), rank_of(t, d, par.pp - 1, par)}))
+    return ParallelGroups(
+        tp_rank=tp_rank, tp_size=par.tp, tp_group=mine.get("tp"),
+        pp_rank=pp_rank, pp_size=par.pp, pp_group=mine.get("pp"),
+        dp_rank=dp_rank, dp_size=par.dp, dp_group=mine.get("dp"),
+        embedding_group=mine.get("embedding"),
+        pp_ranks=tuple(rank_of(tp_rank, dp_rank, p, par) for p in range(par.pp)),
+    )
