@@ -1,0 +1,90 @@
+"""Every invalid layout raises a ConfigError that names the numbers and the fix."""
+
+import pytest
+
+from tessera.core import ConfigError, ModelConfig, ParallelConfig
+
+
+def _error(par: ParallelConfig, model: ModelConfig, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        par.validate(model, **kw)
+    return str(info.value)
+
+
+def test_valid_layout_passes():
+    model = ModelConfig.from_name("llama-tiny", num_layers=4)
+    ParallelConfig(tp=2, pp=2, dp=2, micro_batches=2).validate(model, world_size=8,
+                                                                global_batch=8)
+
+
+def test_heads_not_divisible_by_tp():
+    msg = _error(ParallelConfig(tp=3), ModelConfig.from_name("gpt2-tiny"))
+    assert "num_heads 4 is not divisible by tp 3" in msg and "[1, 2, 4]" in msg
+
+
+def test_kv_heads_vs_tp():
+    msg = _error(ParallelConfig(tp=4), ModelConfig.from_name("llama-tiny"))  # 2 kv heads
+    assert "num_kv_heads 2 is not divisible by tp 4" in msg and "[1, 2]" in msg
+
+
+def test_layers_not_divisible_by_stages():
+    msg = _error(ParallelConfig(pp=2, virtual_stages=2, schedule="interleaved-1f1b"),
+                 ModelConfig.from_name("llama-tiny", num_layers=6))
+    assert "num_layers 6 is not divisible by pp 2 x virtual_stages 2 = 4" in msg
+
+
+def test_world_size_mismatch_suggests_dp():
+    msg = _error(ParallelConfig(tp=2, pp=1, dp=1), ModelConfig.from_name("llama-tiny"),
+                 world_size=4)
+    assert "world size 4 != tp 2 x pp 1 x dp 1 = 2" in msg and "dp = 2" in msg
+
+
+def test_batch_not_divisible_into_micro_batches():
+    msg = _error(ParallelConfig(dp=2, micro_batches=3), ModelConfig.from_name("llama-tiny"),
+                 global_batch=8)
+    assert "per-data-parallel batch 4" in msg and "3 micro-batches" in msg
+
+
+def test_batch_not_divisible_by_dp():
+    assert "global batch 7 is not divisible by dp 2" in _error(
+        ParallelConfig(dp=2), ModelConfig.from_name("llama-tiny"), global_batch=7)
+
+
+def test_schedule_and_virtual_stage_mismatches():
+    model = ModelConfig.from_name("llama-tiny", num_layers=4)
+    assert "unknown schedule 'nope'" in _error(ParallelConfig(pp=2, schedule="nope"), model)
+    assert "set virtual_stages 2" in _error(ParallelConfig(pp=2, schedule="zbv"), model)
+    assert "interleaved-1f1b" in _error(ParallelConfig(pp=2, virtual_stages=2), model)
+
+
+def test_sequence_parallel_needs_tp_and_divisible_sequence():
+    model = ModelConfig.from_name("llama-tiny")
+    assert "needs tp > 1" in _error(ParallelConfig(sequence_parallel=True), model)
+    assert "sequence length 15 is not divisible by tp 2" in _error(
+        ParallelConfig(tp=2, sequence_parallel=True), model, seq_len=15)
+
+
+def test_several_problems_reported_together():
+    msg = _error(ParallelConfig(tp=3, pp=4), ModelConfig.from_name("gpt2-tiny"), world_size=5)
+    assert msg.count("\n  - ") >= 3
+
+
+def test_model_config_errors():
+    with pytest.raises(ConfigError, match="hidden_size 65 is not divisible by num_heads 4"):
+        ModelConfig(hidden_size=65, num_heads=4)
+    with pytest.raises(ConfigError, match="num_heads 6 is not a multiple of num_kv_heads 4"):
+        ModelConfig(hidden_size=48, num_heads=6, num_kv_heads=4)
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        ModelConfig.from_name("gpt5")
+    with pytest.raises(ConfigError, match="unknown ModelConfig fields"):
+        ModelConfig.from_dict({"hidden": 3})
+
+
+def test_presets_round_trip_and_real_sizes():
+    for name in ("gpt2-124m", "llama2-7b", "llama3-8b", "nemotron4-15b"):
+        config = ModelConfig.from_name(name)
+        assert ModelConfig.from_dict(config.to_dict()) == config
+    # Published parameter counts (GPT-2 124M counts the tied embedding once).
+    assert abs(ModelConfig.from_name("gpt2-124m").num_parameters() / 1e6 - 124.4) < 0.5
+    assert abs(ModelConfig.from_name("llama2-7b").num_parameters() / 1e9 - 6.74) < 0.01
+    assert abs(ModelConfig.from_name("llama3-8b").num_parameters() / 1e9 - 8.03) < 0.01
