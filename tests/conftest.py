@@ -1,0 +1,49 @@
+"""Shared test setup: offline, few-threaded, seeded torch; `gpu` tests skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# No test downloads anything: make an accidental Hugging Face download fail fast instead.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Few threads: CPU results stay reproducible and spawned gloo ranks don't fight over 2 cores.
+torch.set_num_threads(2)
+
+GPU_DIR = Path(__file__).parent / "gpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark everything under tests/gpu as `gpu`, and skip `gpu` tests when CUDA is absent."""
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if GPU_DIR in item.path.parents:
+            item.add_marker(pytest.mark.gpu)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    """Each test starts from the same seed and leaves no default dtype or process group behind."""
+    torch.manual_seed(0)
+    random.seed(0)
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run the test inside its own empty directory, so relative outputs (runs/...) land there."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
