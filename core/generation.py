@@ -1,0 +1,63 @@
+"""Single-process text generation with the KV cache: greedy or temperature / top-k / top-p.
+
+The small, dependency-free path the demo, `tessera generate --checkpoint` and tests use. The
+server's engine (continuous batching, many requests) is built on the same model interface.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.core.kv_cache import KVCache
+from tessera.core.model import GPTModel
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids `(B,)` from last-position logits `(B, V)`; temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) > top_p  # keep the token crossing top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_ids(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 eos_id: int | None = None, seed: int | None = None) -> list[int]:
+    """Continue `prompt` by up to `max_new_tokens` tokens (stopping after `eos_id`)."""
+    config = model.config
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one token (e.g. BOS)")
+    total = min(len(prompt) + max_new_tokens, config.max_position_embeddings)
+    if len(prompt) >= config.max_position_embeddings:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of "
+                         f"{config.max_position_embeddings}")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.layer_ids, 1, total, config.num_kv_heads // model.groups.tp_size,
+                    config.head_dim, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    ids = torch.tensor([prompt], device=device)
+    positions = torch.arange(len(prompt), device=device)[None]
+    out: list[int] = []
+    while len(prompt) + len(out) < total:
+        logits = model(ids, positions=positions, cache=cache, slots=slots)[:, -1]
+        token = int(sample_next(logits, temperature, top_k, top_p, gen)[0])
+        out.append(token)
+        if eos_id is not None and token == eos_id:
+            break
+        next_pos = len(prompt) + len(out) - 1
+        ids = torch.tensor([[token]], device=device)
+        positions = torch.tensor([[next_pos]], device=device)
+    return out

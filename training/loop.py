@@ -1,0 +1,314 @@
+"""The pretraining loop: one process or many (torchrun), any tp x pp x dp layout of the core.
+
+Per step: each data-parallel rank takes its slice of the global batch (samples are indexed by
+step, so resuming only needs the step), runs forward/backward (micro-batch accumulation, or the
+pipeline schedule when pp > 1), gradients are synced (sequence-parallel norms, tied embedding
+copies, data-parallel average), clipped by the global norm, and AdamW steps. Losses are the mean
+over the global batch on every rank. SIGTERM / Ctrl-C finish the current step, save, and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.core.config import ConfigError
+from tessera.core.init import build_model
+from tessera.core.model import GPTModel, model_flops_per_token
+from tessera.core.parallel import pipeline
+from tessera.core.parallel.data_parallel import allreduce_gradients
+from tessera.core.parallel.groups import ParallelGroups, init_groups
+from tessera.core.parallel.pipeline_forward import pipeline_forward
+from tessera.core.parallel.random import tracker
+from tessera.training.config import PretrainConfig
+from tessera.training.metrics import MetricsLogger, measure_peak_tflops
+from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
+from tessera.training.state import (
+    latest_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+
+
+@dataclass
+class Job:
+    """What the loop works with on this rank."""
+
+    cfg: PretrainConfig
+    groups: ParallelGroups
+    stages: list[GPTModel]
+    optimizer: torch.optim.Optimizer
+    schedule: Any  # pipeline schedule, or None when pp == 1
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    scaler: Any  # torch.amp.GradScaler for fp16, else None
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the torchrun world if launched by it (env WORLD_SIZE > 1)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def setup(cfg: PretrainConfig) -> Job:
+    """Validate the layout against the world, build groups, model chunks and optimizer."""
+    device = resolve_device(cfg.train.device)
+    init_distributed(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    par = cfg.parallel
+    if par.dp == 1 and world > par.tp * par.pp and world % (par.tp * par.pp) == 0:
+        par.dp = world // (par.tp * par.pp)  # dp defaults to what the world leaves over
+    par.validate(cfg.model, world_size=world, global_batch=cfg.train.global_batch,
+                 seq_len=cfg.train.seq_len)
+    if cfg.train.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(f"seq_len {cfg.train.seq_len} exceeds the model's "
+                          f"max_position_embeddings {cfg.model.max_position_embeddings}")
+    groups = init_groups(par)
+    torch.manual_seed(cfg.train.seed)
+    tracker.seed(cfg.train.seed, groups.tp_rank)
+    precision = cfg.train.precision
+    if precision not in ("fp32", "bf16", "bf16-pure", "fp16"):
+        raise ConfigError(f"unknown precision {precision!r}; use fp32, bf16, bf16-pure or fp16")
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    if par.pp > 1:
+        stages = pipeline.build_stages(cfg.model, par, groups, device=device, dtype=dtype,
+                                       seed=cfg.train.seed)
+    else:
+        stages = [build_model(cfg.model, par, groups, device=device, dtype=dtype,
+                              seed=cfg.train.seed)]
+    for m in stages:
+        m.train()
+    schedule = None
+    if par.pp > 1:
+        schedule = pipeline.build_schedule(stages, par, groups,
+                                           pipeline.pipeline_loss_fn(cfg.model, groups))
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return Job(cfg, groups, stages, build_optimizer(stages, cfg.train), schedule, device,
+               autocast, scaler)
+
+
+def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's share of global batch `step` (samples indexed by step)."""
+    per_dp = cfg.train.global_batch // groups.dp_size
+    start = step * cfg.train.global_batch + groups.dp_rank * per_dp
+    items = [dataset[i] for i in range(start, start + per_dp)]
+    tokens = torch.stack([it["tokens"] for it in items]).to(device)
+    labels = torch.stack([it["labels"] for it in items]).to(device)
+    return tokens, labels
+
+
+def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Accumulate this rank's gradients for one global batch; return the global mean loss."""
+    g, par = job.groups, job.cfg.parallel
+    amp = (torch.autocast(job.device.type, dtype=job.autocast_dtype) if job.autocast_dtype
+           else contextlib.nullcontext())
+    if job.schedule is not None:
+        with amp:
+            loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels)
+        loss = pipeline.broadcast_loss(loss, par, g)
+    else:
+        model, n_mb = job.stages[0], par.micro_batches
+        loss = torch.zeros((), device=job.device)
+        for mb_tokens, mb_labels in zip(tokens.chunk(n_mb), labels.chunk(n_mb)):
+            with amp:
+                mb_loss = model(mb_tokens, mb_labels) / n_mb
+            (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
+            loss += mb_loss.detach().float()
+    pipeline.sync_sequence_parallel_grads(job.stages, g)
+    pipeline.sync_tied_embedding_grads(job.stages, g)
+    allreduce_gradients(job.stages, g)
+    if g.dp_group is not None:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=g.dp_group)
+        loss /= g.dp_size
+    return loss
+
+
+def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+    """One optimizer step; returns the metrics of the step."""
+    lr = learning_rate(step, job.cfg.train)
+    for group in job.optimizer.param_groups:
+        group["lr"] = lr
+    job.optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(job, tokens, labels)
+    if job.scaler is not None:
+        job.scaler.unscale_(job.optimizer)
+    grad_norm = clip_gradients(job.stages, job.cfg.train.clip_grad)
+    if job.scaler is not None:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+    else:
+        job.optimizer.step()
+    return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def evaluate_loss(job: Job, dataset, batches: int) -> float:
+    """Mean validation loss over `batches` global batches (every rank gets the same number)."""
+    if dataset is None or batches <= 0:
+        return float("nan")
+    for m in job.stages:
+        m.eval()
+    total = 0.0
+    for b in range(batches):
+        tokens, labels = local_batch(dataset, b, job.cfg, job.groups, job.device)
+        total += float(_eval_batch(job, tokens, labels))
+    for m in job.stages:
+        m.train()
+    return total / batches
+
+
+def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    g, par = job.groups, job.cfg.parallel
+    if job.schedule is not None:
+        loss = pipeline_forward(job.stages, g, tokens, labels=labels)
+        loss = pipeline.broadcast_loss(loss, par, g)
+    else:
+        loss = job.stages[0](tokens, labels).float()
+    if g.dp_group is not None:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=g.dp_group)
+        loss /= g.dp_size
+    return loss
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT set a flag; the loop saves and exits after the current step."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank if any rank was signalled (so all ranks stop at the same step)."""
+        if not dist.is_initialized():
+            return self.raised
+        flag = torch.tensor(float(self.raised), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
+
+
+def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
+    """Run (or resume) pretraining as configured; returns the run summary on every rank."""
+    from tessera.training.gpt_dataset import build_datasets
+
+    job = setup(cfg)
+    t = cfg.train
+    if not cfg.data.data:
+        raise ConfigError("no training data: pass --data PREFIX (made by `tessera preprocess`) "
+                          "or run `tessera pretrain` with no arguments for the demo")
+    _check_tokenizer(cfg)
+    eval_batches = cfg.loop.eval_batches
+    train_ds, valid_ds, _ = build_datasets(
+        cfg.data.data, t.seq_len, cfg.data.split,
+        [t.steps * t.global_batch, eval_batches * t.global_batch, 0], t.seed,
+        cfg.data.data_cache or None)
+    start = 0
+    resume_from = latest_checkpoint(cfg.loop.output) if cfg.loop.resume else None
+    if resume_from is not None:
+        start = load_training_checkpoint(resume_from, job.stages, job.optimizer)["step"]
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    flops = model_flops_per_token(cfg.model, t.seq_len)
+    peak = t.peak_tflops or measure_peak_tflops(job.device, job.autocast_dtype)
+    log = MetricsLogger(cfg.loop, enabled=rank0, total=t.steps, initial=start,
+                        resumed_from=resume_from)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    losses: list[float] = []
+    step, stopped = start, False
+    tokenizer = cfg.data.tokenizer or None
+    with _StopFlag() as stop:
+        while step < t.steps:
+            tic = time.perf_counter()
+            tokens, labels = local_batch(train_ds, step, cfg, job.groups, job.device)
+            metrics = train_step(job, step, tokens, labels)
+            step += 1
+            elapsed = time.perf_counter() - tic
+            tokens_per_s = t.global_batch * t.seq_len / elapsed
+            tflops = flops * tokens_per_s / world / 1e12
+            metrics.update(step=step, tokens_per_s=tokens_per_s, tflops=tflops,
+                           mfu=tflops / peak if peak else float("nan"),
+                           memory_gb=_memory_gb(job.device))
+            losses.append(metrics["loss"])
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; lower "
+                                         "--lr or use --precision fp32")
+            if cfg.loop.eval_interval and step % cfg.loop.eval_interval == 0 and step < t.steps:
+                metrics["valid_loss"] = evaluate_loss(job, valid_ds, eval_batches)
+            log.step(metrics)
+            stopped = stop.agreed(job.device)
+            save_now = step == t.steps or stopped or (
+                cfg.loop.save_interval and step % cfg.loop.save_interval == 0)
+            if save_now:
+                path = save_training_checkpoint(
+                    cfg.loop.output, job.stages, job.optimizer, step=step,
+                    consumed_samples=step * t.global_batch, config=cfg.to_dict(),
+                    tokenizer=tokenizer, keep_last=cfg.loop.keep_last)
+                log.saved(path, step)
+            if stopped:
+                break
+    valid = evaluate_loss(job, valid_ds, eval_batches) if not stopped else float("nan")
+    summary = log.finish(losses=losses, valid_loss=valid, stopped=stopped,
+                         checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak)
+    return summary
+
+
+def _check_tokenizer(cfg: PretrainConfig) -> None:
+    """The data's vocabulary must fit the model's, and match the tokenizer if one is given."""
+    from tessera.training.gpt_dataset import parse_data_args
+    from tessera.training.indexed_dataset import IndexedDataset
+
+    tokenizer = None
+    if cfg.data.tokenizer:
+        from tessera.core.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    for _, prefix in parse_data_args(cfg.data.data):
+        indexed = IndexedDataset(prefix)
+        if indexed.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"{prefix} was tokenized with a vocabulary of {indexed.vocab_size} "
+                              f"but the model's vocab_size is {cfg.model.vocab_size}; set "
+                              f"--model-overrides vocab_size={indexed.vocab_size}")
+        if tokenizer is not None:
+            indexed.check_vocab(tokenizer)
+
+
+def _memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

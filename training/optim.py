@@ -1,0 +1,88 @@
+"""AdamW with weight-decay groups, the learning-rate schedule, and global-norm clipping that is
+correct across tensor, pipeline and data parallel ranks.
+
+The global gradient norm counts every element of the global model once: tensor-parallel shards
+are summed over the tp group, replicated parameters (norms, row biases) are counted on tp rank 0
+only, stages are summed over the pp group, and a tied embedding's output copy on the last stage
+is skipped (its gradient was already summed into the embedding's). Data-parallel replicas hold
+identical (averaged) gradients, so nothing is summed over dp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from tessera.core.model import GPTModel
+from tessera.core.parallel.sharding import shard_spec
+from tessera.training.config import TrainConfig
+
+
+def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
+    """Two AdamW groups: matrices decay; biases, norms and 1-D tensors do not."""
+    decay, no_decay = [], []
+    for model in models:
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.ndim >= 2 and "norm" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(models: list[GPTModel], cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(models, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, foreach=True)
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `steps` (or constant)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return cfg.lr
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    if cfg.decay == "linear":
+        factor = 1.0 - progress
+    elif cfg.decay == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown decay {cfg.decay!r}; use cosine, linear or constant")
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+
+
+def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, identical on every rank of the job."""
+    g = models[0].groups
+    device = next(models[0].parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for model in models:
+        for local_name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            name = model.global_name(local_name)
+            if name != local_name:  # tied output copy: counted through the embedding
+                continue
+            replicated = shard_spec(name, model.config).dim is None
+            if replicated and g.tp_rank != 0:
+                continue
+            total += p.grad.detach().float().pow(2).sum()
+    for group in (g.tp_group, g.pp_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_gradients(models: list[GPTModel], max_norm: float) -> float:
+    """Scale every gradient so the global norm is at most `max_norm`; return the norm before."""
+    norm = global_grad_norm(models)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for model in models:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+    return float(norm)
