@@ -38,8 +38,7 @@ def main(argv: list[str]) -> int:
 
 
 def _given_flags(argv: list[str]) -> list[str]:
-    return [a.lstrip("-").split("=")[0].split(".")[-1].replace("-", "_")
-            for a in argv if a.startswith("--")]
+    return [a.lstrip("-").split("=")[0].split(".")[-1].replace("-", "_") for a in argv if a.startswith("--")]
 
 
 def _launch(argv: list[str], nproc: int) -> int:
@@ -47,7 +46,7 @@ def _launch(argv: list[str], nproc: int) -> int:
     from torch.distributed.run import main as torchrun
 
     rest, skip = [], False
-    for i, a in enumerate(argv):
+    for a in argv:
         if skip:
             skip = False
             continue
