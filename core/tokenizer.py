@@ -31,6 +31,7 @@ import sentencepiece as spm
 
 PathLike = str | os.PathLike[str]
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # read as one JSON object per line
 # The ids `train_tokenizer` assigns; Llama-family sentencepiece models use the same layout.
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
@@ -40,27 +41,16 @@ class Tokenizer:
 
     kind: str  # "sentencepiece" or "huggingface"
     filename: str  # the file name used when saved into a directory
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def bos_id(self) -> int | None:
-        raise NotImplementedError
-
-    @property
-    def eos_id(self) -> int | None:
-        raise NotImplementedError
-
-    @property
-    def _pad_or_none(self) -> int | None:
-        raise NotImplementedError
+    # Set by each subclass's constructor; None where the model has no such token.
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    _pad: int | None
 
     @property
     def pad_id(self) -> int:
         """The PAD id, else EOS, else 0: padding positions are masked out, any valid id works."""
-        for candidate in (self._pad_or_none, self.eos_id):
+        for candidate in (self._pad, self.eos_id):
             if candidate is not None:
                 return candidate
         return 0
@@ -127,27 +117,12 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, model_proto: bytes) -> None:
         self._proto = model_proto
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-
-    @staticmethod
-    def _opt(i: int) -> int | None:
-        return None if i < 0 else i  # sentencepiece reports a disabled special token as -1
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._opt(self._sp.bos_id())
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._opt(self._sp.eos_id())
-
-    @property
-    def _pad_or_none(self) -> int | None:
-        return self._opt(self._sp.pad_id())
+        self._sp = sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self.vocab_size = sp.get_piece_size()
+        # sentencepiece reports a disabled special token as -1
+        self.bos_id, self.eos_id, self._pad = (
+            None if i < 0 else i for i in (sp.bos_id(), sp.eos_id(), sp.pad_id())
+        )
 
     def _encode_plain(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -190,10 +165,10 @@ class HFTokenizer(Tokenizer):
             ) from exc
         self._json, self._config = json_text, config
         self._tok = _RawTokenizer.from_str(json_text)
-        self._special = {
-            name: self._find_special(name, (config or {}).get(f"{name}_token"))
-            for name in _HF_SPECIALS
-        }
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.eos_id, self._pad = (
+            self._find_special(name, (config or {}).get(f"{name}_token")) for name in _HF_SPECIALS
+        )
 
     def _find_special(self, name: str, configured: Any) -> int | None:
         if isinstance(configured, dict):  # {"content": "</s>", "lstrip": false, ...}
@@ -204,22 +179,6 @@ class HFTokenizer(Tokenizer):
             if token_id is not None:
                 return token_id
         return None
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._special["bos"]
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._special["eos"]
-
-    @property
-    def _pad_or_none(self) -> int | None:
-        return self._special["pad"]
 
     def _encode_plain(self, text: str) -> list[int]:
         # add_special_tokens=False: a post-processor would otherwise add BOS behind our back.
@@ -296,22 +255,31 @@ def _write_atomic(target: Path, data: bytes) -> None:
         raise
 
 
-def _lines(input_files: Sequence[PathLike], texts: Iterable[str] | None) -> Iterator[str]:
-    """Non-empty lines of the files (`.gz` transparently), then of `texts`.
+def _lines(input_files: Sequence[PathLike], texts: Iterable[str] | None, json_key: str) -> Iterator[str]:
+    """Non-empty lines of the files, then of `texts`.
 
     sentencepiece treats each item as one sentence and drops sentences longer than
     `max_sentence_length`, so documents are fed line by line rather than whole.
     """
     for name in input_files:
-        opener = gzip.open if str(name).endswith(".gz") else open
-        with opener(name, "rt", encoding="utf-8", errors="replace") as f:
+        path = Path(name)
+        opener = gzip.open if path.suffix == ".gz" else open
+        jsonl = (path.with_suffix("") if path.suffix == ".gz" else path).suffix in JSONL_SUFFIXES
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.strip():
-                    yield line.rstrip("\n")
+                if not jsonl:
+                    if line.strip():
+                        yield line.rstrip("\n")
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # `tessera tokenizer train` counts these; here they are just skipped
+                text = record.get(json_key) if isinstance(record, dict) else None
+                if isinstance(text, str):
+                    yield from (s for s in text.splitlines() if s.strip())
     for text in texts or ():
-        for line in text.splitlines():
-            if line.strip():
-                yield line
+        yield from (s for s in text.splitlines() if s.strip())
 
 
 def train_tokenizer(
@@ -321,6 +289,7 @@ def train_tokenizer(
     model_type: str = "bpe",
     *,
     texts: Iterable[str] | None = None,
+    json_key: str = "text",
     input_sentence_size: int = 2_000_000,
     character_coverage: float = 0.9995,
     num_threads: int | None = None,
@@ -328,11 +297,14 @@ def train_tokenizer(
     """Train a sentencepiece tokenizer and write it to `output` (a `.model` file).
 
     Args:
-        input_files: plain-text files (`.gz` accepted), one sentence per line.
+        input_files: text files, one sentence per line, or JSON-lines files (`.jsonl`, `.json`,
+            `.ndjson`) whose `json_key` field holds the text; `.gz` accepted. Malformed JSON
+            lines are skipped.
         vocab_size: the exact vocabulary size, including 4 specials and 256 byte pieces.
         output: where the model goes; written atomically.
         model_type: "bpe" or "unigram".
-        texts: more text (e.g. documents read from JSONL), streamed after `input_files`.
+        texts: more text (e.g. documents), streamed after `input_files`.
+        json_key: the text field of JSON-lines inputs.
         input_sentence_size: sentencepiece samples at most this many lines (reservoir sampling
             over a shuffled stream), which bounds the trainer's memory on large corpora.
         character_coverage: the share of characters that get their own piece; the rest fall
@@ -341,21 +313,31 @@ def train_tokenizer(
 
     Raises:
         ValueError: a bad argument, no text at all, or a corpus too small for `vocab_size`.
+        OSError: an input file is missing or unreadable.
     """
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
     minimum = 4 + 256 + 1  # specials + byte-fallback pieces + at least one learned piece
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum} (4 specials + 256 bytes + 1)")
-    lines = _lines(input_files, texts)
+    for name in input_files:
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"tokenizer training input not found: {name}")
+    lines = _lines(input_files, texts, json_key)
     try:
         first = next(lines)
     except StopIteration:
         raise ValueError("no text to train the tokenizer on: the inputs are empty") from None
+    failures: list[BaseException] = []
 
     def stream() -> Iterator[str]:
-        yield first
-        yield from lines
+        # sentencepiece turns an error raised in here into a RuntimeError; keep the original.
+        try:
+            yield first
+            yield from lines
+        except Exception as exc:
+            failures.append(exc)
+            raise
 
     model = io.BytesIO()
     try:
@@ -381,11 +363,19 @@ def train_tokenizer(
             minloglevel=2,  # sentencepiece logs every step to stderr otherwise
         )
     except RuntimeError as exc:
+        if failures:
+            raise failures[0] from None
         limit = re.search(r"value <= (\d+)", str(exc))
         if limit:
             raise ValueError(
                 f"the corpus is too small for vocab_size={vocab_size}: it supports at most "
                 f"{limit.group(1)} pieces; use a smaller --vocab-size or more text"
+            ) from exc
+        chars = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(exc))
+        if chars:
+            raise ValueError(
+                f"vocab_size={vocab_size} cannot hold the specials, the 256 byte pieces and the "
+                f"corpus's characters ({chars.group(1)} in all); raise --vocab-size"
             ) from exc
         raise ValueError(f"sentencepiece training failed: {exc}") from exc
     tokenizer = SentencePieceTokenizer(model.getvalue())
