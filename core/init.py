@@ -67,10 +67,13 @@ def build_model(
     """
     with torch.device("meta"):
         model = GPTModel(config, parallel, groups, stage_id, num_stages)
+    # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
+    # the `sequence_parallel` mark that the gradient sync looks for: carry it over.
+    marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
     model.to_empty(device=device)
-    if model.rotary is not None:  # buffers are not parameters: recompute them for real
-        model.rotary.__init__(config)
-        model.rotary.to(device)
+    for name, p in model.named_parameters():
+        if name in marked:
+            p.sequence_parallel = True
     if init:
         init_weights(model, seed)
     return model.to(dtype)

@@ -55,17 +55,21 @@ class Norm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half convention) over the first `rotary_dim` dims."""
+    """Rotary position embedding (rotate-half convention) over the first `rotary_dim` dims.
+
+    The frequencies are computed in fp32 on every call (a few dozen numbers) rather than kept
+    as a buffer, so casting the model to bf16 can never coarsen the angles.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        dim = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim, self.theta = config.rotary_dim, config.rope_theta
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and sin of shape `(B, 1, T, rotary_dim)` for integer `positions (B, T)`."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=positions.device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.dim))
+        freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
