@@ -1,0 +1,118 @@
+"""`tessera convert`: Hugging Face import/export now; resharding and FP8 plug in later.
+
+The parser has three groups: input/output (shared by every conversion), the Hugging Face
+direction (`--from hf` / `--to hf`), and the target layout (`--tp --pp --virtual-stages
+--fp8`). The layout flags are parsed already so the flag set is stable; the conversion they
+ask for lives in `converters/reshard.py` (to come) and is hooked in at `_convert_layout`.
+Exit codes: 0 done, 1 the conversion failed (the message says why), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tessera.converters.hf_io import DEFAULT_SHARD_SIZE, export_hf, import_hf
+from tessera.core.checkpoint import read_manifest
+
+EXAMPLES = """\
+examples:
+  tessera convert --from hf --input ./TinyLlama-1.1B --output ckpt/tinyllama --dtype bf16
+  tessera convert --to hf --input ckpt/tinyllama --output ./tinyllama-hf
+  tessera convert --to hf --input ckpt/gpt2-small --output ./gpt2-hf --shard-size 200MB
+
+Hugging Face model types: gpt2, llama and mistral (plain RoPE, no rope scaling; a sliding
+window only if it spans every position), nemotron. Output directories are written atomically
+and an existing one is replaced only with --overwrite.
+"""
+
+LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "fp8")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "5GB", "500MB", "2GiB" or a plain number (decimal units, as transformers)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 500MB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera convert",
+        description="Convert checkpoints: import a Hugging Face model into a Tessera checkpoint, "
+        "or export a Tessera checkpoint as a Hugging Face model directory.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    io = parser.add_argument_group("input and output")
+    io.add_argument("--input", required=True, type=Path, metavar="DIR",
+                    help="the directory to convert (HF model dir or Tessera checkpoint)")
+    io.add_argument("--output", required=True, type=Path, metavar="DIR",
+                    help="the directory to write (written atomically)")
+    io.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                    help="cast every tensor (default: keep the input's dtype)")
+    io.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    hf = parser.add_argument_group("Hugging Face")
+    direction = hf.add_mutually_exclusive_group()
+    direction.add_argument("--from", dest="from_format", choices=("hf",),
+                           help="--input is a Hugging Face model directory")
+    direction.add_argument("--to", dest="to_format", choices=("hf",),
+                           help="write --output as a Hugging Face model directory")
+    hf.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, metavar="SIZE",
+                    help="with --to hf: largest weights file, e.g. 2GB (default: 5GB)")
+    layout = parser.add_argument_group("target layout (resharding and FP8)")
+    layout.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size")
+    layout.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel size")
+    layout.add_argument("--virtual-stages", type=int, metavar="N",
+                        help="model chunks per pipeline rank")
+    layout.add_argument("--fp8", nargs="?", const="tensor", choices=("tensor", "channel"),
+                        help="store linear weights as FP8 e4m3 with per-tensor (default) or "
+                        "per-channel scales")
+    return parser
+
+
+def _convert_layout(args: argparse.Namespace) -> int:
+    # TODO(converters issue): dispatch to tessera.converters.reshard here.
+    print("tessera convert: error: resharding arrives with the converters issue "
+          "(--tp/--pp/--virtual-stages/--fp8 are not implemented yet)", file=sys.stderr)
+    return 2
+
+
+def _bytes_written(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
+        return _convert_layout(args)
+    if not (args.from_format or args.to_format):
+        parser.print_usage(sys.stderr)
+        print("tessera convert: error: say what to convert: --from hf or --to hf",
+              file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        if args.from_format == "hf":
+            out = import_hf(args.input, args.output, dtype=args.dtype, overwrite=args.overwrite)
+            verb = "imported"
+        else:
+            out = export_hf(args.input, args.output, shard_size_bytes=args.shard_size,
+                            overwrite=args.overwrite, dtype=args.dtype)
+            verb = "exported"
+        config = read_manifest(out if args.from_format else args.input).model
+    except (OSError, ValueError) as exc:  # ConversionError, CheckpointError, ConfigError, ...
+        print(f"tessera convert: error: {exc}", file=sys.stderr)
+        return 1
+    written = _bytes_written(out)
+    print(f"{verb} {args.input} -> {out}: {config.num_parameters():,} parameters "
+          f"({config.family}), {written:,} bytes written in "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,176 @@
+"""Read and write safetensors files one tensor at a time, so memory stays near one tensor.
+
+The format (https://huggingface.co/docs/safetensors): 8 bytes little-endian header length N,
+then N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{str: str}}`, then the tensors' raw little-endian bytes, back to back, offsets counted from the
+end of the header. `safetensors.save_file` needs every tensor of a file in memory at once; a
+resharded file is known in advance (names, dtypes and shapes come from the layout), so
+`SafetensorsWriter` writes the header first and then each tensor, in any order, at its offset.
+`SafetensorsFile` reads one tensor with a plain `readinto` (no memory map, so the pages of a
+large file never count against the process) and names the problem when a file is damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # what the reference implementation accepts
+
+
+class SafetensorsFormatError(ValueError):
+    """A file that is not (or no longer) a valid safetensors file."""
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+class SafetensorsWriter:
+    """Write a safetensors file whose entries `(name, dtype, shape)` are declared up front.
+
+    Entries are laid out largest element size first, so every tensor starts at an offset
+    aligned to its element size. Use as a context manager; `close` fails if an entry was
+    never written (a file with holes must not look complete).
+    """
+
+    def __init__(self, path: str | os.PathLike,
+                 entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        order = sorted(entries, key=lambda e: -e[1].itemsize)  # stable: declared order otherwise
+        header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        offset = 0
+        for name, dtype, shape in order:
+            if name in self._layout:
+                raise ValueError(f"{self.path}: tensor {name!r} declared twice")
+            size = _nbytes(dtype, shape)
+            header[name] = {"dtype": _CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            self._layout[name] = (dtype, tuple(shape), offset)
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
+        self._data_start = 8 + len(raw)
+        self.size = self._data_start + offset
+        self._pending = set(self._layout)
+        self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._fh.write(struct.pack("<Q", len(raw)) + raw)
+        self._fh.truncate(self.size)
+
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write the declared tensor `name`; returns the bytes written."""
+        if name not in self._layout:
+            raise KeyError(f"{self.path}: tensor {name!r} was not declared")
+        dtype, shape, offset = self._layout[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                             f"declared {dtype} {shape}")
+        if name not in self._pending:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._fh.seek(self._data_start + offset)
+        self._fh.write(memoryview(data))
+        self._pending.discard(name)
+        return data.nbytes
+
+    def close(self) -> None:
+        if self._fh.closed:
+            return
+        self._fh.close()
+        if self._pending:
+            raise ValueError(f"{self.path}: tensors never written: {sorted(self._pending)[:5]}")
+
+    def abort(self) -> None:
+        """Close without the completeness check (the caller discards the file)."""
+        self._fh.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
+
+
+class SafetensorsFile:
+    """A safetensors file whose header is parsed and checked at once and whose tensors are read
+    one at a time, on demand. `get_tensor` and `keys` match `safetensors.safe_open`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._fh = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        try:
+            self._entries, self.metadata, self._data_start = self._read_header()
+        except BaseException:
+            self._fh.close()
+            raise
+
+    def _read_header(self):
+        size = os.fstat(self._fh.fileno()).st_size
+        head = self._fh.read(8)
+        if len(head) < 8:
+            raise SafetensorsFormatError(f"{self.path}: {size} bytes, too short for a header")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(_MAX_HEADER, size - 8):
+            raise SafetensorsFormatError(
+                f"{self.path}: header claims {n} bytes but the file has {size}: truncated or not "
+                "a safetensors file")
+        try:
+            header = json.loads(self._fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SafetensorsFormatError(f"{self.path}: header is not valid JSON ({exc})") from exc
+        metadata = header.pop("__metadata__", None) or {}
+        entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            if info.get("dtype") not in _DTYPES:
+                raise SafetensorsFormatError(f"{self.path}: {name!r} has unknown dtype {info.get('dtype')!r}")
+            dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if end - begin != _nbytes(dtype, shape):
+                raise SafetensorsFormatError(f"{self.path}: {name!r} offsets do not match its shape")
+            entries[name] = (dtype, shape, begin, end)
+        data_size = max((e[3] for e in entries.values()), default=0)
+        if 8 + n + data_size > size:
+            raise SafetensorsFormatError(
+                f"{self.path}: truncated: the header describes {8 + n + data_size} bytes, the file "
+                f"has {size}; re-copy or re-convert it")
+        return entries, metadata, 8 + n
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """`(dtype, shape)` of tensor `name`, without reading it."""
+        dtype, shape, _, _ = self._entries[name]
+        return dtype, shape
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        dtype, shape, begin, end = self._entries[name]
+        buf = bytearray(end - begin)
+        self._fh.seek(self._data_start + begin)
+        if self._fh.readinto(buf) != len(buf):
+            raise SafetensorsFormatError(f"{self.path}: truncated while reading {name!r}")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self._fh.close()
