@@ -194,7 +194,7 @@ def _layout_problems(
     global_batch: int | None,
     seq_len: int | None,
 ) -> list[str]:
-    from tessera.core.parallel.pipeline import SCHEDULES, V_SCHEDULES
+    from tessera.core.parallel.pipeline import SCHEDULES, V_SCHEDULES, schedule_problems
 
     out: list[str] = []
     for name in ("tp", "pp", "virtual_stages", "dp", "micro_batches"):
@@ -235,6 +235,8 @@ def _layout_problems(
             f"schedule {par.schedule!r} runs one stage per rank but virtual_stages is "
             f"{par.virtual_stages}; use 'interleaved-1f1b' or set virtual_stages 1"
         )
+    if par.pp > 1 and par.schedule in SCHEDULES:
+        out += schedule_problems(par)
     if par.sequence_parallel and par.tp == 1:
         out.append("sequence_parallel needs tp > 1 (it shards activations over the tp group)")
     if par.sequence_parallel and seq_len is not None and seq_len % par.tp:

@@ -60,11 +60,23 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     init: bool = True,
+    backend: str = "auto",
 ) -> GPTModel:
     """Build one stage of the model for this rank: on the meta device, then materialized.
 
     With `init=False` the weights are left uninitialized (a checkpoint will be loaded into them).
+    `backend`: "torch" (plain PyTorch), "te" (Transformer Engine linears; CUDA only), or "auto"
+    (TE when it imports on a CUDA device, else plain PyTorch). Parameter names and shapes are the
+    same for both, so checkpoints move freely between them.
     """
+    from tessera.core.te_backend import apply_transformer_engine, transformer_engine_available
+
+    if backend not in ("auto", "torch", "te"):
+        raise ValueError(f"unknown backend {backend!r}; use auto, torch or te")
+    use_te = backend == "te" or (backend == "auto" and transformer_engine_available(device))
+    if use_te and not transformer_engine_available(device):
+        raise RuntimeError("backend 'te' needs a CUDA device and transformer_engine installed "
+                           '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
         model = GPTModel(config, parallel, groups, stage_id, num_stages)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
@@ -76,7 +88,10 @@ def build_model(
             p.sequence_parallel = True
     if init:
         init_weights(model, seed)
-    return model.to(dtype)
+    model = model.to(dtype)
+    if use_te:
+        apply_transformer_engine(model)
+    return model
 
 
 def parameter_count(model: nn.Module) -> int:

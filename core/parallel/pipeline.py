@@ -1,6 +1,42 @@
-"""Pipeline parallelism over `torch.distributed.pipelining` (stages and schedules by name)."""
+"""Pipeline parallelism over `torch.distributed.pipelining`: stages, schedules by name, and the
+gradient syncs that a pipelined step needs around them.
+
+Each pipeline rank holds one or more `GPTModel` stages (model chunks): one for 1F1B/GPipe,
+`virtual_stages` for the looped schedules (rank r holds stages r, r + pp, ...), and two in a V
+for ZBV/DualPipeV (rank r holds stages r and 2pp - 1 - r, so rank 0 holds the first and the
+last). `build_stages` returns those modules; they are what optimizers, checkpoints and data
+parallelism see, with unchanged parameter names. `build_schedule` wraps them in
+`PipelineStage`s and the schedule class named by `ParallelConfig.schedule`, and `pipeline_step`
+runs one training step through it.
+
+The last stage returns its tensor-parallel shard of the logits (`local_logits=True`, passed
+by `pipeline_step` as a keyword the schedule hands to every local stage) and the schedule's loss
+function (`pipeline_loss_fn`) takes the vocabulary-parallel cross-entropy of it, so the logits
+are never gathered over tp. The schedule divides gradients by the number of micro-batches
+(`scale_grads=True`), so the loss function returns each micro-batch's mean.
+
+After the step, and before the optimizer, call `sync_tied_embedding_grads` (tied embeddings
+split over stages), `sync_sequence_parallel_grads` (under sequence parallelism) and, with data
+parallelism, `data_parallel.allreduce_gradients`.
+
+`torch.distributed.pipelining` is imported lazily: it costs over a second, and the config
+validation imports this module for the schedule names.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.core.parallel.groups import ParallelGroups
+
+if TYPE_CHECKING:
+    from tessera.core.model import GPTModel
 
 # name -> torch.distributed.pipelining schedule class name
 SCHEDULES: dict[str, str] = {
@@ -14,3 +50,231 @@ SCHEDULES: dict[str, str] = {
 }
 # Schedules that place two stages per rank in a V (rank r holds stages r and 2pp - 1 - r).
 V_SCHEDULES = frozenset({"zbv", "dualpipev"})
+# Schedules that split backward into an input pass and a later weight pass (zero bubble).
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zero-bubble", "zbv", "dualpipev"})
+# Schedules that take one stage per rank (the others take the list of local stages).
+_SINGLE_STAGE = frozenset({"gpipe", "1f1b"})
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def schedule_problems(parallel: ParallelConfig) -> list[str]:
+    """What the chosen schedule cannot do with this layout (empty when it can run)."""
+    name, n_mb, pp = parallel.schedule, parallel.micro_batches, parallel.pp
+    stages = parallel.num_stages
+    out: list[str] = []
+    if pp < 2:
+        out.append(f"pipeline schedules need pp >= 2 (got pp {pp}); with pp 1 call the model "
+                   "directly and accumulate gradients over micro-batches")
+    if name == "1f1b" and n_mb < stages:
+        out.append(f"schedule '1f1b' needs micro_batches >= stages: got {n_mb} micro-batches "
+                   f"for {stages} stages")
+    if name == "dualpipev" and n_mb < stages:
+        out.append(f"schedule 'dualpipev' needs micro_batches >= stages (pp {pp} x 2 = "
+                   f"{stages}): got {n_mb}; raise micro_batches or use 'zbv'")
+    if name in ("interleaved-1f1b", "zero-bubble"):
+        rounds = max(1, n_mb // pp)
+        if n_mb % rounds:
+            out.append(f"schedule {name!r} runs micro-batches in rounds of pp {pp}: "
+                       f"micro_batches {n_mb} must be a multiple of {rounds} (e.g. "
+                       f"{rounds * pp})")
+    return out
+
+
+def local_stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
+    """The pipeline stage indices that pipeline rank `pp_rank` holds, in execution order."""
+    from tessera.core.parallel.sharding import stage_ids
+
+    v_shape = parallel.schedule in V_SCHEDULES
+    return stage_ids(pp_rank, parallel.pp, parallel.virtual_stages, v_shape)
+
+
+def last_stage_pp_rank(parallel: ParallelConfig) -> int:
+    """The pipeline rank that holds the last stage (and so computes the loss)."""
+    return 0 if parallel.schedule in V_SCHEDULES else parallel.pp - 1
+
+
+def build_stages(
+    config: ModelConfig,
+    parallel: ParallelConfig,
+    groups: ParallelGroups,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    init: bool = True,
+) -> list[GPTModel]:
+    """This rank's model chunks (`GPTModel`s), one per local pipeline stage, in execution order.
+
+    Initialization is layout-independent (`core.init`): every chunk equals the matching slice of
+    the single-process model built with the same `seed`.
+    """
+    from tessera.core.init import build_model
+
+    parallel.validate(config)
+    return [
+        build_model(config, parallel, groups, stage_id=s, num_stages=parallel.num_stages,
+                    device=device, dtype=dtype, seed=seed, init=init)
+        for s in local_stage_ids(parallel, groups.pp_rank)
+    ]
+
+
+def pipeline_loss_fn(config: ModelConfig, groups: ParallelGroups) -> LossFn:
+    """The schedule's loss: mean vocab-parallel cross-entropy of one micro-batch.
+
+    It takes the last stage's local logits `(B, T, V_padded / tp)` and labels `(B, T)`
+    (-100 = ignored) and returns the mean over the non-ignored labels, as `GPTModel` does.
+    """
+    from tessera.core.parallel.layers import vocab_parallel_cross_entropy
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses = vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), groups.tp_group,
+            groups.tp_rank, config.vocab_size)
+        return losses.sum() / (labels != -100).sum().clamp(min=1)
+
+    return loss_fn
+
+
+def build_schedule(
+    stages: Sequence[nn.Module],
+    parallel: ParallelConfig,
+    groups: ParallelGroups,
+    loss_fn: LossFn,
+) -> Any:
+    """Wrap `stages` (from `build_stages`) in `PipelineStage`s and build the named schedule.
+
+    Every pipeline rank must call this, with the same `parallel`. Raises `ConfigError` for a
+    layout the schedule cannot run (see `schedule_problems`).
+    """
+    import torch.distributed.pipelining as pipelining
+
+    problems = schedule_problems(parallel)
+    if parallel.schedule not in SCHEDULES:
+        problems.insert(0, f"unknown schedule {parallel.schedule!r}; choose one of "
+                           f"{sorted(SCHEDULES)}")
+    if problems:
+        raise ConfigError("cannot build the pipeline schedule:\n  - " + "\n  - ".join(problems))
+    expected = local_stage_ids(parallel, groups.pp_rank)
+    got = [m.stage_id for m in stages]
+    if got != expected:
+        raise ValueError(f"pp rank {groups.pp_rank} should hold stages {expected} for schedule "
+                         f"{parallel.schedule!r}, got {got}; build them with build_stages")
+    pipe_stages = [
+        pipelining.PipelineStage(m, m.stage_id, m.num_stages, _device_of(m),
+                                 group=groups.pp_group)
+        for m in stages
+    ]
+    cls = getattr(pipelining, SCHEDULES[parallel.schedule])
+    first = pipe_stages[0] if parallel.schedule in _SINGLE_STAGE else pipe_stages
+    return cls(first, n_microbatches=parallel.micro_batches, loss_fn=loss_fn)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def pipeline_step(
+    schedule: Any,
+    stages: Sequence[GPTModel],
+    groups: ParallelGroups,
+    input_ids: torch.Tensor | None,
+    labels: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Run forward and backward of one batch through the pipeline; gradients accumulate.
+
+    `input_ids (B, T)` is needed where the first stage lives and `labels (B, T)` where the last
+    one does (other ranks may pass None). Returns, on the rank holding the last stage, the mean
+    of the micro-batch losses (detached), and None elsewhere; see `broadcast_loss`.
+    """
+    n_mb = schedule._n_microbatches
+    first = any(m.is_first for m in stages)
+    last = any(m.is_last for m in stages)
+    for name, t, role, needed in (("input_ids", input_ids, "first", first),
+                                  ("labels", labels, "last", last)):
+        if not needed:
+            continue
+        if t is None:
+            raise ValueError(f"pp rank {groups.pp_rank} holds the {role} stage and needs {name}")
+        if t.shape[0] % n_mb:
+            raise ValueError(f"{name} batch {t.shape[0]} does not split into {n_mb} equal "
+                             f"micro-batches; use a batch that is a multiple of {n_mb}")
+    losses: list[torch.Tensor] | None = [] if last else None
+    args = (input_ids,) if first else ()
+    schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False,
+                  local_logits=True)
+    if not last:
+        return None
+    return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+
+def broadcast_loss(
+    loss: torch.Tensor | None, parallel: ParallelConfig, groups: ParallelGroups
+) -> torch.Tensor:
+    """The last stage's loss (from `pipeline_step`) on every rank of the pipeline group."""
+    src = last_stage_pp_rank(parallel)
+    if groups.pp_rank == src:
+        if loss is None:
+            raise ValueError(f"pp rank {src} holds the last stage and must pass its loss")
+        out = loss.detach().float().reshape(())
+    else:
+        out = torch.zeros((), dtype=torch.float32)
+    if groups.pp_group is not None:
+        out = out.contiguous()
+        dist.broadcast(out, src=groups.pp_ranks[src], group=groups.pp_group)
+    return out
+
+
+def sync_tied_embedding_grads(stages: Sequence[GPTModel], groups: ParallelGroups) -> None:
+    """Sum the gradients of a tied embedding's two copies (first stage's `tok_embeddings` and
+    the last stage's `output`), so both take the same update and stay equal.
+
+    A no-op for untied models and when the first stage is also the last. When the two copies
+    live on different ranks their gradients are all-reduced over `groups.embedding_group`; when
+    both live on this rank (V schedules put them on pp rank 0) they are summed locally.
+    """
+    if not stages or not stages[0].config.tied_embeddings:
+        return
+    copies = [m.tok_embeddings.weight for m in stages if m.is_first and not m.is_last]
+    copies += [m.output.weight for m in stages if m.is_last and m.output is not None]
+    if not copies:
+        return
+    for p in copies:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [_local(p.grad) for p in copies]
+    if len(grads) == 2:
+        total = grads[0] + grads[1]
+        for g in grads:
+            g.copy_(total)
+    elif groups.embedding_group is not None:
+        dist.all_reduce(grads[0], group=groups.embedding_group)
+
+
+def sync_sequence_parallel_grads(modules: Sequence[nn.Module], groups: ParallelGroups) -> None:
+    """Sum over the tp group the gradients of parameters marked `sequence_parallel=True`.
+
+    Under sequence parallelism each tp rank runs the norms (and adds the row-parallel biases)
+    on its own chunk of the sequence, so each holds a partial gradient of these replicated
+    parameters. One all-reduce over a flat buffer covers them all.
+    """
+    if groups.tp_group is None:
+        return
+    params = [p for m in modules for p in m.parameters() if getattr(p, "sequence_parallel", False)]
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [_local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=groups.tp_group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 (DTensor) gradient; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad

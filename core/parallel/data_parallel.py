@@ -1,0 +1,125 @@
+"""Data parallelism over the dp group: DDP, FSDP2, or ZeRO-1 (sharded optimizer state).
+
+Every mode has one contract: after backward, each rank holds the gradient of the dp-averaged
+loss (the mean over all dp ranks' batches), as if one process had run the whole batch.
+
+- `ddp`: `DistributedDataParallel(process_group=dp_group)`; gradients are averaged by its
+  bucketed all-reduce, overlapped with backward.
+- `zero1`: the same DDP gradient averaging, plus `build_zero_optimizer`, a
+  `ZeroRedundancyOptimizer` that keeps each optimizer-state shard on one dp rank and
+  broadcasts the updated parameters.
+- `fsdp`: FSDP2 `fully_shard` over a 1-D mesh of the dp group, each transformer layer and then
+  the whole stage; parameters and gradients become `DTensor` shards over dp.
+
+With pipeline parallelism (pp > 1) the stage modules are *not* wrapped for `ddp` and `zero1`:
+the pipeline schedules run backward piecewise (`torch.autograd.grad` for inputs, then for
+weights, in the zero-bubble schedules), which DDP's reducer hooks do not follow. Instead, call
+`allreduce_gradients(stages, groups)` once after `pipeline_step` (one flat all-reduce per
+dtype). FSDP2 modules are understood by `PipelineStage` (it defers the reduce-scatter to the
+end of the step), so `fsdp` wraps stages under pipelining too, except with the split-backward
+(zero-bubble) schedules: on torch 2.13 FSDP2 drops or miscounts some weight-pass gradients
+there, so that combination raises `ConfigError`. `wrap_data_parallel` returns the modules to
+call; the `GPTModel`s keep their parameter names either way (FSDP2 wraps in place; a DDP
+wrapper's `.module` is the model).
+
+All three work on gloo/CPU (`notes/torch-native-feasibility.md`, section 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.parallel.groups import ParallelGroups
+from tessera.core.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
+
+
+def wrap_data_parallel(
+    modules: Sequence[nn.Module], parallel: ParallelConfig, groups: ParallelGroups
+) -> list[nn.Module]:
+    """Wrap each model chunk for `parallel.data_parallel`; returns what forward should call.
+
+    Unchanged when dp is 1, and for `ddp`/`zero1` under pipelining (see the module docstring:
+    use `allreduce_gradients` there).
+    """
+    modules = list(modules)
+    if groups.dp_size == 1:
+        return modules
+    kind = parallel.data_parallel
+    if kind == "fsdp":
+        if parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ConfigError(
+                "data_parallel 'fsdp' does not work with the split-backward schedule "
+                f"{parallel.schedule!r} (FSDP2 loses weight-pass gradients there); use ddp or "
+                "zero1, or one of the schedules 1f1b, gpipe, interleaved-1f1b, looped-bfs")
+        return [_fully_shard(m, groups) for m in modules]
+    if kind not in ("ddp", "zero1"):
+        raise ValueError(f"unknown data_parallel {kind!r}; choose ddp, fsdp or zero1")
+    if parallel.pp > 1:
+        return modules
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [DistributedDataParallel(m, process_group=groups.dp_group) for m in modules]
+
+
+def _fully_shard(module: nn.Module, groups: ParallelGroups) -> nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(module.parameters()).device
+    mesh = DeviceMesh.from_group(groups.dp_group, device.type)
+    # FSDP2 replaces each parameter with a DTensor one; carry the sequence-parallel mark over.
+    marked = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
+    for layer in getattr(module, "layers", {}).values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    for name, p in module.named_parameters():
+        if name in marked:
+            p.sequence_parallel = True
+    return module
+
+
+def allreduce_gradients(modules: Sequence[nn.Module], groups: ParallelGroups) -> None:
+    """Average every gradient over the dp group (the manual path, used with pipelining).
+
+    Parameters without a gradient get zeros first, so every dp rank reduces the same buffer.
+    """
+    if groups.dp_group is None:
+        return
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for bucket in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat.div_(groups.dp_size)
+        dist.all_reduce(flat, group=groups.dp_group)
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(g.view_as(p.grad))
+
+
+def build_zero_optimizer(
+    params: Iterable[Any],
+    groups: ParallelGroups,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    **defaults: Any,
+) -> torch.optim.Optimizer:
+    """ZeRO-1: `optimizer_class` with its state sharded over the dp group.
+
+    With dp 1 this is simply `optimizer_class(params, **defaults)`. Gradients must already be
+    dp-averaged (DDP, or `allreduce_gradients`). Saving needs `consolidate_state_dict(to=0)`
+    on every dp rank before `state_dict()` on rank 0.
+    """
+    if groups.dp_group is None:
+        return optimizer_class(params, **defaults)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
+                                   process_group=groups.dp_group, **defaults)

@@ -1,0 +1,44 @@
+"""Mixed layouts on 4 gloo ranks: tp2 x pp2, tp2 x dp2 and pp2 x dp2, each against the
+single-process model (loss and every gathered gradient; parameters after an SGD step where an
+optimizer is sharded). One spawn runs them all: every layout builds its own groups in turn."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed._parity import Case, check_case, run_cases
+from tests.distributed_helper import run_ranks
+
+MB4 = {"micro_batches": 4}
+
+HYBRID = [
+    Case("tp2xpp2-gpt2-tied-1f1b", "gpt2-tiny", {"tp": 2, "pp": 2, **MB4},
+         model={"vocab_size": 1003}),
+    Case("tp2xpp2-nemotron-sp-interleaved", "nemotron-tiny",
+         {"tp": 2, "pp": 2, "sequence_parallel": True, "schedule": "interleaved-1f1b",
+          "virtual_stages": 2, **MB4}),
+    Case("tp2xpp2-llama-gqa-zbv", "llama-tiny",
+         {"tp": 2, "pp": 2, "schedule": "zbv", "virtual_stages": 2, **MB4},
+         model={"num_heads": 8, "num_kv_heads": 2}),
+    Case("tp2xdp2-llama-gqa-v1003-ddp", "llama-tiny", {"tp": 2, "dp": 2},
+         model={"vocab_size": 1003, "num_kv_heads": 2}),
+    Case("tp2xdp2-gpt2-sp-fsdp", "gpt2-tiny",
+         {"tp": 2, "dp": 2, "sequence_parallel": True, "data_parallel": "fsdp"}, sgd_step=True),
+    Case("pp2xdp2-gpt2-tied-1f1b", "gpt2-tiny", {"pp": 2, "dp": 2, "micro_batches": 2}),
+    Case("pp2xdp2-llama-zero1-zero-bubble", "llama-tiny",
+         {"pp": 2, "dp": 2, "schedule": "zero-bubble", "virtual_stages": 2,
+          "micro_batches": 2, "data_parallel": "zero1"}, sgd_step=True),
+    Case("pp2xdp2-nemotron-fsdp-1f1b", "nemotron-tiny",
+         {"pp": 2, "dp": 2, "micro_batches": 2, "data_parallel": "fsdp"}),
+]
+
+
+@pytest.fixture(scope="module")
+def hybrid_results():
+    per_rank = run_ranks(run_cases, 4, HYBRID, timeout=240)
+    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(HYBRID)}
+
+
+@pytest.mark.parametrize("case", HYBRID, ids=lambda c: c.name)
+def test_hybrid_matches_single_process(case, hybrid_results):
+    check_case(case, hybrid_results[case.name])
