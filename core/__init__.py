@@ -1,5 +1,6 @@
 """The shared model core: configs, the GPT model, parallel layers and rules, checkpoints."""
 
+from tessera.core.checkpoint import load_checkpoint, save_checkpoint
 from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
 from tessera.core.init import build_model
 from tessera.core.model import GPTModel
@@ -13,4 +14,6 @@ __all__ = [
     "ParallelGroups",
     "build_model",
     "init_groups",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
