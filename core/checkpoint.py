@@ -3,13 +3,15 @@
 Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
 - `manifest.json`: format name and version, model config, the layout the weights were saved
   under, dtype, FP8 description if any, step, tokenizer file, and `weight_map`: for each global
-  parameter name, the files holding its tensor-parallel shards in tp-rank order (one file for a
-  replicated tensor);
+  parameter name, the files holding its tensor-parallel shards in tp-rank order (a replicated
+  tensor: one file, or one full copy per tp rank in a converted checkpoint, so that each rank
+  reads only its own file);
 - `tokenizer.model` (or `tokenizer.json`), when the model has one;
 - `model-tp{t}-pp{p}.safetensors`: the tensors of tp rank t, pipeline rank p, under their global
   names. Rank (t, p) of the same layout reads only its own file; any other layout reads the shards
   it needs and re-slices them with `sharding`, so every checkpoint loads under every layout,
-  bit-exactly. Files are opened lazily (memory-mapped); no pickle anywhere.
+  bit-exactly. An FP8 weight (see `core.fp8`) keeps its fp32 scale `NAME.scale` next to each
+  shard, in the same file. Files are opened lazily (memory-mapped); no pickle anywhere.
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
 last, so a crash mid-write leaves any earlier checkpoint untouched.
@@ -151,7 +153,10 @@ class CheckpointReader:
 
     def global_tensor(self, name: str) -> torch.Tensor:
         """The unsharded tensor `name`, dequantized to the checkpoint's dtype if stored as FP8."""
-        shards = [self._dequantized(f, name) for f in self.manifest.weight_map[name]]
+        files = self.manifest.weight_map[name]
+        if shard_spec(name, self.manifest.model).dim is None:
+            files = files[:1]  # replicated: any copy is the whole tensor
+        shards = [self._dequantized(f, name) for f in files]
         return unshard_tensors(name, shards, self.manifest.model)
 
     def _dequantized(self, file: str, name: str) -> torch.Tensor:
@@ -188,15 +193,22 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = True) -> Iterat
         raise
 
 
-def _local_tensors(models: list[GPTModel]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def stored_parameters(models: list[GPTModel]) -> dict[str, torch.nn.Parameter]:
+    """The parameters one rank's file holds, by global name (the model chunks of one rank).
+
+    Replicated tensors are stored once, by tp rank 0. A tied output copy on a separate last
+    stage is never stored: the embedding it equals is stored by the first stage.
+    """
+    g, config = models[0].groups, models[0].config
+    out: dict[str, torch.nn.Parameter] = {}
     for model in models:
         for local_name, param in model.named_parameters():
             if local_name.startswith("embedding_hook."):
                 continue
-            name = model.global_name(local_name)
-            if name not in out:
-                out[name] = param.detach().to("cpu").contiguous()
+            if model.global_name(local_name) != local_name:  # the tied output copy
+                continue
+            if shard_spec(local_name, config).dim is not None or g.tp_rank == 0:
+                out.setdefault(local_name, param)
     return out
 
 
@@ -204,11 +216,7 @@ def write_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str
     """Write this rank's shard file into `directory`; return its part of the weight map."""
     g = models[0].groups
     file = shard_file_name(g.tp_rank, g.pp_rank)
-    tensors = _local_tensors(models)
-    config = models[0].config
-    # Replicated tensors are stored once, by tp rank 0; a tied output copy is never stored.
-    keep = {n: t for n, t in tensors.items()
-            if shard_spec(n, config).dim is not None or g.tp_rank == 0}
+    keep = {n: p.detach().to("cpu").contiguous() for n, p in stored_parameters(models).items()}
     save_file(keep, str(directory / file), metadata={"format": "pt"})
     return {n: [file] for n in keep}
 

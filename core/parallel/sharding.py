@@ -155,3 +155,25 @@ def stage_layers(stage_id: int, num_stages: int, num_layers: int) -> range:
     """The contiguous global layer indices that pipeline stage `stage_id` holds."""
     per_stage = num_layers // num_stages
     return range(stage_id * per_stage, (stage_id + 1) * per_stage)
+
+
+def shard_scale(
+    name: str, scale: torch.Tensor, config: ModelConfig, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """This rank's part of the FP8 scale of weight `name` (see `core.fp8`).
+
+    A per-tensor scale (shape `()`) is whole on every rank. A per-output-channel scale
+    (`(out, 1)`) follows the weight's rows: split with them when the weight splits along dim 0,
+    whole on every rank when it splits along dim 1 (row-parallel `wo`, `w2`) or not at all.
+    """
+    if scale.dim() == 0 or shard_spec(name, config).dim != 0:
+        return scale
+    piece = shard_tensor(name, scale, config, tp_rank, tp_size)
+    return piece.masked_fill(piece == 0, 1.0)  # vocabulary padding rows: scale 1, never 0
+
+
+def unshard_scales(name: str, scales: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """The global FP8 scale of weight `name` from every tp rank's part, in rank order."""
+    if scales[0].dim() == 0 or shard_spec(name, config).dim != 0:
+        return scales[0]
+    return unshard_tensors(name, scales, config)
