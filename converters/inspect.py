@@ -1,0 +1,100 @@
+"""`tessera inspect CKPT`: what a checkpoint holds, in plain words (or JSON with `--json`).
+
+Reads only the manifest and file sizes, never a tensor, so it is instant on any size of model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tessera.converters.reshard import human_bytes, human_count
+from tessera.core.checkpoint import CheckpointError, read_manifest
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """The facts `inspect` prints, as plain JSON-able data."""
+    path = Path(path)
+    man = read_manifest(path)
+    m = man.model
+    files = sorted({f for fs in man.weight_map.values() for f in fs})
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return {
+        "path": str(path),
+        "family": m.family,
+        "preset": m.name,
+        "parameters": m.num_parameters(),
+        "layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_heads": m.num_heads,
+        "num_kv_heads": m.num_kv_heads,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "vocab_size": m.vocab_size,
+        "position": m.position,
+        "tied_embeddings": m.tied_embeddings,
+        "layout": {"tp": man.layout.tp, "pp": man.layout.pp,
+                   "virtual_stages": man.layout.virtual_stages},
+        "files": files,
+        "missing_files": [f for f in files if not (path / f).is_file()],
+        "dtype": man.dtype,
+        "fp8": man.fp8,
+        "size_bytes": size,
+        "step": man.step,
+        "tokenizer": man.tokenizer,
+    }
+
+
+def render(info: dict[str, Any]) -> str:
+    """`describe`'s facts as a short aligned text block."""
+    preset = f'preset "{info["preset"]}"' if info["preset"] != "custom" else "no preset (custom)"
+    heads = f"{info['num_heads']} attention heads"
+    if info["num_kv_heads"] != info["num_heads"]:
+        heads += f" sharing {info['num_kv_heads']} key/value heads (grouped-query)"
+    lay = info["layout"]
+    vs = lay["virtual_stages"]
+    files = f"{len(info['files'])} weight file{'s' if len(info['files']) != 1 else ''}, one per rank"
+    if info["missing_files"]:
+        files += f"; MISSING: {', '.join(info['missing_files'])}"
+    fp8 = "no"
+    if info["fp8"]:
+        per = "one scale per output channel" if info["fp8"].get("granularity") == "channel" else (
+            "one scale per tensor")
+        fp8 = (f"{info['fp8'].get('format', 'e4m3')} linear-layer weights, {per}; embeddings, "
+               f"output, norms and biases in {info['dtype']}")
+    rows = [
+        ("model", f"{info['family']} family, {preset}, {human_count(info['parameters'])} parameters"),
+        ("shape", f"{info['layers']} layers, hidden size {info['hidden_size']}, {heads}, "
+                  f"feed-forward {info['ffn_hidden_size']}, vocabulary {info['vocab_size']}"),
+        ("", f"{'RoPE' if info['position'] == 'rope' else 'learned'} positions, "
+             f"{'tied' if info['tied_embeddings'] else 'separate'} input/output embeddings"),
+        ("layout", f"tensor parallel {lay['tp']} x pipeline parallel {lay['pp']}"
+                   + (f", {vs} virtual stages per pipeline rank" if vs > 1 else "") + f": {files}"),
+        ("dtype", info["dtype"]),
+        ("FP8", fp8),
+        ("size", f"{human_bytes(info['size_bytes'])} on disk"),
+        ("step", str(info["step"])),
+        ("tokenizer", info["tokenizer"] or "none"),
+    ]
+    return "\n".join([f"Tessera checkpoint {info['path']}"] + [f"  {k:<10} {v}" for k, v in rows])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera inspect", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a Tessera checkpoint directory")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        info = describe(args.checkpoint)
+    except (CheckpointError, ValueError, KeyError) as exc:
+        print(f"tessera inspect: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
