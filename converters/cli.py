@@ -1,10 +1,10 @@
-"""`tessera convert`: Hugging Face import/export now; resharding and FP8 plug in later.
+"""`tessera convert`: Hugging Face import/export, resharding to any layout, dtype casts, FP8.
 
 The parser has three groups: input/output (shared by every conversion), the Hugging Face
 direction (`--from hf` / `--to hf`), and the target layout (`--tp --pp --virtual-stages
---fp8`). The layout flags are parsed already so the flag set is stable; the conversion they
-ask for lives in `converters/reshard.py` (to come) and is hooked in at `_convert_layout`.
-Exit codes: 0 done, 1 the conversion failed (the message says why), 2 a usage error.
+--fp8`). A Tessera-to-Tessera conversion (any layout flag, or `--dtype` alone) goes to
+`converters/reshard.py`. Exit codes: 0 done, 1 the conversion failed (the message says why),
+2 a usage error.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ examples:
   tessera convert --from hf --input ./TinyLlama-1.1B --output ckpt/tinyllama --dtype bf16
   tessera convert --to hf --input ckpt/tinyllama --output ./tinyllama-hf
   tessera convert --to hf --input ckpt/gpt2-small --output ./gpt2-hf --shard-size 200MB
+  tessera convert --input runs/x/checkpoints/step-00001000 --output ckpt/tp2 --tp 2
+  tessera convert --input ckpt/tp8pp4 --output ckpt/serve-fp8 --tp 1 --pp 1 --fp8
+  tessera convert --input ckpt/a --output ckpt/a-bf16 --dtype bf16
 
 Hugging Face model types: gpt2, llama and mistral (plain RoPE, no rope scaling; a sliding
 window only if it spans every position), nemotron. Output directories are written atomically
@@ -78,10 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert_layout(args: argparse.Namespace) -> int:
-    # TODO(converters issue): dispatch to tessera.converters.reshard here.
-    print("tessera convert: error: resharding arrives with the converters issue "
-          "(--tp/--pp/--virtual-stages/--fp8 are not implemented yet)", file=sys.stderr)
-    return 2
+    """Tessera -> Tessera: reshard, cast, and/or quantize to FP8 (streaming, atomic)."""
+    from tessera.converters.reshard import reshard_checkpoint
+
+    if args.from_format or args.to_format:
+        print("tessera convert: error: --tp/--pp/--virtual-stages/--fp8 rewrite a Tessera "
+              "checkpoint; import or export with --from/--to hf first, then convert",
+              file=sys.stderr)
+        return 2
+    try:
+        summary = reshard_checkpoint(
+            args.input, args.output, tp=args.tp, pp=args.pp,
+            virtual_stages=args.virtual_stages, dtype=args.dtype, fp8=args.fp8 is not None,
+            fp8_per_channel=args.fp8 == "channel", overwrite=args.overwrite)
+    except (OSError, ValueError) as exc:  # CheckpointError, ConfigError, ...
+        print(f"tessera convert: error: {exc}", file=sys.stderr)
+        return 1
+    print(summary)
+    return 0
 
 
 def _bytes_written(path: Path) -> int:
@@ -91,7 +108,8 @@ def _bytes_written(path: Path) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
+    cast_only = args.dtype is not None and not (args.from_format or args.to_format)
+    if cast_only or any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
         return _convert_layout(args)
     if not (args.from_format or args.to_format):
         parser.print_usage(sys.stderr)

@@ -274,9 +274,7 @@ def test_config_fields_and_their_errors():
         config_from_hf(mistral)
 
 
-def test_layout_flags_are_reserved_and_help_has_examples(tmp_path, capsys):
-    assert main(["--input", str(tmp_path), "--output", str(tmp_path / "o"), "--tp", "2"]) == 2
-    assert "resharding arrives with the converters issue" in capsys.readouterr().err
+def test_cli_help_has_examples_and_requires_a_direction(tmp_path, capsys):
     assert main(["--input", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])

@@ -262,3 +262,27 @@ def test_stream_writer_and_reader_refuse_bad_input(tmp_path):
     path.write_bytes((10**6).to_bytes(8, "little") + b"{}")
     with pytest.raises(SafetensorsFormatError, match="truncated"):
         SafetensorsFile(path)
+
+
+def test_cli_reshards_casts_and_quantizes(tmp_path, capsys):
+    """`tessera convert` routes layout flags, --fp8 and a bare --dtype to the resharder."""
+    import torch
+
+    from tessera.converters.cli import main
+    from tessera.core import ModelConfig, build_model, load_checkpoint, save_checkpoint
+    from tessera.core.checkpoint import read_manifest
+
+    config = ModelConfig.from_name("llama-tiny", vocab_size=1003, num_layers=4)
+    src = save_checkpoint(tmp_path / "src", build_model(config, seed=5))
+    ids = torch.randint(0, 1003, (2, 12))
+    reference = load_checkpoint(src)(ids)
+    assert main(["--input", str(src), "--output", str(tmp_path / "tp2"), "--tp", "2",
+                 "--pp", "2"]) == 0
+    assert "tp 2 x pp 2" in capsys.readouterr().out
+    assert torch.equal(load_checkpoint(tmp_path / "tp2")(ids), reference)
+    assert main(["--input", str(src), "--output", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert read_manifest(tmp_path / "bf16").dtype == "bfloat16"
+    assert main(["--input", str(src), "--output", str(tmp_path / "fp8"), "--fp8"]) == 0
+    assert read_manifest(tmp_path / "fp8").fp8["granularity"] == "tensor"
+    assert main(["--input", str(src), "--output", str(tmp_path / "tp2"), "--tp", "1"]) == 1
+    assert "--overwrite" in capsys.readouterr().err
