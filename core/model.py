@@ -184,8 +184,11 @@ class Block(nn.Module):
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
 
 
-# A module called as hook(embeddings (B, T, C), input_ids (B, T)) -> embeddings (B, T, C).
-EmbeddingHook = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# A module called as hook(embeddings (B, T, C), input_ids (B, T), positions (B, T)) ->
+# embeddings (B, T, C), on the first stage before any layer. Prompt tuning replaces the
+# embeddings at positions [0, n_virtual) of the rows that use a task; per-batch context (which
+# row uses which task) is set on the hook by its owner before the forward call.
+EmbeddingHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class GPTModel(nn.Module):
@@ -236,14 +239,17 @@ class GPTModel(nn.Module):
         return local_name
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token (+ learned position) embeddings `(B, T, C)`, then the embedding hook if set."""
+        """Token (+ learned position) embeddings `(B, T, C)`, then the embedding hook if set.
+
+        `positions (B, T)` are absolute positions (default `0..T-1` for every row).
+        """
         h = self.tok_embeddings(ids)
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         if self.config.position == "learned":
-            pos = positions if positions is not None else torch.arange(ids.shape[1],
-                                                                        device=ids.device)
-            h = h + self.pos_embeddings(pos)
+            h = h + self.pos_embeddings(positions)
         if self.embedding_hook is not None:
-            h = self.embedding_hook(h, ids)
+            h = self.embedding_hook(h, ids, positions)
         return h
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
