@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +85,6 @@ class PretrainConfig:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = ("parallel", "train", "data", "loop")
 _PARALLEL_HELP = {
     "tp": "tensor-parallel size", "pp": "pipeline-parallel size (ranks)",
     "virtual_stages": "model chunks per pipeline rank (interleaved / V schedules)",
@@ -98,10 +98,10 @@ _PARALLEL_HELP = {
 }
 
 
-def _fields(section: str) -> list[dataclasses.Field]:
-    cls = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-           "loop": LoopConfig}[section]
-    return list(dataclasses.fields(cls))
+# section name -> its dataclass: what `tessera pretrain` reads. Other verbs (`tessera tune`) pass
+# their own mapping to `add_section_flags` / `section_values`, reusing sections from here.
+SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+                             "loop": LoopConfig}
 
 
 def _type_of(f: dataclasses.Field, owner: type) -> Any:
@@ -135,12 +135,19 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=int, default=0,
                         help="start this many local ranks with torch's launcher (torchrun)")
     parser.add_argument("--demo", action="store_true", help="run the built-in demo")
-    owners = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-              "loop": LoopConfig}
-    for section in _SECTIONS:
+    add_section_flags(parser, SECTIONS)
+    return parser
+
+
+def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> None:
+    """One flag per field of each section's dataclass, bare (`--lr`) and dotted (`--train.lr`).
+
+    Values land in `args` as `SECTION.FIELD` only when given (`section_values` merges them).
+    """
+    for section, owner in sections.items():
         group = parser.add_argument_group(section)
-        for f in _fields(section):
-            typ = _type_of(f, owners[section])
+        for f in dataclasses.fields(owner):
+            typ = _type_of(f, owner)
             help_ = f.metadata.get("help") or _PARALLEL_HELP.get(f.name, "")
             kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
                                   "help": help_}
@@ -156,43 +163,94 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
             if "_" in f.name:
                 names.append(f"--{f.name}")
             group.add_argument(*names, **kw)
-    return parser
 
 
 def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     """Parse argv (YAML first, flags win) into a `PretrainConfig`; errors name the bad key."""
     args = build_parser().parse_args(argv)
-    raw: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of fields at the top level")
+    raw = read_yaml(args.config)
     config = PretrainConfig()
     model_spec = raw.pop("model", None)
-    sections = {s: {} for s in _SECTIONS}
-    known = {f.name: s for s in _SECTIONS for f in _fields(s)}
+    for section, values in section_values(raw, args, SECTIONS, args.config).items():
+        setattr(config, section, dataclasses.replace(getattr(config, section), **values))
+    config.model = _model_from(model_spec, args.model, args.model_overrides)
+    return config, args
+
+
+def read_yaml(path: str | None) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file (empty without a file)."""
+    if not path:
+        return {}
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {file} does not exist")
+    raw = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a mapping of fields at the top level")
+    return raw
+
+
+def section_values(raw: dict[str, Any], args: argparse.Namespace, sections: dict[str, type],
+                   source: str | None) -> dict[str, dict[str, Any]]:
+    """Field values by section: YAML `raw` (grouped by section, or flat) first, then the flags
+    in `args` (from `add_section_flags`). YAML values are coerced to their field's type; an
+    unknown key is an error naming it (the caller pops its own non-section keys first)."""
+    out: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    known = {f.name: s for s, owner in sections.items() for f in dataclasses.fields(owner)}
+    hints = {s: typing.get_type_hints(owner) for s, owner in sections.items()}
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):
             for k, v in value.items():
                 if k not in known or known[k] != key:
-                    raise ConfigError(f"{args.config}: unknown field {key}.{k}")
-                sections[key][k] = v
-        elif key in known:
-            sections[known[key]][key] = value
+                    raise ConfigError(f"{source}: unknown field {key}.{k}")
+                out[key][k] = _coerce(f"{source}: {key}.{k}", v, hints[key][k])
+        elif key in known:  # a flat field (`data` is both a section and a field)
+            out[known[key]][key] = _coerce(f"{source}: {key}", value, hints[known[key]][key])
+        elif key in sections:
+            raise ConfigError(f"{source}: section {key!r} must be a mapping of fields, "
+                              f"got {value!r}")
         else:
-            raise ConfigError(f"{args.config}: unknown field {key!r}; see tessera pretrain --help")
+            raise ConfigError(f"{source}: unknown field {key!r}; see --help for the fields")
     for dest, value in vars(args).items():
-        if "." in dest:
-            section, name = dest.split(".", 1)
-            sections[section][name] = value
-    for section, values in sections.items():
-        current = getattr(config, section)
-        setattr(config, section, dataclasses.replace(current, **values))
-    config.model = _model_from(model_spec, args.model, args.model_overrides)
-    return config, args
+        section, _, name = dest.partition(".")
+        if name and section in out:
+            out[section][name] = value
+    return out
+
+
+def _coerce(where: str, value: Any, typ: Any) -> Any:
+    """A YAML value as its field's type, converted as the flag parser would convert it.
+
+    YAML reads `3e-4` as a string and `data: corpus` as one string rather than a list; both are
+    converted here, and a value that cannot be is an error naming the field.
+    """
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # optional: `int | None`
+        if value is None:
+            return None
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typing.get_origin(typ) is typing.Literal:
+        typ = str
+    scalar = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    converted: Any = None
+    try:
+        if typ is bool:
+            converted = value if isinstance(value, bool) else _str2bool(str(value))
+        elif typ in (int, float) and scalar:
+            converted = typ(value)
+            if typ is int and float(value) != converted:  # 2.5 is not an int
+                converted = None
+        elif typ is str and scalar:
+            converted = str(value)
+        elif typing.get_origin(typ) is list and isinstance(value, (list, tuple)):
+            converted = [str(v) for v in value]
+        elif typing.get_origin(typ) is list and scalar:
+            converted = str(value).split()
+    except (ValueError, argparse.ArgumentTypeError):
+        converted = None
+    if converted is None:
+        name = getattr(typ, "__name__", str(typ))
+        raise ConfigError(f"{where}: expected {name}, got {value!r}")
+    return converted
 
 
 def _model_from(spec: Any, preset: str | None, overrides: list[str]) -> ModelConfig:
@@ -203,14 +261,19 @@ def _model_from(spec: Any, preset: str | None, overrides: list[str]) -> ModelCon
     elif isinstance(spec, dict):
         fields = dict(spec)
         name = fields.pop("preset", name)
+    elif spec is not None:
+        raise ConfigError(f"model: expected a preset name or a mapping of fields, got {spec!r}")
     if preset:
         name = preset
-    types = typing.get_type_hints(ModelConfig)
+    hints = typing.get_type_hints(ModelConfig)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--model-overrides expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
-        if key not in types:
-            raise ConfigError(f"unknown model field {key!r}")
         fields[key] = yaml.safe_load(value)
+    for key, value in fields.items():
+        if key not in hints:
+            raise ConfigError(f"unknown model field {key!r}; the fields are "
+                              f"{', '.join(f.name for f in dataclasses.fields(ModelConfig))}")
+        fields[key] = _coerce(f"model.{key}", value, hints[key])
     return ModelConfig.from_name(name, **fields)

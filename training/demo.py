@@ -75,10 +75,8 @@ def prepare_data(run_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     return tok, prefix
 
 
-def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
-    """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
-    from tessera.training.loop import init_distributed, pretrain, resolve_device
-
+def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
+    """The demo's own defaults, for every field not given on the command line."""
     if "output" not in explicit:
         cfg.loop.output = "runs/demo"
     if "steps" not in explicit:
@@ -89,6 +87,14 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
         cfg.loop.save_interval = 100
     if cfg.parallel.pp > 1 and "micro_batches" not in explicit:
         cfg.parallel.micro_batches = 2 * cfg.parallel.num_stages
+
+
+def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
+    """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
+    from tessera.training.loop import check_output, init_distributed, pretrain, resolve_device
+
+    apply_demo_defaults(cfg, explicit)
+    check_output(cfg.loop.output)  # before preparing data there
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -112,8 +118,9 @@ def print_samples(checkpoint: str) -> None:
     tokenizer = load_tokenizer(Path(checkpoint) / "tokenizer.model")
     print("\nsamples (greedy):")
     for prompt in DEMO_PROMPTS:
-        ids = generate_ids(model, tokenizer.encode(prompt, bos=True), 40,
-                           eos_id=tokenizer.eos_id)
-        print(f"  {prompt!r} -> {prompt + tokenizer.decode(ids)!r}")
+        prompt_ids = tokenizer.encode(prompt, bos=True)
+        ids = generate_ids(model, prompt_ids, 40, eos_id=tokenizer.eos_id)
+        # Decoded with the prompt: alone, the first new piece would lose its leading space.
+        print(f"  {prompt!r} -> {tokenizer.decode(prompt_ids + list(ids))!r}")
     print(f"\ncheckpoint: {checkpoint}\n  generate: tessera generate --checkpoint {checkpoint} "
           f"\"Return the\"\n  inspect:  tessera inspect {checkpoint}")

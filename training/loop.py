@@ -13,9 +13,12 @@ import contextlib
 import math
 import os
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,25 +73,34 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def setup(cfg: PretrainConfig) -> Job:
-    """Validate the layout against the world, build groups, model chunks and optimizer."""
-    device = resolve_device(cfg.train.device)
-    init_distributed(device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def check_config(cfg: PretrainConfig, world: int) -> None:
+    """Fit the layout to `world` ranks (dp defaults to what tp x pp leave over) and raise
+    `ConfigError` for anything that cannot run: layout, schedule, sequence length, precision."""
     par = cfg.parallel
     if par.dp == 1 and world > par.tp * par.pp and world % (par.tp * par.pp) == 0:
-        par.dp = world // (par.tp * par.pp)  # dp defaults to what the world leaves over
+        par.dp = world // (par.tp * par.pp)
     par.validate(cfg.model, world_size=world, global_batch=cfg.train.global_batch,
                  seq_len=cfg.train.seq_len)
+    problems = pipeline.schedule_problems(par) if par.pp > 1 else []
     if cfg.train.seq_len > cfg.model.max_position_embeddings:
-        raise ConfigError(f"seq_len {cfg.train.seq_len} exceeds the model's "
-                          f"max_position_embeddings {cfg.model.max_position_embeddings}")
+        problems.append(f"seq_len {cfg.train.seq_len} exceeds the model's "
+                        f"max_position_embeddings {cfg.model.max_position_embeddings}")
+    if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16"):
+        problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure "
+                        "or fp16")
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def setup(cfg: PretrainConfig) -> Job:
+    """Validate the config against the world, build groups, model chunks and optimizer."""
+    device = resolve_device(cfg.train.device)
+    init_distributed(device)
+    check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+    par, precision = cfg.parallel, cfg.train.precision
     groups = init_groups(par)
     torch.manual_seed(cfg.train.seed)
     tracker.seed(cfg.train.seed, groups.tp_rank)
-    precision = cfg.train.precision
-    if precision not in ("fp32", "bf16", "bf16-pure", "fp16"):
-        raise ConfigError(f"unknown precision {precision!r}; use fp32, bf16, bf16-pure or fp16")
     dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
     if par.pp > 1:
         stages = pipeline.build_stages(cfg.model, par, groups, device=device, dtype=dtype,
@@ -224,19 +236,13 @@ class _StopFlag:
 
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run (or resume) pretraining as configured; returns the run summary on every rank."""
-    from tessera.training.gpt_dataset import build_datasets
-
+    # Inputs and output first: a bad path fails in a second, not after the model is built.
+    _check_data(cfg)
+    check_output(cfg.loop.output)
     job = setup(cfg)
     t = cfg.train
-    if not cfg.data.data:
-        raise ConfigError("no training data: pass --data PREFIX (made by `tessera preprocess`) "
-                          "or run `tessera pretrain` with no arguments for the demo")
-    _check_tokenizer(cfg)
     eval_batches = cfg.loop.eval_batches
-    train_ds, valid_ds, _ = build_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, eval_batches * t.global_batch, 0], t.seed,
-        cfg.data.data_cache or None)
+    train_ds, valid_ds = _datasets(cfg)
     start = 0
     resume_from = latest_checkpoint(cfg.loop.output) if cfg.loop.resume else None
     if resume_from is not None:
@@ -286,24 +292,62 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _check_tokenizer(cfg: PretrainConfig) -> None:
-    """The data's vocabulary must fit the model's, and match the tokenizer if one is given."""
+def check_output(output: str) -> None:
+    """The run directory must exist or be creatable, and be writable (checkpoints go there)."""
+    path = Path(output)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write to the output directory {path} ({exc.strerror or exc}); "
+                          "choose another --output") from exc
+
+
+def _check_data(cfg: PretrainConfig) -> None:
+    """The data must open, fit the model's vocabulary, and match the tokenizer if one is given."""
+    from tessera.core.tokenizer import load_tokenizer
     from tessera.training.gpt_dataset import parse_data_args
     from tessera.training.indexed_dataset import IndexedDataset
 
-    tokenizer = None
-    if cfg.data.tokenizer:
-        from tessera.core.tokenizer import load_tokenizer
+    if not cfg.data.data:
+        raise ConfigError("no training data: pass --data PREFIX (made by `tessera preprocess`) "
+                          "or run `tessera pretrain` with no arguments for the demo")
+    with _as_config_error():
+        tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        for _, prefix in parse_data_args(cfg.data.data):
+            indexed = IndexedDataset(prefix)
+            if indexed.vocab_size > cfg.model.vocab_size:
+                raise ConfigError(f"{prefix} was tokenized with a vocabulary of {indexed.vocab_size} "
+                                  f"but the model's vocab_size is {cfg.model.vocab_size}; set "
+                                  f"--model-overrides vocab_size={indexed.vocab_size}")
+            if tokenizer is not None:
+                indexed.check_vocab(tokenizer)
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-    for _, prefix in parse_data_args(cfg.data.data):
-        indexed = IndexedDataset(prefix)
-        if indexed.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"{prefix} was tokenized with a vocabulary of {indexed.vocab_size} "
-                              f"but the model's vocab_size is {cfg.model.vocab_size}; set "
-                              f"--model-overrides vocab_size={indexed.vocab_size}")
-        if tokenizer is not None:
-            indexed.check_vocab(tokenizer)
+
+def _datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+    """The train and validation datasets, sized for the whole run."""
+    from tessera.training.gpt_dataset import build_datasets
+
+    t = cfg.train
+    with _as_config_error():
+        train_ds, valid_ds, _ = build_datasets(
+            cfg.data.data, t.seq_len, cfg.data.split,
+            [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
+            cfg.data.data_cache or None)
+    return train_ds, valid_ds
+
+
+@contextlib.contextmanager
+def _as_config_error() -> Iterator[None]:
+    """The data readers' ValueError / OSError (missing, corrupt or foreign files) as a
+    ConfigError with the same message, so the CLI reports it without a traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _memory_gb(device: torch.device) -> float:

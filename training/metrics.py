@@ -39,7 +39,7 @@ class MetricsLogger:
     """Progress, JSONL metrics, optional TensorBoard and the final summary of one run."""
 
     def __init__(self, loop_cfg: Any, *, enabled: bool, total: int, initial: int = 0,
-                 resumed_from: Path | None = None):
+                 resumed_from: Path | None = None, desc: str = "pretrain"):
         self.enabled, self.cfg, self.start_time = enabled, loop_cfg, time.perf_counter()
         self.initial, self.bar, self.tb, self.jsonl = initial, None, None, None
         if not enabled:
@@ -55,7 +55,7 @@ class MetricsLogger:
             except (ImportError, ModuleNotFoundError):
                 self.tb = None
         if loop_cfg.progress:
-            self.bar = tqdm(total=total, initial=initial, desc="pretrain", unit="step",
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step",
                             dynamic_ncols=True, leave=False)
         if resumed_from is not None:
             self.write(f"resumed from {resumed_from} at step {initial}")
@@ -93,7 +93,9 @@ class MetricsLogger:
         self.write(f"saved checkpoint {path} (step {step})")
 
     def finish(self, *, losses: list[float], valid_loss: float, stopped: bool,
-               checkpoint: Path | None, peak_tflops: float) -> dict[str, Any]:
+               checkpoint: Path | None, peak_tflops: float,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Print the summary table; `extra` (e.g. per-task results) joins the JSONL summary."""
         elapsed = time.perf_counter() - self.start_time
         summary = {
             "steps": self.initial + len(losses), "first_loss": losses[0] if losses else None,
@@ -101,7 +103,7 @@ class MetricsLogger:
             "valid_ppl": math.exp(valid_loss) if math.isfinite(valid_loss) else None,
             "seconds": elapsed, "stopped_early": stopped,
             "checkpoint": str(checkpoint) if checkpoint else None,
-            "peak_tflops": peak_tflops,
+            "peak_tflops": peak_tflops, **(extra or {}),
         }
         if not self.enabled:
             return summary

@@ -123,7 +123,8 @@ def _prune(root: Path, keep_last: int) -> None:
     complete = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
     for old in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".step-*.tmp-*"):  # left by a crash mid-save
+    # Left by a crash mid-save: a half-written directory, or a replaced one not yet removed.
+    for stale in [*root.glob(".step-*.tmp-*"), *root.glob(".step-*.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -1,0 +1,122 @@
+"""Multi-rank pretraining on gloo: the same loss curve as one process, under tp2 x pp2 and
+tp2 x dp2, resuming a one-process checkpoint under another layout, and `--nproc-per-node`.
+
+One spawn of 4 ranks runs every 4-rank job in turn (spawning costs seconds); each test then checks
+its own job against the single-process reference runs made here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.core.checkpoint import read_manifest
+from tessera.training.config import load_config
+from tessera.training.loop import pretrain
+from tessera.training.state import latest_checkpoint
+from tests.distributed_helper import run_ranks
+from tests.pretrain_helper import (
+    TinyData,
+    make_tiny_data,
+    pretrain_argv,
+    read_losses,
+    rewind_run,
+    tessera_command,
+)
+
+RTOL = 1e-4  # fp32: tensor-parallel sums and Adam keep the curves within ~1e-6 of each other
+STEPS = 8
+GPT2 = ("--model", "gpt2-tiny", "--model-overrides", "vocab_size=320", "num_layers=4")
+
+
+def _assert_close_curves(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+    assert sorted(got) == list(steps)
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in steps)
+    assert worst <= RTOL, f"relative loss difference {worst:.2e}: {got} vs {want}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The single-process references run on one thread, like each spawned rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
+    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: TinyData, root: Path) -> dict[str, Path]:
+    """Single-process runs: Llama (checkpoints at steps 4 and 8) and tied-embedding GPT-2."""
+    runs = {"llama": root / "single-llama", "gpt2": root / "single-gpt2"}
+    for name, run in runs.items():
+        cfg, _ = load_config(pretrain_argv(tiny, run, *(GPT2 if name == "gpt2" else ())))
+        pretrain(cfg)
+    return runs
+
+
+def _run_jobs(rank: int, world_size: int, jobs: list[list[str]]) -> list[dict]:
+    """Rank body: run each argv through `pretrain` in turn, on this 4-rank world."""
+    summaries = []
+    for argv in jobs:
+        cfg, _ = load_config(argv)
+        summaries.append(pretrain(cfg))
+    return summaries
+
+
+LAYOUTS = {  # job name -> flags; every job runs on the same 4 ranks
+    "tp2pp2": ("--tp", "2", "--pp", "2"),
+    "tp2pp2-gpt2": ("--tp", "2", "--pp", "2", *GPT2),
+    "tp2dp2": ("--tp", "2", "--dp", "2"),
+    "resume-tp2pp2": ("--tp", "2", "--pp", "2", "--resume"),
+}
+
+
+@pytest.fixture(scope="module")
+def parallel(tiny: TinyData, root: Path, reference: dict[str, Path]) -> dict[str, Path]:
+    """The run directory of each 4-rank job in LAYOUTS."""
+    runs = {name: root / name for name in LAYOUTS}
+    # The single-process run as it was at its step-4 checkpoint, to be resumed under tp2 x pp2.
+    rewind_run(reference["llama"], runs["resume-tp2pp2"], 4)
+    jobs = [pretrain_argv(tiny, runs[name], *flags) for name, flags in LAYOUTS.items()]
+    for rank_summaries in run_ranks(_run_jobs, 4, jobs, timeout=600):
+        assert all(s["steps"] == STEPS and not s["stopped_early"] for s in rank_summaries)
+    return runs
+
+
+@pytest.mark.parametrize(("layout", "model"), [("tp2pp2", "llama"), ("tp2pp2-gpt2", "gpt2"),
+                                                ("tp2dp2", "llama")])
+def test_parallel_loss_curve_matches_single_process(parallel, reference, layout, model):
+    got, want = read_losses(parallel[layout]), read_losses(reference[model])
+    _assert_close_curves(got, want, range(1, STEPS + 1))
+    manifest = read_manifest(latest_checkpoint(parallel[layout]))
+    assert (manifest.layout.tp, manifest.layout.pp) == ((2, 2) if "pp2" in layout else (2, 1))
+    assert manifest.extra["training"]["world_size"] == 4
+
+
+def test_one_process_checkpoint_resumes_under_tp2_pp2(parallel, reference):
+    got, want = read_losses(parallel["resume-tp2pp2"]), read_losses(reference["llama"])
+    _assert_close_curves(got, want, range(5, STEPS + 1))
+
+
+def test_nproc_per_node_launches_ranks(tiny, reference, tmp_path):
+    run = tmp_path / "run"
+    argv = pretrain_argv(tiny, run, "--tp", "2", "--nproc-per-node", "2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(tessera_command("pretrain", *argv), capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _assert_close_curves(read_losses(run), read_losses(reference["llama"]), range(1, STEPS + 1))
