@@ -147,6 +147,10 @@ def vocab_parallel_cross_entropy(
     `logits` is `(N, V_local)` on each tp rank (rank r holds padded-vocabulary columns
     `[r * V_local, (r + 1) * V_local)`), `target` is `(N,)` global token ids.
     """
+    if tp_group is None and logits.shape[-1] == vocab_size:
+        # One rank, no padding: torch's fused log-softmax + NLL makes fewer passes over the logits.
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
+                               reduction="none")
     vocab_start = tp_rank * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size,
                                             ignore_index)
