@@ -1,0 +1,87 @@
+"""Shared helpers of the benchmarks: timing, peak matmul, peak RSS, and the results table.
+
+Every benchmark measures Tessera and its peer in the same run on the same machine and reports
+the ratio, because absolute times on shared machines drift. Results are appended to
+`bench/results/latest.json` (one entry per row) and rendered as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    """Best wall time of `fn` in seconds over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync()
+        tic = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_peak_tflops(dtype: torch.dtype, device: str = "cpu", n: int | None = None) -> float:
+    """The best dense matmul TFLOP/s of this device in `dtype` (the MFU denominator)."""
+    n = n or (8192 if device == "cuda" else 2048)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    seconds = best_time(lambda: a @ b, repeats=5, warmup=2)
+    return 2 * n**3 / seconds / 1e12
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine() -> str:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"{gpu}, torch {torch.__version__}")
+
+
+def record(rows: list[dict], name: str) -> None:
+    """Print rows as a table and save them under `bench/results/` (JSON and Markdown)."""
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    payload = {"benchmark": name, "date": stamp, "machine": machine(), "rows": rows}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    table = markdown_table(rows)
+    (RESULTS / f"{name}.md").write_text(f"{name} — {stamp} — {machine()}\n\n{table}\n")
+    print(f"\n{name} ({stamp}; {machine()})\n{table}\n", flush=True)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(k, "")) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)

@@ -1,0 +1,82 @@
+"""Conversion: throughput and peak memory of `tessera convert` resharding a >= 1 GB checkpoint,
+against the checkpoint's size and a plain file copy of it, measured in the same run.
+
+Each conversion runs in a fresh subprocess so its peak RSS is its own. Targets on the 2-core CPU:
+peak RSS under 25% of the checkpoint size; throughput at least half of the file copy's.
+
+    python bench/bench_convert.py [--size-gb 1.0] [--workdir /tmp/tessera-bench-convert]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import record  # noqa: E402
+
+_CHILD = r"""
+import json, resource, sys, time
+from tessera.converters.reshard import reshard_checkpoint
+src, dst, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tic = time.perf_counter()
+s = reshard_checkpoint(src, dst, tp=tp, pp=pp, progress=False, overwrite=True)
+print(json.dumps({"seconds": time.perf_counter() - tic, "bytes_written": s.bytes_written,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "baseline_rss": base * 1024}))
+"""
+
+
+def make_checkpoint(path: Path, size_gb: float) -> int:
+    """A random fp32 Llama checkpoint of about `size_gb` (built layer by layer, never whole)."""
+    from tessera.core import ModelConfig, build_model, save_checkpoint
+
+    hidden = 2048
+    per_layer = 4 * (hidden * hidden * 2 + hidden * 5632 * 3 // 2)  # bytes, roughly
+    layers = max(2, int(size_gb * 1e9 / per_layer))
+    config = ModelConfig.from_name("llama-1b", num_layers=layers, max_position_embeddings=256)
+    if not (path / "manifest.json").is_file():
+        save_checkpoint(path, build_model(config, seed=0))
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def convert(src: Path, dst: Path, tp: int, pp: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst), str(tp), str(pp)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tessera-bench-convert"))
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src = args.workdir / "src"
+    size = make_checkpoint(src, args.size_gb)
+    copy_dst = args.workdir / "copy"
+    shutil.rmtree(copy_dst, ignore_errors=True)
+    tic = time.perf_counter()
+    shutil.copytree(src, copy_dst)
+    copy_s = time.perf_counter() - tic
+    rows = [{"conversion": "plain file copy", "GB/s": size / copy_s / 1e9,
+             "peak RSS / checkpoint": "-", "vs copy (target >= 0.5)": 1.0}]
+    for tp, pp in ((2, 2), (1, 1), (4, 1)):
+        result = convert(src, args.workdir / f"tp{tp}pp{pp}", tp, pp)
+        rss = result["peak_rss"] - result["baseline_rss"]
+        rows.append({"conversion": f"tp1 -> tp{tp} x pp{pp}",
+                     "GB/s": size / result["seconds"] / 1e9,
+                     "peak RSS / checkpoint": f"{rss / size:.1%} (target < 25%)",
+                     "vs copy (target >= 0.5)": copy_s / result["seconds"]})
+    rows.insert(0, {"conversion": f"checkpoint: {size / 1e9:.2f} GB fp32"})
+    record(rows, "convert")
+
+
+if __name__ == "__main__":
+    main()

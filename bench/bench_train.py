@@ -1,0 +1,98 @@
+"""Training throughput: Tessera vs Hugging Face `transformers`, same Llama, same batch, same step.
+
+One step = forward, backward and an AdamW update, single process. Rows: fp32, bf16 autocast
+(fp32 master weights) and pure bf16 weights. Tessera's achieved FLOP/s is counted as Megatron
+does (6N per token plus the attention term) and divided by this machine's measured matmul peak
+in the same dtype.
+
+    python bench/bench_train.py [--layers 4 --hidden 512 --seq 256 --batch 8 --steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import best_time, matmul_peak_tflops, record  # noqa: E402
+
+from tessera.converters.hf_mapping import config_to_hf  # noqa: E402
+from tessera.core import ModelConfig, build_model  # noqa: E402
+from tessera.core.model import model_flops_per_token  # noqa: E402
+
+
+def _config(args) -> ModelConfig:
+    return ModelConfig.from_name(
+        "llama-tiny", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+        num_heads=args.hidden // 64, num_kv_heads=args.hidden // 64,
+        ffn_hidden_size=int(args.hidden * 8 / 3) // 64 * 64,
+        max_position_embeddings=args.seq)
+
+
+def _hf_model(config: ModelConfig, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = config_to_hf(config)
+    hf_config = AutoConfig.for_model(hf.pop("model_type"), **{
+        k: v for k, v in hf.items() if k not in ("architectures", "torch_dtype", "dtype")})
+    hf_config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(hf_config).to(dtype).train()
+
+
+def _step_fn(model, ids, labels, autocast: torch.dtype | None, hf: bool):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step():
+        ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss if hf else model(ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run(args) -> list[dict]:
+    torch.manual_seed(0)
+    config = _config(args)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+    labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    tokens = args.batch * args.seq
+    flops = model_flops_per_token(config, args.seq)
+    rows = []
+    for label, weights, autocast in (("fp32", torch.float32, None),
+                                     ("bf16 mixed (fp32 master)", torch.float32, torch.bfloat16),
+                                     ("bf16 pure", torch.bfloat16, None)):
+        ours = build_model(config, dtype=weights).train()
+        theirs = _hf_model(config, weights)
+        t_ours = best_time(_step_fn(ours, ids, labels, autocast, False), args.steps)
+        t_hf = best_time(_step_fn(theirs, ids, labels, autocast, True), args.steps)
+        peak = matmul_peak_tflops(autocast or weights)
+        achieved = flops * tokens / t_ours / 1e12
+        rows.append({"precision": label, "tessera tok/s": tokens / t_ours,
+                     "HF tok/s": tokens / t_hf, "ratio (target >= 1.15)": t_hf / t_ours,
+                     "tessera TFLOP/s": achieved, "matmul peak TFLOP/s": peak,
+                     "fraction of peak": achieved / peak})
+        del ours, theirs
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    record(run(args), "train")
+
+
+if __name__ == "__main__":
+    main()
