@@ -10,24 +10,24 @@ import torch
 
 from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
+from tessera.core.sampling import RowSettings, choose_tokens
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids `(B,)` from last-position logits `(B, V)`; temperature 0 is greedy."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) > top_p  # keep the token crossing top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """Next token ids `(B,)` from last-position logits `(B, V)`; temperature 0 is greedy.
+
+    A thin single-setting front of `core.sampling.choose_tokens` (the one sampler).
+    """
+    B, device = logits.shape[0], logits.device
+    settings = RowSettings(torch.full((B,), float(temperature), device=device),
+                           torch.full((B,), int(top_k), device=device),
+                           torch.full((B,), float(top_p), device=device))
+    uniforms = None
+    if temperature > 0:
+        where = generator.device if generator is not None else "cpu"
+        uniforms = torch.rand(B, generator=generator, device=where).to(device)
+    return choose_tokens(logits, settings, uniforms)
 
 
 @torch.no_grad()
