@@ -1,0 +1,146 @@
+"""`tessera serve --checkpoint DIR`: the HTTP server over one engine, on one or tp x pp ranks.
+
+Single process by default. Under torchrun (or with `--nproc-per-node N`, which relaunches this
+command through torch's own launcher) rank 0 runs the engine and the HTTP server and every other
+rank serves the engine's steps (`serving.distributed`). SIGTERM / Ctrl-C stop every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+
+_EPILOG = """examples:
+  tessera serve --checkpoint runs/demo/checkpoints/step-00000300
+  tessera serve --checkpoint CKPT --tp 2 --nproc-per-node 2 --dtype bf16
+  tessera serve --checkpoint CKPT --prompts runs/tune/squad --port 9000
+  TESSERA_API_KEY=secret tessera serve --checkpoint CKPT --host 0.0.0.0"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tessera serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a checkpoint over HTTP (OpenAI, KServe v2 / Triton, Megatron /api).",
+        epilog=_EPILOG)
+    p.add_argument("--checkpoint", required=True, help="Tessera checkpoint directory (any layout)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="start this many local ranks (tp x pp) through torch.distributed.run")
+    p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
+    p.add_argument("--max-queue", type=int, default=128,
+                   help="requests waiting for a slot before new ones get 429")
+    p.add_argument("--max-step-tokens", type=int, default=512,
+                   help="tokens per engine step (decodes + prompt chunks)")
+    p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TESSERA_API_KEY)")
+    p.add_argument("--prompts", action="append", default=[], metavar="DIR",
+                   help="prompt table directory from `tessera tune` (repeatable)")
+    p.add_argument("--model-name", default=None,
+                   help="name clients use (default: the checkpoint directory's name)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from tessera.core.checkpoint import CheckpointError
+    from tessera.core.config import ConfigError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.nproc_per_node and world == 1:
+        if args.tp * args.pp not in (1, args.nproc_per_node):
+            print(f"tessera serve: tp {args.tp} x pp {args.pp} does not match --nproc-per-node "
+                  f"{args.nproc_per_node}", file=sys.stderr)
+            return 2
+        return _launch(argv, args.nproc_per_node)
+    try:
+        engine = _start(args)
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"tessera serve: {exc}", file=sys.stderr)
+        return 2
+    if engine is None:
+        return 0  # a worker rank: rank 0 has stopped
+    try:
+        _run_http(engine, args)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def _start(args: argparse.Namespace):
+    """This rank's part: the engine on rank 0, the worker loop (then None) elsewhere."""
+    from tessera.serving.distributed import start_rank
+
+    tasks = None
+    if args.prompts:
+        from tessera.tuning.prompt_table import load_prompt_tables
+
+        tasks = load_prompt_tables(args.prompts, args.checkpoint)
+    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                      device=_device(args.device), max_batch=args.max_batch, tasks=tasks,
+                      max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
+                      **({"model_name": args.model_name} if args.model_name else {}))
+
+
+def _run_http(engine, args: argparse.Namespace) -> None:
+    """uvicorn in this (main) thread; it turns SIGINT/SIGTERM into a graceful exit."""
+    import uvicorn
+
+    from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
+
+    app = create_app(engine, model_name=engine.model_name, api_key=args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))
+    engine.on_stop(lambda: setattr(server, "should_exit", True))  # e.g. a worker rank stopped
+    # Once stopped, uvicorn raises the signal it caught again for the previous handler; with the
+    # default one the process would die before the engine releases the other ranks.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """Re-run this command under torch's own launcher with `nproc` local ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            rest.append(a)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "tessera", "serve", *rest])
+    except ChildFailedError as exc:  # the ranks have printed their own errors
+        rank, failure = exc.get_first_failure()
+        print(f"tessera serve: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:  # SIGTERM/SIGINT: the launcher has stopped the ranks
+        return 128 + int(exc.sigval)
+    return 0

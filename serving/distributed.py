@@ -1,0 +1,232 @@
+"""Tensor- and pipeline-parallel serving: rank 0 schedules and samples, every rank computes.
+
+Rank 0 runs the engine (and the HTTP server); every other rank runs `worker_loop`. Each forward
+pass of a step goes, over the default process group:
+
+1. Header: an int64 tensor `[command, stop_vote, B, T, N, 0, 0, 0]`, all-reduced with MAX.
+   Rank 0 fills the command and the sizes, every rank its stop vote, so one collective both
+   announces the step and tells every rank whether any rank wants to stop. Commands: `STEP`,
+   `IDLE` (a heartbeat about once a second while nothing runs, so workers wake up to notice
+   signals and never wait long enough to hit the collective timeout) and `STOP`.
+2. Body (`STEP` only): token ids, positions, slots, task indices and kept positions, broadcast
+   from rank 0 as one int64 tensor.
+3. Every rank runs its stages (`pipeline_forward` with point-to-point sends when pp > 1); the
+   last stage gathers the logits over tp inside the model, and its tp rank 0 sends the kept
+   rows `(N, vocab)` fp32 to rank 0, which samples.
+
+SIGTERM or SIGINT on a worker sets its stop vote; on rank 0 uvicorn turns them into a shutdown
+that ends in `LLMEngine.shutdown()`, which sends `STOP`. Either way every rank leaves cleanly.
+
+Any checkpoint serves under any layout: the stages are built empty for the serving layout
+(`build_stages(init=False)`) and filled by `load_weights`, which re-slices whatever was saved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.core.checkpoint import dtype_from_name, load_weights, read_manifest
+from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.model import GPTModel
+from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
+from tessera.core.parallel.pipeline import build_stages
+from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
+
+STEP, IDLE, STOP = 1, 2, 3
+_HEADER = 8
+_TIMEOUT = timedelta(minutes=30)  # a single collective; idle ranks hear a heartbeat every second
+
+
+def serving_layout(tp: int = 1, pp: int = 1) -> ParallelConfig:
+    """The layout a server runs: tp x pp ranks, one stage per pipeline rank, no data parallel."""
+    return ParallelConfig(tp=tp, pp=pp, schedule="gpipe")
+
+
+def init_serving(tp: int = 1, pp: int = 1,
+                 device: torch.device | str = "cpu") -> tuple[ParallelConfig, ParallelGroups]:
+    """Join the torchrun world when there is one and build the serving layout's groups.
+
+    With more than one rank and tp = pp = 1, tp takes the whole world. Collective.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_TIMEOUT)
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    if tp * pp == 1 and world > 1:
+        tp = world
+    if tp * pp != world:
+        raise ConfigError(f"serving layout tp {tp} x pp {pp} = {tp * pp} ranks, but the world has "
+                          f"{world}; launch tp x pp processes (e.g. --nproc-per-node {tp * pp})")
+    parallel = serving_layout(tp, pp)
+    return parallel, init_groups(parallel)
+
+
+def load_stages(path: str | Path, parallel: ParallelConfig, groups: ParallelGroups, *,
+                dtype: torch.dtype | str | None = None,
+                device: torch.device | str = "cpu") -> list[GPTModel]:
+    """This rank's stages of the checkpoint at `path` under `parallel`, whatever its own layout."""
+    manifest = read_manifest(path)
+    if isinstance(dtype, str):
+        dtype = dtype_from_name(dtype)
+    dtype = dtype or dtype_from_name(manifest.dtype)  # FP8 checkpoints: their compute dtype
+    stages = build_stages(manifest.model, parallel, groups, device=device, dtype=dtype,
+                          init=False)
+    load_weights(stages, path)
+    return [m.eval() for m in stages]
+
+
+class _Channel:
+    """The step protocol's collectives, the same on every rank."""
+
+    def __init__(self, runner: ModelRunner, parallel: ParallelConfig):
+        self.runner, self.device = runner, runner.device
+        self.rank = dist.get_rank()
+        self.logits_from = rank_of(0, 0, parallel.pp - 1, parallel)  # tp rank 0, last stage
+        self.vocab = runner.config.vocab_size
+
+    def header(self, command: int = 0, sizes: tuple[int, int, int] = (0, 0, 0),
+               vote: bool = False) -> list[int]:
+        values = [command, int(vote), *sizes] + [0] * (_HEADER - 5)
+        h = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(h, op=dist.ReduceOp.MAX)
+        return h.tolist()
+
+    def send_batch(self, batch: StepBatch) -> None:
+        body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots,
+                          batch.tasks, batch.keep]).to(self.device)
+        dist.broadcast(body, src=0)
+
+    def recv_batch(self, B: int, T: int, N: int) -> StepBatch:
+        body = torch.empty(2 * B * T + 2 * B + N, dtype=torch.long, device=self.device)
+        dist.broadcast(body, src=0)
+        ids, positions, slots, tasks, keep = body.split([B * T, B * T, B, B, N])
+        return StepBatch(ids.view(B, T), positions.view(B, T), slots, tasks, keep)
+
+    def logits_to_rank0(self, logits: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """Rank 0 gets the kept logits from the last stage (a no-op when it holds it)."""
+        if self.logits_from == 0:
+            return logits
+        if n == 0:  # a prefill chunk that samples nothing: no message at all
+            return torch.empty(0, self.vocab, device=self.device) if self.rank == 0 else None
+        if self.rank == self.logits_from:
+            dist.send(logits.contiguous(), dst=0)
+            return None
+        if self.rank == 0:
+            out = torch.empty(n, self.vocab, dtype=torch.float32, device=self.device)
+            dist.recv(out, src=self.logits_from)
+            return out
+        return None
+
+
+class DistributedExecutor:
+    """Rank 0's executor: announces each step, runs its own share, receives the logits."""
+
+    def __init__(self, runner: ModelRunner, parallel: ParallelConfig):
+        if dist.get_rank() != 0:
+            raise RuntimeError("DistributedExecutor runs on rank 0; other ranks run worker_loop")
+        self.runner = runner
+        self._channel = _Channel(runner, parallel)
+        self._stopped = False
+        self.stop_requested = False  # set (e.g. by a signal handler) to stop every rank
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        if self._stopped:
+            raise StopServing("the serving ranks have stopped")
+        batch = batch.to(self.runner.device)
+        try:
+            sizes = (batch.ids.shape[0], batch.ids.shape[1], batch.keep.numel())
+            _, vote, *_ = self._channel.header(STEP, sizes, self.stop_requested)
+            if vote:
+                self._stopped = True
+                raise StopServing("a rank asked to stop")
+            self._channel.send_batch(batch)
+            logits = self._channel.logits_to_rank0(self.runner.forward(batch), sizes[2])
+        except StopServing:
+            raise
+        except Exception as exc:  # the ranks are out of step now: nothing can continue
+            self._stopped = True
+            raise StopServing(f"a step failed across ranks: {type(exc).__name__}: {exc}") from exc
+        return logits
+
+    def heartbeat(self) -> bool:
+        if self._stopped:
+            return False
+        try:
+            _, vote, *_ = self._channel.header(IDLE, vote=self.stop_requested)
+        except Exception as exc:
+            self._stopped = True
+            raise StopServing(f"heartbeat failed: {exc}") from exc
+        if vote:
+            self._stopped = True
+        return not vote
+
+    def close(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._channel.header(STOP)
+
+
+def worker_loop(runner: ModelRunner, parallel: ParallelConfig, *,
+                handle_signals: bool = True) -> None:
+    """Serve rank 0's steps until it sends STOP or any rank votes to stop.
+
+    With `handle_signals`, SIGTERM and SIGINT set this rank's stop vote (main thread only).
+    """
+    channel = _Channel(runner, parallel)
+    stop = {"vote": False}
+    if handle_signals:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.update(vote=True))
+        except ValueError:  # not the main thread: no handlers, rank 0 still stops us
+            pass
+    while True:
+        command, vote, B, T, N, *_ = channel.header(vote=stop["vote"])
+        if command == STOP or vote:
+            return
+        if command == IDLE:
+            continue
+        batch = channel.recv_batch(B, T, N)
+        channel.logits_to_rank0(runner.forward(batch), N)
+
+
+def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
+               dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               max_batch: int = 8, tasks: Mapping[str, torch.Tensor] | None = None,
+               tokenizer: Any = "checkpoint", handle_signals: bool = True,
+               **engine_kwargs: Any):
+    """Every rank calls this. Rank 0 gets an `LLMEngine` over all ranks; every other rank serves
+    steps until the engine shuts down, then gets None.
+
+    `tasks` (prompt-tuned tables) must be given on every rank; `tokenizer` (rank 0) defaults to
+    the checkpoint's; `engine_kwargs` go to `LLMEngine` on rank 0.
+    """
+    from tessera.serving.engine import LLMEngine
+
+    parallel, groups = init_serving(tp, pp, device)
+    stages = load_stages(path, parallel, groups, dtype=dtype, device=device)
+    runner = ModelRunner(stages, max_batch, tasks)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        worker_loop(runner, parallel, handle_signals=handle_signals)
+        return None
+    if tokenizer == "checkpoint":
+        from tessera.core.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(path) if read_manifest(path).tokenizer else None
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    executor = DistributedExecutor(runner, parallel) if distributed else LocalExecutor(runner)
+    engine_kwargs.setdefault("model_name", Path(path).name)
+    return LLMEngine(executor, tokenizer, **engine_kwargs)

@@ -1,0 +1,171 @@
+"""The model side of the engine: one step's batch, one rank's forward pass, prompt-tuned tasks.
+
+The engine (rank 0) decides each step as a `StepBatch` of token ids, absolute positions, KV
+cache slots and task indices, and asks an executor for the logits of chosen positions. The
+`ModelRunner` is what every rank runs: its own pipeline stages and its own KV cache (local
+layers, local kv heads). `LocalExecutor` runs it in this process; `serving.distributed` runs it
+on every rank of a tensor/pipeline-parallel layout with rank 0 broadcasting the batch.
+
+Prompt-tuned tasks: a task is a table of virtual-token embeddings `(n_virtual, hidden)`. A
+request of that task is prefixed by `n_virtual` placeholder ids, and `TaskEmbeddings`, installed
+as the first stage's embedding hook, replaces the embeddings at absolute positions
+`< n_virtual` of that request's rows with the table's rows. Plain and tasked requests, and
+requests of different tasks, share a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tessera.core.config import ModelConfig
+from tessera.core.kv_cache import KVCache
+from tessera.core.model import GPTModel
+from tessera.core.parallel.groups import ParallelGroups
+from tessera.core.parallel.pipeline_forward import pipeline_forward
+
+
+@dataclass
+class StepBatch:
+    """One forward pass of a step. Rows are requests; padding is at the end of short rows."""
+
+    ids: torch.Tensor  # (B, T) long
+    positions: torch.Tensor  # (B, T) long, absolute positions in each request's sequence
+    slots: torch.Tensor  # (B,) long, KV cache slot of each row
+    tasks: torch.Tensor  # (B,) long, task index (see `task_names`) or -1 for none
+    keep: torch.Tensor  # (N,) long, flat indices into B * T whose logits are wanted
+
+    def to(self, device: torch.device | str) -> StepBatch:
+        return StepBatch(*(t.to(device) for t in (self.ids, self.positions, self.slots,
+                                                   self.tasks, self.keep)))
+
+
+def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
+    """Task order (index = position), the same on every rank: sorted by name."""
+    return sorted(tasks or {})
+
+
+class TaskEmbeddings(nn.Module):
+    """Embedding hook: virtual-token embeddings of each row's task at positions < n_virtual.
+
+    Set `row_tasks (B,)` (task index per row, -1 for none) before each forward. The tables are
+    buffers, never parameters, so checkpoints and optimizers never see them.
+    """
+
+    def __init__(self, tasks: Mapping[str, torch.Tensor], hidden_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        names = task_names(tasks)
+        longest = max(tasks[n].shape[0] for n in names)
+        table = torch.zeros(len(names), longest, hidden_size, dtype=dtype, device=device)
+        for i, name in enumerate(names):
+            t = tasks[name]
+            if t.ndim != 2 or t.shape[1] != hidden_size:
+                raise ValueError(f"task {name!r}: virtual-token table has shape {tuple(t.shape)}, "
+                                 f"expected (n_virtual, {hidden_size})")
+            table[i, : t.shape[0]] = t.to(device=device, dtype=dtype)
+        self.register_buffer("table", table, persistent=False)
+        self.register_buffer("lengths", torch.tensor([tasks[n].shape[0] for n in names],
+                                                     device=device), persistent=False)
+        self.row_tasks: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rows = self.row_tasks
+        if rows is None or not bool((rows >= 0).any()):
+            return h
+        task = rows.clamp(min=0)
+        use = (rows >= 0).unsqueeze(1) & (positions < self.lengths[task].unsqueeze(1))  # (B, T)
+        virtual = self.table[task.unsqueeze(1), positions.clamp(max=self.table.shape[1] - 1)]
+        return torch.where(use.unsqueeze(-1), virtual.to(h.dtype), h)
+
+
+class ModelRunner:
+    """One rank's share of every step: its model stages, its KV cache and the task hook."""
+
+    def __init__(self, stages: GPTModel | Sequence[GPTModel], max_batch: int,
+                 tasks: Mapping[str, torch.Tensor] | None = None, max_seq: int | None = None):
+        self.stages = [stages] if isinstance(stages, GPTModel) else list(stages)
+        first = self.stages[0]
+        self.config: ModelConfig = first.config
+        self.groups: ParallelGroups = first.groups
+        param = next(first.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_batch = max_batch
+        self.max_seq = max_seq or self.config.max_position_embeddings
+        c, tp = self.config, self.groups.tp_size
+        layer_ids = [i for m in self.stages for i in m.layer_ids]
+        self.cache = KVCache(layer_ids, max_batch, self.max_seq, c.num_kv_heads // tp, c.head_dim,
+                             self.dtype, self.device)
+        self.tasks = {n: int(tasks[n].shape[0]) for n in task_names(tasks)}
+        self.hook: TaskEmbeddings | None = None
+        if tasks and first.is_first:
+            self.hook = TaskEmbeddings(tasks, c.hidden_size, self.dtype, self.device)
+        for m in self.stages:
+            m.eval()
+            if m.is_first:  # this runner owns the model: no hook left over from another user
+                m.embedding_hook = self.hook
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return any(m.is_last for m in self.stages)
+
+    @torch.no_grad()
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """Logits `(N, vocab)` fp32 of the kept positions where the last stage lives, else None."""
+        if self.hook is not None:
+            self.hook.row_tasks = batch.tasks
+        kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots)
+        if len(self.stages) == 1 and self.groups.pp_size == 1:
+            out = self.stages[0](batch.ids, **kwargs)
+        else:
+            out = pipeline_forward(self.stages, self.groups, batch.ids, **kwargs)
+        if out is None:
+            return None
+        return out.reshape(-1, out.shape[-1])[batch.keep].float()
+
+
+class StopServing(RuntimeError):
+    """The serving job is stopping: a rank asked to, or the ranks can no longer talk."""
+
+
+class Executor(Protocol):
+    """What the engine needs to run a step (`LocalExecutor`, `distributed.DistributedExecutor`)."""
+
+    runner: ModelRunner  # this process's share (rank 0 always holds the first stage)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits `(N, vocab)` fp32 of the kept positions, on `runner.device`.
+
+        Raises `StopServing` when the job must stop; any other exception fails this batch only.
+        """
+        ...
+
+    def heartbeat(self) -> bool:
+        """Called about once a second while idle; False means some rank asked to stop."""
+        ...
+
+    def close(self) -> None:
+        """Release the other ranks (they return from their worker loop)."""
+        ...
+
+
+class LocalExecutor:
+    """Runs every step in this process (no tensor or pipeline parallelism)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        out = self.runner.forward(batch.to(self.runner.device))
+        assert out is not None  # a single process holds the last stage
+        return out
+
+    def heartbeat(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,83 @@
+"""Shared pieces of the serving tests: a tiny tokenizer, running requests, full-forward references.
+
+    results = collect(engine, [GenerationRequest(...), ...])   # all submitted at once
+    results[0].token_ids, results[0].text, results[0].finish_reason, results[0].events
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tessera.core.tokenizer import Tokenizer, train_tokenizer
+from tessera.serving.types import GenerationOutput, GenerationRequest, TokenLogprob
+
+# Non-ASCII text, so that some characters fall back to byte pieces (multi-byte decoding).
+_UNICODE = ["café naïve façade — déjà vu", "Grüße aus Köln: 20 €", "日本語のテキスト", "emoji 🙂 ok"]
+
+
+def train_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> Tokenizer:
+    """A sentencepiece model trained on Python's own sources (no download), `vocab_size` pieces."""
+    texts = [Path(m.__file__).read_text() for m in (argparse, json)] + _UNICODE * 3
+    return train_tokenizer([], vocab_size, directory / "tokenizer.model", texts=texts,
+                           num_threads=1)
+
+
+@dataclass
+class Result:
+    events: list[GenerationOutput] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return [lp for e in self.events for lp in (e.logprobs or [])]
+
+    @property
+    def final(self) -> GenerationOutput:
+        return self.events[-1]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.final.finish_reason
+
+
+async def _drain(engine, request: GenerationRequest) -> Result:
+    result = Result()
+    async for out in engine.generate(request):
+        result.events.append(out)
+    return result
+
+
+def collect(engine, requests: list[GenerationRequest]) -> list[Result]:
+    """Submit all `requests` at once and gather each one's events."""
+    async def main():
+        return await asyncio.gather(*(_drain(engine, r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def one_at_a_time(engine, requests: list[GenerationRequest]) -> list[Result]:
+    return [collect(engine, [r])[0] for r in requests]
+
+
+@torch.no_grad()
+def full_forward_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by argmax of the full forward pass (no KV cache), and the logits
+    `(len(prompt) + n - 1, V)` of the final sequence."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([ids]))[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], model(torch.tensor([ids[:-1]]))[0]

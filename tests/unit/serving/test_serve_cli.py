@@ -1,0 +1,59 @@
+"""`tessera serve`: builds the engine from a checkpoint and hands it to uvicorn (both stubbed
+here: no port is opened, and the HTTP app is a stand-in)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import uvicorn
+
+from tessera.core import ModelConfig, build_model
+from tessera.core.checkpoint import save_checkpoint
+from tessera.serving.cli import main
+from tests.serving_helper import train_tiny_tokenizer
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    train_tiny_tokenizer(tmp_path)
+    model = build_model(ModelConfig.from_name("llama-tiny"), seed=0)
+    return save_checkpoint(tmp_path / "tiny-ckpt", model, tokenizer=tmp_path / "tokenizer.model")
+
+
+def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.app")
+
+    def create_app(engine, *, model_name, api_key=None):
+        seen.update(engine=engine, model_name=model_name, api_key=api_key)
+        return "the-app"
+
+    def run(server):
+        seen["config"] = server.config
+        seen["alive"] = seen["engine"].alive
+
+    app_module.create_app = create_app
+    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["--checkpoint", str(checkpoint), "--api-key", "k", "--max-batch", "2"]) == 0
+    engine = seen["engine"]
+    assert seen["config"].host == "127.0.0.1" and seen["config"].port == 8000
+    assert (seen["model_name"], seen["api_key"]) == ("tiny-ckpt", "k")
+    assert engine.tokenizer is not None and engine.max_batch == 2 and seen["alive"]
+    assert not engine.alive  # shut down when the server returned
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tp", "2"], "world has 1"),
+    (["--nproc-per-node", "2", "--tp", "4"], "does not match"),
+])
+def test_serve_reports_bad_layouts(checkpoint, capsys, extra, message):
+    assert main(["--checkpoint", str(checkpoint), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_reports_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["--checkpoint", str(tmp_path / "nope")]) == 2
+    assert "not a Tessera checkpoint" in capsys.readouterr().err
