@@ -1,0 +1,122 @@
+"""Generation: Tessera's engine against Hugging Face `generate` (KV cache) on the same model.
+
+Rows: single-stream decode tokens/s and time to first token; then aggregate throughput with
+continuous batching at 1, 4, 16 and 64 concurrent requests against HF `generate` with a static
+batch of the same size. Greedy, fixed output length (EOS ignored), same weights (the Tessera
+checkpoint is exported to Hugging Face format in the same run).
+
+Targets on the 2-core CPU: single-stream decode >= 2x HF; 16 concurrent >= 5x HF single-stream.
+
+    python bench/bench_generate.py [--hidden 512 --layers 8 --prompt 64 --new 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import record  # noqa: E402
+
+from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
+from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
+
+
+def _config(args) -> ModelConfig:
+    return ModelConfig.from_name("llama-tiny", vocab_size=8000, hidden_size=args.hidden,
+                                 num_layers=args.layers, num_heads=args.hidden // 64,
+                                 num_kv_heads=max(1, args.hidden // 256),
+                                 ffn_hidden_size=args.hidden * 3,
+                                 max_position_embeddings=args.prompt + args.new + 8)
+
+
+async def _engine_run(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    """Wall seconds for all prompts together, and the mean time to first token."""
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    first: list[float] = []
+    tic = time.perf_counter()
+
+    async def one(i: int, ids: list[int]) -> None:
+        seen = False
+        async for out in engine.generate(GenerationRequest(f"r{i}", ids, params)):
+            if not seen and out.token_ids:
+                first.append(time.perf_counter() - tic)
+                seen = True
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return time.perf_counter() - tic, sum(first) / len(first)
+
+
+def _hf_run(model, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    tic = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                   min_new_tokens=1, pad_token_id=0)
+    ttft = time.perf_counter() - tic
+    tic = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                   min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - tic, ttft
+
+
+def run(args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from tessera.converters.hf_io import export_hf
+
+    torch.manual_seed(0)
+    config = _config(args)
+    work = Path(tempfile.mkdtemp(prefix="tessera-bench-gen-"))
+    ckpt = save_checkpoint(work / "ckpt", build_model(config, seed=0))
+    export_hf(ckpt, work / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa").eval()
+    engine = LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency),
+                                       max_step_tokens=max(args.concurrency) * args.prompt)
+    gen = torch.Generator().manual_seed(1)
+
+    def prompts(n: int) -> list[list[int]]:
+        return torch.randint(3, config.vocab_size, (n, args.prompt), generator=gen).tolist()
+
+    rows = []
+    with torch.inference_mode():
+        single = prompts(1)
+        asyncio.run(_engine_run(engine, single, 4))  # warm-up
+        _hf_run(hf, single, 4)
+        t_ours, ttft_ours = asyncio.run(_engine_run(engine, single, args.new))
+        t_hf, ttft_hf = _hf_run(hf, single, args.new)
+        hf_single = args.new / t_hf
+        rows.append({"case": "single stream", "tessera tok/s": args.new / t_ours,
+                     "HF tok/s": hf_single, "ratio": t_hf / t_ours,
+                     "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf})
+        for n in args.concurrency:
+            batch = prompts(n)
+            t_ours, _ = asyncio.run(_engine_run(engine, batch, args.new))
+            t_hf, _ = _hf_run(hf, batch, args.new)
+            rows.append({"case": f"{n} concurrent (HF: static batch {n})",
+                         "tessera tok/s": n * args.new / t_ours,
+                         "HF tok/s": n * args.new / t_hf, "ratio": t_hf / t_ours,
+                         "vs HF single stream": n * args.new / t_ours / hf_single})
+    engine.shutdown()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    args = parser.parse_args(argv)
+    record(run(args), "generate")
+
+
+if __name__ == "__main__":
+    main()
