@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -38,7 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start this many local ranks (tp x pp) through torch.distributed.run")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
     p.add_argument("--max-queue", type=int, default=128,
-                   help="requests waiting for a slot before new ones get 429")
+                   help="requests waiting for a slot before new ones get 503")
+    p.add_argument("--max-concurrency", type=int, default=64,
+                   help="HTTP generation requests admitted at once; more get 429")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a generation request may take, queueing included")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body; larger ones get 413")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted (default: whatever fits the context)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="chat template file for /v1/chat/completions (default: role: text)")
     p.add_argument("--max-step-tokens", type=int, default=512,
                    help="tokens per engine step (decodes + prompt chunks)")
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
@@ -106,7 +117,12 @@ def _run_http(engine, args: argparse.Namespace) -> None:
 
     from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
 
-    app = create_app(engine, model_name=engine.model_name, api_key=args.api_key)
+    template = Path(args.chat_template).read_text() if args.chat_template else \
+        stored_chat_template(args.checkpoint)
+    app = create_app(engine, model_name=engine.model_name, api_key=args.api_key,
+                     max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                     max_concurrency=args.max_concurrency,
+                     request_timeout_s=args.request_timeout, chat_template=template)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level))
     engine.on_stop(lambda: setattr(server, "should_exit", True))  # e.g. a worker rank stopped
@@ -144,3 +160,14 @@ def _launch(argv: list[str], nproc: int) -> int:
     except SignalException as exc:  # SIGTERM/SIGINT: the launcher has stopped the ranks
         return 128 + int(exc.sigval)
     return 0
+
+
+def stored_chat_template(checkpoint: str) -> str | None:
+    """The chat template kept with the model (an imported `tokenizer_config.json`), if any."""
+    import json
+
+    config = Path(checkpoint) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    template = json.loads(config.read_text()).get("chat_template")
+    return template if isinstance(template, str) else None

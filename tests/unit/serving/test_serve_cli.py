@@ -26,7 +26,7 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     seen = {}
     app_module = types.ModuleType("tessera.serving.app")
 
-    def create_app(engine, *, model_name, api_key=None):
+    def create_app(engine, *, model_name, api_key=None, **limits):
         seen.update(engine=engine, model_name=model_name, api_key=api_key)
         return "the-app"
 
