@@ -237,6 +237,7 @@ def sync_tied_embedding_grads(stages: Sequence[GPTModel], groups: ParallelGroups
         return
     copies = [m.tok_embeddings.weight for m in stages if m.is_first and not m.is_last]
     copies += [m.output.weight for m in stages if m.is_last and m.output is not None]
+    copies = [p for p in copies if p.requires_grad]  # frozen (prompt tuning): nothing to sync
     if not copies:
         return
     for p in copies:
@@ -256,11 +257,13 @@ def sync_sequence_parallel_grads(modules: Sequence[nn.Module], groups: ParallelG
 
     Under sequence parallelism each tp rank runs the norms (and adds the row-parallel biases)
     on its own chunk of the sequence, so each holds a partial gradient of these replicated
-    parameters. One all-reduce over a flat buffer covers them all.
+    parameters. One all-reduce over a flat buffer covers them all. Frozen parameters
+    (`requires_grad=False`, as in prompt tuning) are skipped, here and for tied embeddings.
     """
     if groups.tp_group is None:
         return
-    params = [p for m in modules for p in m.parameters() if getattr(p, "sequence_parallel", False)]
+    params = [p for m in modules for p in m.parameters()
+              if getattr(p, "sequence_parallel", False) and p.requires_grad]
     if not params:
         return
     for p in params:
