@@ -1,0 +1,75 @@
+"""`tessera tune`: train prompts, or evaluate / export / import a prompt table.
+
+    tessera tune --checkpoint BASE --data train.jsonl [--valid valid.jsonl] \\
+        --method prompt-tuning|p-tuning --virtual-tokens N [--encoder mlp|lstm] --output DIR
+    tessera tune --evaluate --prompts DIR --data x.jsonl [--checkpoint BASE]
+    tessera tune --export peft --prompts DIR --output OUT [--task NAME]
+    tessera tune --import-peft ADAPTER_DIR --checkpoint BASE --task NAME --output DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+from tessera.core.checkpoint import CheckpointError
+from tessera.core.config import ConfigError
+
+
+def main(argv: list[str]) -> int:
+    from tessera.tuning.config import load_config
+    from tessera.tuning.prompt_table import PromptTableError
+
+    joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
+    try:
+        cfg, args = load_config(argv)
+        if args.import_peft:
+            return _import(cfg, args, argv)
+        if args.export and args.prompts:
+            from tessera.tuning.peft_format import export_peft
+
+            dirs = export_peft(args.prompts, cfg.loop.output, task=args.task)
+            print("PEFT adapters: " + ", ".join(str(d) for d in dirs))
+            return 0
+        if args.nproc_per_node and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            from tessera.training.cli import launch_ranks
+            from tessera.tuning.loop import prepare_inputs
+
+            if not args.evaluate:
+                prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)  # fail early
+            return launch_ranks(argv, args.nproc_per_node, verb="tune")
+        if args.evaluate:
+            from tessera.tuning.loop import evaluate_table
+
+            if not args.prompts:
+                raise ConfigError("--evaluate needs --prompts DIR (a prompt table)")
+            evaluate_table(cfg, args.prompts)
+            return 0
+        from tessera.tuning.loop import tune
+
+        tune(cfg, export_peft=args.export == "peft")
+    except (ConfigError, CheckpointError, PromptTableError, FileNotFoundError, FileExistsError,
+            PermissionError) as exc:
+        print(f"tessera tune: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if not joined and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _import(cfg, args, argv: list[str]) -> int:
+    from tessera.tuning.peft_format import import_peft
+
+    given_output = any(a.split("=")[0] in ("--output", "--loop.output") for a in argv)
+    missing = [flag for flag, value in (("--checkpoint", cfg.tune.checkpoint),
+                                        ("--task", args.task), ("--output", given_output))
+               if not value]
+    if missing:
+        raise ConfigError(f"--import-peft needs {', '.join(missing)}")
+    out = import_peft(args.import_peft, cfg.tune.checkpoint, args.task, cfg.loop.output,
+                      add_eos=cfg.tune.add_eos)
+    print(f"prompt table for task {args.task!r}: {out}")
+    return 0

@@ -1,0 +1,148 @@
+"""The `tessera tune` configuration: YAML file plus `--key value` overrides, like pretraining.
+
+Sections: `tune` (`TuneConfig`: base checkpoint, data, method, virtual tokens, encoder), and the
+pretraining sections `train` (optimizer, schedule, steps, batch, precision), `parallel` (tp, pp,
+dp) and `loop` (output, intervals, checkpoints) reused as they are, with tuning's own defaults.
+A top-level `tasks:` mapping in the YAML gives per-task templates:
+
+    tasks:
+      sentiment:
+        template: "Review: {review} Sentiment: {label}"
+        answer_field: label
+        truncate_field: review
+        virtual_tokens: 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.training.config import (
+    LoopConfig,
+    TrainConfig,
+    add_section_flags,
+    opt,
+    read_yaml,
+    section_values,
+)
+from tessera.tuning.data import TaskSpec, task_specs_from_yaml
+
+METHODS = ("prompt-tuning", "p-tuning")
+ENCODERS = ("mlp", "lstm")
+INITS = ("vocab", "text")
+
+
+@dataclass
+class TuneConfig:
+    checkpoint: str = opt("", "the frozen base model: a Tessera checkpoint directory")
+    data: str = opt("", "training (or, with --evaluate, evaluation) examples: JSONL, one "
+                        '{"task": NAME, FIELD: text, ...} per line')
+    valid: str = opt("", "validation examples in the same format: answer loss and exact match")
+    method: str = opt("p-tuning", "prompt-tuning (learn the virtual embeddings) | p-tuning "
+                                  "(learn them through an encoder, baked into a table at the end)")
+    virtual_tokens: int = opt(10, "virtual tokens per task (a task in the YAML may set its own)")
+    encoder: str = opt("mlp", "p-tuning encoder: mlp | lstm (bidirectional, then an MLP head)")
+    encoder_hidden: int = opt(0, "p-tuning encoder width (0: the model's hidden size)")
+    init: str = opt("vocab", "prompt-tuning start: vocab (embeddings of random vocabulary "
+                             "tokens) | text (the embeddings of --init-text, tiled)")
+    init_text: str = opt("", "with --init text: the text whose token embeddings start the prompt")
+    add_eos: bool = opt(True, "end every answer with EOS, so generation stops after it")
+
+
+# Tuning's defaults for the reused sections (the dataclass defaults are pretraining's).
+TRAIN_DEFAULTS = dict(steps=200, global_batch=16, seq_len=0, lr=3e-2, min_lr=3e-3,
+                      warmup_steps=10, weight_decay=0.0, precision="fp32")
+LOOP_DEFAULTS = dict(output="runs/tune", log_interval=20, eval_interval=50, eval_batches=0,
+                     save_interval=100)
+SECTIONS: dict[str, type] = {"tune": TuneConfig, "train": TrainConfig, "parallel": ParallelConfig,
+                             "loop": LoopConfig}
+
+
+@dataclass
+class TuneRunConfig:
+    """Everything `tessera tune` runs from. `model` is filled from the base checkpoint."""
+
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(**TRAIN_DEFAULTS))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(**LOOP_DEFAULTS))
+    tasks: dict[str, TaskSpec] = field(default_factory=dict)  # from the YAML `tasks:` mapping
+    model: ModelConfig | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+        out["tasks"] = {name: spec.to_dict() for name, spec in self.tasks.items()}
+        return out
+
+    def validate(self) -> None:
+        """Raise `ConfigError` for choices that cannot work, all of them at once."""
+        t, problems = self.tune, []
+        if t.method not in METHODS:
+            problems.append(f"unknown method {t.method!r}; use {' or '.join(METHODS)}")
+        if t.encoder not in ENCODERS:
+            problems.append(f"unknown encoder {t.encoder!r}; use {' or '.join(ENCODERS)}")
+        if t.init not in INITS:
+            problems.append(f"unknown init {t.init!r}; use {' or '.join(INITS)}")
+        if t.init == "text" and not t.init_text:
+            problems.append("--init text needs --init-text TEXT")
+        if t.virtual_tokens < 1:
+            problems.append(f"virtual_tokens must be >= 1, got {t.virtual_tokens}")
+        if t.encoder_hidden < 0:
+            problems.append(f"encoder_hidden must be >= 0, got {t.encoder_hidden}")
+        if self.train.seq_len < 0:
+            problems.append(f"seq_len must be >= 0 (0: the model's context), got "
+                            f"{self.train.seq_len}")
+        if problems:
+            raise ConfigError("invalid tuning configuration:\n  - " + "\n  - ".join(problems))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prompt tuning / p-tuning of a frozen model: learn a few virtual token "
+        "embeddings per task, written as a prompt table (prompts.safetensors + prompts.json) "
+        "that the server loads. Fields come from --config YAML, then flags; a flag can be bare "
+        "(--lr) or dotted (--train.lr).",
+        epilog="examples:\n"
+        "  tessera tune --checkpoint BASE --data train.jsonl --valid valid.jsonl \\\n"
+        "      --method p-tuning --virtual-tokens 10 --output runs/tune\n"
+        "  tessera tune --evaluate --prompts runs/tune --data test.jsonl\n"
+        "  tessera tune --export peft --prompts runs/tune --output adapters/\n"
+        "  tessera tune --import-peft ADAPTER --checkpoint BASE --task NAME --output DIR\n"
+        "  tessera tune --nproc-per-node 4 --tp 2 --pp 2 --config tune.yaml")
+    parser.add_argument("--config", help="YAML file with any of the fields below, and `tasks:`")
+    parser.add_argument("--nproc-per-node", type=int, default=0,
+                        help="start this many local ranks with torch's launcher (torchrun)")
+    modes = parser.add_argument_group("other modes")
+    modes.add_argument("--evaluate", action="store_true",
+                       help="report answer loss and exact match of --prompts on --data; no "
+                            "training")
+    modes.add_argument("--prompts", metavar="DIR",
+                       help="a prompt table directory (for --evaluate and --export)")
+    modes.add_argument("--export", choices=["peft"],
+                       help="write PEFT prompt-tuning adapters (OUTPUT/TASK/), from --prompts, "
+                            "or after training")
+    modes.add_argument("--import-peft", metavar="ADAPTER_DIR",
+                       help="turn a PEFT prompt-tuning adapter into a prompt table for "
+                            "--checkpoint (needs --task and --output)")
+    modes.add_argument("--task", help="with --import-peft: the task name; with --export: only "
+                                      "this task")
+    add_section_flags(parser, SECTIONS)
+    return parser
+
+
+def load_config(argv: list[str]) -> tuple[TuneRunConfig, argparse.Namespace]:
+    """Parse argv (YAML first, flags win) into a `TuneRunConfig`; errors name the bad key."""
+    args = build_parser().parse_args(argv)
+    raw = read_yaml(args.config)
+    tasks_raw = raw.pop("tasks", None)
+    config = TuneRunConfig()
+    for section, values in section_values(raw, args, SECTIONS, args.config).items():
+        setattr(config, section, dataclasses.replace(getattr(config, section), **values))
+    config.tasks = task_specs_from_yaml(tasks_raw, args.config)
+    config.validate()
+    return config, args

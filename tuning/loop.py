@@ -1,0 +1,347 @@
+"""The tuning loop: a frozen base, trainable virtual prompts, any tp x pp x dp layout.
+
+It reuses the pretraining machinery: `training.loop.Job` and `train_step` (micro-batch
+accumulation or the pipeline schedule, gradient syncs, global-norm clipping, AdamW with the
+learning-rate schedule), the config sections, and `MetricsLogger`. What differs is set up here:
+the base is built without initialization and loaded from its checkpoint, the prompts are
+attached to the first stage as its embedding hook, only they require gradients and only they
+are in the optimizer. Batches come from `tuning.data` (indexed by step, so resuming needs only
+the step), validation from `tuning.evaluate`, checkpoints from `tuning.checkpoint`, and the
+result is a prompt table (`tuning.prompt_table`) in the output directory.
+
+Everything that can be wrong with the inputs (base, tokenizer, data, templates, context) is
+found before any rank builds a model or writes a file.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
+from tessera.core.config import ConfigError
+from tessera.core.init import build_model
+from tessera.core.model import model_flops_per_token
+from tessera.core.parallel import pipeline
+from tessera.core.parallel.groups import init_groups
+from tessera.core.parallel.random import tracker
+from tessera.core.tokenizer import Tokenizer, load_tokenizer
+from tessera.training.loop import Job, _memory_gb, check_config, init_distributed, resolve_device
+from tessera.training.loop import train_step as pretrain_step
+from tessera.training.metrics import MetricsLogger, measure_peak_tflops
+from tessera.training.optim import build_optimizer
+from tessera.tuning import checkpoint as ckpt
+from tessera.tuning.config import TuneRunConfig
+from tessera.tuning.data import (
+    DataError,
+    TaskData,
+    TaskSpec,
+    discover_tasks,
+    load_examples,
+    longest,
+    make_batch,
+    step_indices,
+)
+from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
+from tessera.tuning.prompt_table import base_fingerprint, write_prompt_table
+from tessera.tuning.prompts import (
+    VirtualPrompts,
+    attach_prompts,
+    build_prompts,
+    initial_embeddings,
+    mark_only_prompt_as_trainable,
+)
+
+
+@dataclass
+class Tuning:
+    """What the tuning loop works with on this rank."""
+
+    cfg: TuneRunConfig
+    job: Job
+    prompts: VirtualPrompts | None  # on ranks holding the first stage
+    specs: dict[str, TaskSpec]
+    n_virtual: dict[str, int]
+    task_index: dict[str, int]
+    tokenizer: Tokenizer
+    seq_len: int
+    add_eos: bool
+
+
+@dataclass
+class Inputs:
+    """The checked inputs of a run: base, tokenizer, tasks and tokenized data."""
+
+    tokenizer: Tokenizer
+    specs: dict[str, TaskSpec]
+    n_virtual: dict[str, int]
+    train: TaskData | None
+    valid: TaskData | None
+    seq_len: int
+
+
+def base_tokenizer(checkpoint: str) -> Tokenizer:
+    manifest = read_manifest(checkpoint)
+    if not manifest.tokenizer:
+        raise ConfigError(f"{checkpoint} has no tokenizer; tuning data is text, so the base "
+                          "checkpoint must carry its tokenizer (pretrain with --tokenizer)")
+    return load_tokenizer(Path(checkpoint) / manifest.tokenizer)
+
+
+def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
+                   train: str | None = None, valid: str | None = None) -> Inputs:
+    """Read the base manifest and tokenizer, fix the tasks, tokenize the data; raise
+    `ConfigError` / `DataError` for anything wrong. `specs` given: exactly these tasks."""
+    t = cfg.tune
+    if not t.checkpoint:
+        raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
+    model = read_manifest(t.checkpoint).model
+    cfg.model = model
+    tokenizer = base_tokenizer(t.checkpoint)
+    if specs is None:
+        if not train:
+            raise ConfigError("no training data: pass --data train.jsonl")
+        specs = {name: cfg.tasks.get(name, TaskSpec(name=name)) for name in discover_tasks(train)}
+        unused = sorted(set(cfg.tasks) - set(specs))
+        if unused:
+            raise ConfigError(f"tasks {unused} are configured but have no examples in {train}")
+    n_virtual = {name: s.virtual_tokens or t.virtual_tokens for name, s in specs.items()}
+    context = cfg.train.seq_len or model.max_position_embeddings
+    if context > model.max_position_embeddings:
+        raise ConfigError(f"seq_len {context} exceeds the base model's context "
+                          f"{model.max_position_embeddings}")
+    for name, n in n_virtual.items():
+        if n >= context:
+            raise ConfigError(f"task {name!r}: {n} virtual tokens leave no room in the context "
+                              f"of {context} tokens; use fewer virtual tokens")
+    train_data, valid_data = (
+        load_examples(path, specs, n_virtual, tokenizer, context, t.add_eos) if path else None
+        for path in (train, valid))
+    examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
+    multiple = math.lcm(8, cfg.parallel.tp)  # sequence parallelism splits it over tp
+    seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
+    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len)
+
+
+def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | None = None
+          ) -> Tuning:
+    """Groups, the frozen base stages with the prompts attached, optimizer and schedule.
+
+    `tables` given (evaluation of a finished table): fixed prompts instead of trainable ones.
+    """
+    from tessera.tuning.prompts import fixed_prompts
+
+    device = resolve_device(cfg.train.device)
+    init_distributed(device)
+    cfg.train.seq_len = inputs.seq_len
+    check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+    par, precision = cfg.parallel, cfg.train.precision
+    groups = init_groups(par)
+    torch.manual_seed(cfg.train.seed)
+    tracker.seed(cfg.train.seed, groups.tp_rank)
+    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    if par.pp > 1:
+        stages = pipeline.build_stages(cfg.model, par, groups, device=device, dtype=dtype,
+                                       init=False)
+    else:
+        stages = [build_model(cfg.model, par, groups, device=device, dtype=dtype, init=False)]
+    load_weights(stages, cfg.tune.checkpoint)
+    prompts = None
+    if any(m.is_first for m in stages):
+        if tables is not None:
+            prompts = fixed_prompts(tables, rows_from_ids=True)
+        else:
+            prompts = _initial_prompts(cfg, inputs)
+        attach_prompts(next(m for m in stages if m.is_first), prompts)
+    for m in stages:
+        mark_only_prompt_as_trainable(m)
+        m.eval()  # the base is frozen: no dropout, no recomputation
+    schedule = None
+    if par.pp > 1:
+        schedule = pipeline.build_schedule(stages, par, groups,
+                                           pipeline.pipeline_loss_fn(cfg.model, groups))
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    job = Job(cfg, groups, stages, build_optimizer(stages, cfg.train), schedule, device,
+              autocast, scaler)
+    return Tuning(cfg, job, prompts, inputs.specs, inputs.n_virtual,
+                  {name: k for k, name in enumerate(inputs.specs)}, inputs.tokenizer,
+                  inputs.seq_len, cfg.tune.add_eos)
+
+
+def _initial_prompts(cfg: TuneRunConfig, inputs: Inputs) -> VirtualPrompts:
+    t = cfg.tune
+    embedding = CheckpointReader(t.checkpoint).global_tensor("tok_embeddings.weight").float()
+    text_ids = inputs.tokenizer.encode(t.init_text) if t.init == "text" else None
+    inits = initial_embeddings(embedding, inputs.n_virtual, init=t.init, text_ids=text_ids,
+                               seed=cfg.train.seed)
+    return build_prompts(t.method, inits, encoder=t.encoder, encoder_hidden=t.encoder_hidden,
+                         seed=cfg.train.seed)
+
+
+def train_batch(t: Tuning, data: TaskData, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's share of global batch `step`."""
+    g, gb = t.job.groups, t.cfg.train.global_batch
+    idx = step_indices(step, len(data.examples), gb, t.cfg.train.seed)
+    per_dp = gb // g.dp_size
+    mine = [data.examples[i] for i in idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]]
+    tokens, labels = make_batch(mine, t.task_index, t.n_virtual, t.seq_len, t.tokenizer.pad_id)
+    return tokens.to(t.job.device), labels.to(t.job.device)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _shared_fingerprint(checkpoint: str) -> str:
+    """The base fingerprint, read by rank 0 only and sent to the others."""
+    value = [base_fingerprint(checkpoint) if _rank0() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
+def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
+    """Run (or resume) prompt tuning as configured; returns the run summary on every rank."""
+    inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
+    t = setup(cfg, inputs)
+    loop = cfg.loop
+    meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
+            "base_fingerprint": _shared_fingerprint(cfg.tune.checkpoint),
+            "method": cfg.tune.method, "n_virtual": inputs.n_virtual, "config": cfg.to_dict()}
+    start, resumed = 0, None
+    if loop.resume and (resumed := ckpt.latest_tuning_checkpoint(loop.output)) is not None:
+        ckpt.check_resumable(ckpt.read_tuning_meta(resumed), resumed, meta)
+        start = ckpt.load_tuning_checkpoint(resumed, t.prompts, t.job.optimizer)
+    if _rank0():
+        Path(loop.output).mkdir(parents=True, exist_ok=True)
+        for task, n in sorted(inputs.train.truncated.items()):
+            if n:
+                print(f"tune: truncated {n} training examples of task {task!r} (field "
+                      f"{inputs.specs[task].truncate_field!r}) to fit {inputs.seq_len} tokens")
+    peak = cfg.train.peak_tflops or measure_peak_tflops(t.job.device, t.job.autocast_dtype)
+    log = MetricsLogger(loop, enabled=_rank0(), total=cfg.train.steps, initial=start,
+                        resumed_from=resumed, desc="tune")
+    before = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid and start == 0 else None
+    losses = _train(t, inputs, log, start, meta, peak)
+    after = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid else None
+    return _finish(t, inputs, log, losses, before, after, peak, export_peft)
+
+
+def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict[str, Any],
+           peak: float) -> list[float]:
+    """Steps `start..steps`: one optimizer step each, periodic validation and checkpoints."""
+    tr, loop, out = t.cfg.train, t.cfg.loop, Path(t.cfg.loop.output)
+    # Frozen weights need no weight gradients: about 4N FLOPs per token instead of 6N.
+    flops = model_flops_per_token(t.cfg.model, t.seq_len) * 2 / 3
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    losses: list[float] = []
+    for step in range(start, tr.steps):
+        tic = time.perf_counter()
+        tokens, labels = train_batch(t, inputs.train, step)
+        metrics = pretrain_step(t.job, step, tokens, labels)
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"loss became {metrics['loss']} at step {step + 1}; lower "
+                                     "--lr or use --precision fp32")
+        tokens_per_s = tr.global_batch * t.seq_len / (time.perf_counter() - tic)
+        tflops = flops * tokens_per_s / world / 1e12
+        metrics.update(step=step + 1, tokens_per_s=tokens_per_s, tflops=tflops,
+                       mfu=tflops / peak if peak else float("nan"),
+                       memory_gb=_memory_gb(t.job.device))
+        losses.append(metrics["loss"])
+        done = step + 1 == tr.steps
+        results = None
+        if inputs.valid and loop.eval_interval and (step + 1) % loop.eval_interval == 0 \
+                and not done:
+            results = evaluate(t, inputs.valid, loop.eval_batches)
+            metrics.update({f"valid_{k}": v for k, v in mean_metrics(results).items()})
+        log.step(metrics)
+        if results:
+            log.write("  valid exact match: " + ", ".join(
+                f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
+        if done or (loop.save_interval and (step + 1) % loop.save_interval == 0):
+            if _rank0():
+                log.saved(ckpt.save_tuning_checkpoint(out, t.prompts, t.job.optimizer,
+                                                      step=step + 1, meta=meta,
+                                                      keep_last=loop.keep_last), step + 1)
+            if dist.is_initialized():
+                dist.barrier()
+    return losses
+
+
+def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
+            before: dict | None, after: dict | None, peak: float, export: bool) -> dict[str, Any]:
+    """Write the prompt table (rank 0), print the per-task table, return the summary."""
+    cfg, out = t.cfg, Path(t.cfg.loop.output)
+    tables = t.prompts.tables() if t.prompts is not None else {}
+    if _rank0():
+        write_prompt_table(out, tables, base_checkpoint=cfg.tune.checkpoint,
+                           tasks={n: s.to_dict() for n, s in inputs.specs.items()},
+                           method=cfg.tune.method, extra={"add_eos": cfg.tune.add_eos})
+        if export:
+            from tessera.tuning.peft_format import export_peft
+
+            export_peft(out, out / "peft", overwrite=True)
+    if dist.is_initialized():
+        dist.barrier()
+    counts = {name: len(v) for name, v in inputs.train.by_task().items()}
+    valid_counts = {name: len(v) for name, v in inputs.valid.by_task().items()} \
+        if inputs.valid else {}
+    rows = []
+    for name in inputs.specs:
+        row = {"task": name, "n_virtual": inputs.n_virtual[name],
+               "train_examples": counts.get(name, 0), "valid_examples": valid_counts.get(name, 0),
+               "truncated": inputs.train.truncated[name]}
+        if after and name in after:
+            row.update(loss=after[name]["loss"], accuracy=after[name]["accuracy"])
+        if before and name in before:
+            row.update(loss_before=before[name]["loss"],
+                       accuracy_before=before[name]["accuracy"])
+        rows.append(row)
+    valid = mean_metrics(after)["loss"] if after else float("nan")
+    summary = log.finish(losses=losses, valid_loss=valid, stopped=False,
+                         checkpoint=ckpt.latest_tuning_checkpoint(out), peak_tflops=peak,
+                         extra={"tasks": _finite(rows), "prompts": str(out)})
+    if _rank0():
+        print("\n" + format_task_table(rows) + f"\n\nprompt table: {out}", flush=True)
+    return {**summary, "losses": losses, "before": before, "after": after}
+
+
+def _finite(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON-safe rows: NaN becomes None."""
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in r.items()} for r in rows]
+
+
+def evaluate_table(cfg: TuneRunConfig, prompts_dir: str) -> dict[str, dict[str, Any]]:
+    """`tessera tune --evaluate`: metrics of a finished prompt table on `cfg.tune.data`."""
+    from tessera.tuning.prompt_table import check_base, read_prompt_table
+
+    manifest, tables = read_prompt_table(prompts_dir)
+    if not cfg.tune.checkpoint:
+        cfg.tune.checkpoint = manifest["base_checkpoint"]
+    if not cfg.tune.data:
+        raise ConfigError("--evaluate needs --data examples.jsonl")
+    cfg.tune.add_eos = manifest.get("add_eos", cfg.tune.add_eos)  # as the table was tuned
+    specs = {name: TaskSpec(**{k: v for k, v in body.items() if k != "n_virtual"})
+             for name, body in manifest["tasks"].items()}
+    for name, spec in specs.items():
+        spec.virtual_tokens = manifest["tasks"][name]["n_virtual"]
+    check_base(manifest, prompts_dir, cfg.tune.checkpoint)
+    try:
+        inputs = prepare_inputs(cfg, specs=specs, valid=cfg.tune.data)
+    except DataError as exc:
+        raise DataError(f"{exc} (the prompt table {prompts_dir})") from exc
+    t = setup(cfg, inputs, tables=tables)
+    results = evaluate(t, inputs.valid, cfg.loop.eval_batches)
+    if _rank0():
+        rows = [{"task": name, "n_virtual": inputs.n_virtual[name], "valid_examples": r["examples"],
+                 "loss": r["loss"], "accuracy": r["accuracy"]} for name, r in results.items()]
+        print(format_task_table(rows), flush=True)
+    return results
