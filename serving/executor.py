@@ -7,10 +7,11 @@ layers, local kv heads). `LocalExecutor` runs it in this process; `serving.distr
 on every rank of a tensor/pipeline-parallel layout with rank 0 broadcasting the batch.
 
 Prompt-tuned tasks: a task is a table of virtual-token embeddings `(n_virtual, hidden)`. A
-request of that task is prefixed by `n_virtual` placeholder ids, and `TaskEmbeddings`, installed
-as the first stage's embedding hook, replaces the embeddings at absolute positions
-`< n_virtual` of that request's rows with the table's rows. Plain and tasked requests, and
-requests of different tasks, share a batch.
+request of that task is prefixed by `n_virtual` placeholder ids, and tuning's `VirtualPrompts`
+hook (the one prompt tuning trains through, so served and tuned prompts behave alike), installed
+on the first stage, replaces the embeddings at absolute positions `< n_virtual` of that
+request's rows with the table's rows. Plain and tasked requests, and requests of different
+tasks, share a batch.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from tessera.core.config import ModelConfig
 from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
+from tessera.tuning.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 
 
 @dataclass
@@ -49,40 +50,6 @@ def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
     return sorted(tasks or {})
 
 
-class TaskEmbeddings(nn.Module):
-    """Embedding hook: virtual-token embeddings of each row's task at positions < n_virtual.
-
-    Set `row_tasks (B,)` (task index per row, -1 for none) before each forward. The tables are
-    buffers, never parameters, so checkpoints and optimizers never see them.
-    """
-
-    def __init__(self, tasks: Mapping[str, torch.Tensor], hidden_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        names = task_names(tasks)
-        longest = max(tasks[n].shape[0] for n in names)
-        table = torch.zeros(len(names), longest, hidden_size, dtype=dtype, device=device)
-        for i, name in enumerate(names):
-            t = tasks[name]
-            if t.ndim != 2 or t.shape[1] != hidden_size:
-                raise ValueError(f"task {name!r}: virtual-token table has shape {tuple(t.shape)}, "
-                                 f"expected (n_virtual, {hidden_size})")
-            table[i, : t.shape[0]] = t.to(device=device, dtype=dtype)
-        self.register_buffer("table", table, persistent=False)
-        self.register_buffer("lengths", torch.tensor([tasks[n].shape[0] for n in names],
-                                                     device=device), persistent=False)
-        self.row_tasks: torch.Tensor | None = None
-
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        rows = self.row_tasks
-        if rows is None or not bool((rows >= 0).any()):
-            return h
-        task = rows.clamp(min=0)
-        use = (rows >= 0).unsqueeze(1) & (positions < self.lengths[task].unsqueeze(1))  # (B, T)
-        virtual = self.table[task.unsqueeze(1), positions.clamp(max=self.table.shape[1] - 1)]
-        return torch.where(use.unsqueeze(-1), virtual.to(h.dtype), h)
-
-
 class ModelRunner:
     """One rank's share of every step: its model stages, its KV cache and the task hook."""
 
@@ -101,13 +68,19 @@ class ModelRunner:
         self.cache = KVCache(layer_ids, max_batch, self.max_seq, c.num_kv_heads // tp, c.head_dim,
                              self.dtype, self.device)
         self.tasks = {n: int(tasks[n].shape[0]) for n in task_names(tasks)}
-        self.hook: TaskEmbeddings | None = None
-        if tasks and first.is_first:
-            self.hook = TaskEmbeddings(tasks, c.hidden_size, self.dtype, self.device)
+        self.hook: VirtualPrompts | None = None
         for m in self.stages:
             m.eval()
             if m.is_first:  # this runner owns the model: no hook left over from another user
-                m.embedding_hook = self.hook
+                m.embedding_hook = None
+        if tasks and first.is_first:
+            for name in self.tasks:
+                if tasks[name].ndim != 2 or tasks[name].shape[1] != c.hidden_size:
+                    raise ValueError(f"task {name!r}: virtual-token table has shape "
+                                     f"{tuple(tasks[name].shape)}, expected (n_virtual, "
+                                     f"{c.hidden_size})")
+            prompts = {n: FixedPrompt(tasks[n]) for n in self.tasks}  # index = task_names order
+            self.hook = attach_prompts(first, VirtualPrompts(prompts, rows_from_ids=False))
 
     @property
     def holds_last_stage(self) -> bool:
@@ -117,7 +90,7 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """Logits `(N, vocab)` fp32 of the kept positions where the last stage lives, else None."""
         if self.hook is not None:
-            self.hook.row_tasks = batch.tasks
+            self.hook.set_rows(batch.tasks)
         kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots)
         if len(self.stages) == 1 and self.groups.pp_size == 1:
             out = self.stages[0](batch.ids, **kwargs)

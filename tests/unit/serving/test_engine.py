@@ -17,8 +17,8 @@ import torch
 import tessera.serving.engine as engine_module
 from tessera.core import ModelConfig, build_model
 from tessera.serving.engine import LLMEngine
-from tessera.serving.executor import TaskEmbeddings
 from tessera.serving.types import GenerationRequest, Overloaded, RequestError, SamplingParams
+from tessera.tuning.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 from tests.serving_helper import collect, full_forward_greedy, one_at_a_time, train_tiny_tokenizer
 
 FAMILIES = ["gpt2-tiny", "llama-tiny", "nemotron-tiny"]
@@ -369,10 +369,10 @@ def test_prompt_tuned_tasks_batch_with_each_other_and_plain_requests():
     assert len({tuple(r.token_ids) for r in together[:3]}) == 3  # each task changes the output
     assert together[0].final.prompt_tokens == len(p)  # virtual tokens are not prompt tokens
     # Reference: the full forward pass with the task's rows at positions < n_virtual.
-    hook = TaskEmbeddings(tables, 64, torch.float32, "cpu")
-    model.embedding_hook = hook
+    prompts = {n: FixedPrompt(tables[n]) for n in sorted(tables)}
+    hook = attach_prompts(model, VirtualPrompts(prompts, rows_from_ids=False))
     for index, name, result in ((0, "alpha", together[0]), (1, "beta", together[1])):
-        hook.row_tasks = torch.tensor([index])
+        hook.set_rows(torch.tensor([index]))
         n_virtual = tables[name].shape[0]
         expected, _ = full_forward_greedy(model, [0] * n_virtual + p, 8)
         assert result.token_ids == expected
