@@ -27,7 +27,7 @@ from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
-from tessera.tuning.prompts import FixedPrompt, VirtualPrompts, attach_prompts
+from tessera.tuning.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 
 
 @dataclass
@@ -79,8 +79,8 @@ class ModelRunner:
                     raise ValueError(f"task {name!r}: virtual-token table has shape "
                                      f"{tuple(tasks[name].shape)}, expected (n_virtual, "
                                      f"{c.hidden_size})")
-            prompts = {n: FixedPrompt(tasks[n]) for n in self.tasks}  # index = task_names order
-            self.hook = attach_prompts(first, VirtualPrompts(prompts, rows_from_ids=False))
+            # Task index = position in `task_names` order, as the engine numbers them.
+            self.hook = attach_prompts(first, fixed_prompts({n: tasks[n] for n in self.tasks}))
 
     @property
     def holds_last_stage(self) -> bool:
