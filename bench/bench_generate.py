@@ -30,6 +30,8 @@ from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E40
 
 
 def _config(args) -> ModelConfig:
+    if args.preset:
+        return ModelConfig.from_name(args.preset, max_position_embeddings=args.prompt + args.new + 8)
     return ModelConfig.from_name("llama-tiny", vocab_size=8000, hidden_size=args.hidden,
                                  num_layers=args.layers, num_heads=args.hidden // 64,
                                  num_kv_heads=max(1, args.hidden // 256),
@@ -55,7 +57,7 @@ async def _engine_run(engine: LLMEngine, prompts: list[list[int]], new: int) -> 
 
 
 def _hf_run(model, prompts: list[list[int]], new: int) -> tuple[float, float]:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     tic = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                    min_new_tokens=1, pad_token_id=0)
@@ -64,6 +66,15 @@ def _hf_run(model, prompts: list[list[int]], new: int) -> tuple[float, float]:
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                    min_new_tokens=new, do_sample=False, pad_token_id=0)
     return time.perf_counter() - tic, ttft
+
+
+def hbm_bandwidth() -> float:
+    """Measured device memory bandwidth in bytes/s (a large copy reads and writes each byte)."""
+    from _common import best_time
+
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / best_time(lambda: b.copy_(a), repeats=5)
 
 
 def run(args) -> list[dict]:
@@ -76,8 +87,11 @@ def run(args) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-gen-"))
     ckpt = save_checkpoint(work / "ckpt", build_model(config, seed=0))
     export_hf(ckpt, work / "hf")
-    hf = AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa").eval()
-    engine = LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency),
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa",
+                                              dtype=dtype).to(args.device).eval()
+    engine = LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
+                                       device=args.device,
                                        max_step_tokens=max(args.concurrency) * args.prompt)
     gen = torch.Generator().manual_seed(1)
 
@@ -92,9 +106,14 @@ def run(args) -> list[dict]:
         t_ours, ttft_ours = asyncio.run(_engine_run(engine, single, args.new))
         t_hf, ttft_hf = _hf_run(hf, single, args.new)
         hf_single = args.new / t_hf
-        rows.append({"case": "single stream", "tessera tok/s": args.new / t_ours,
-                     "HF tok/s": hf_single, "ratio": t_hf / t_ours,
-                     "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf})
+        row = {"case": "single stream", "tessera tok/s": args.new / t_ours,
+               "HF tok/s": hf_single, "ratio": t_hf / t_ours,
+               "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf}
+        if args.device == "cuda":
+            weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+            bound = hbm_bandwidth() / weight_bytes  # tokens/s if each token reads every weight once
+            row["fraction of bandwidth bound"] = args.new / t_ours / bound
+        rows.append(row)
         for n in args.concurrency:
             batch = prompts(n)
             t_ours, _ = asyncio.run(_engine_run(engine, batch, args.new))
@@ -114,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--preset", default=None, help="a model preset instead of the sizes")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    record(run(args), "generate")
+    record(run(args), "generate" if args.device == "cpu" else f"generate-{args.device}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from tessera.core.model import model_flops_per_token  # noqa: E402
 
 
 def _config(args) -> ModelConfig:
+    if args.preset:
+        return ModelConfig.from_name(args.preset, max_position_embeddings=args.seq)
     return ModelConfig.from_name(
         "llama-tiny", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
         num_heads=args.hidden // 64, num_kv_heads=args.hidden // 64,
@@ -45,9 +47,10 @@ def _hf_model(config: ModelConfig, dtype: torch.dtype):
 
 def _step_fn(model, ids, labels, autocast: torch.dtype | None, hf: bool):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    device = ids.device.type
 
     def step():
-        ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        ctx = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
         with ctx:
             loss = model(input_ids=ids, labels=ids).loss if hf else model(ids, labels)
         loss.backward()
@@ -60,19 +63,20 @@ def _step_fn(model, ids, labels, autocast: torch.dtype | None, hf: bool):
 def run(args) -> list[dict]:
     torch.manual_seed(0)
     config = _config(args)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=args.device)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     tokens = args.batch * args.seq
     flops = model_flops_per_token(config, args.seq)
     rows = []
-    for label, weights, autocast in (("fp32", torch.float32, None),
-                                     ("bf16 mixed (fp32 master)", torch.float32, torch.bfloat16),
-                                     ("bf16 pure", torch.bfloat16, None)):
-        ours = build_model(config, dtype=weights).train()
-        theirs = _hf_model(config, weights)
+    cases = (("fp32", torch.float32, None),
+             ("bf16 mixed (fp32 master)", torch.float32, torch.bfloat16),
+             ("bf16 pure", torch.bfloat16, None))
+    for label, weights, autocast in cases[1:] if args.device == "cuda" else cases:
+        ours = build_model(config, dtype=weights, device=args.device).train()
+        theirs = _hf_model(config, weights).to(args.device)
         t_ours = best_time(_step_fn(ours, ids, labels, autocast, False), args.steps)
         t_hf = best_time(_step_fn(theirs, ids, labels, autocast, True), args.steps)
-        peak = matmul_peak_tflops(autocast or weights)
+        peak = matmul_peak_tflops(autocast or weights, args.device)
         achieved = flops * tokens / t_ours / 1e12
         rows.append({"precision": label, "tessera tok/s": tokens / t_ours,
                      "HF tok/s": tokens / t_hf, "ratio (target >= 1.15)": t_hf / t_ours,
@@ -90,8 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--preset", default=None, help="a model preset instead of the sizes")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    record(run(args), "train")
+    record(run(args), "train" if args.device == "cpu" else f"train-{args.device}")
 
 
 if __name__ == "__main__":

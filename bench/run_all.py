@@ -1,0 +1,127 @@
+"""Run the whole benchmark suite and print one table of the targets (each part can run alone).
+
+    python bench/run_all.py            # CPU: training, parallel overhead, generation, serving,
+                                       # conversion, tuning, FP8
+    python bench/run_all.py --gpu      # one CUDA GPU: a ~1B Llama at sequence 2048 in bf16
+    python bench/run_all.py --only train generate
+
+Each part writes `bench/results/<part>.json` and `.md`; this script also writes
+`bench/results/summary.md` (the table the README shows) with the date and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import RESULTS, machine, markdown_table  # noqa: E402
+
+HERE = Path(__file__).parent
+CPU_PARTS = {
+    "train": ["bench_train.py"],
+    "parallel": ["bench_parallel.py"],
+    "generate": ["bench_generate.py"],
+    "serve_load": ["serve_load.py", "--self-test", "--compare-hf"],
+    "convert": ["bench_convert.py"],
+    "tune": ["bench_tune.py"],
+    "fp8": ["bench_fp8.py", "--device", "cpu"],
+}
+GPU_PARTS = {
+    "train-cuda": ["bench_train.py", "--device", "cuda", "--preset", "llama-1b", "--seq", "2048",
+                   "--batch", "4"],
+    "generate-cuda": ["bench_generate.py", "--device", "cuda", "--preset", "llama-1b",
+                      "--prompt", "128", "--new", "128"],
+    "fp8": ["bench_fp8.py", "--device", "cuda"],
+}
+
+
+def _rows(part: str) -> list[dict]:
+    path = RESULTS / f"{part}.json"
+    return json.loads(path.read_text())["rows"] if path.is_file() else []
+
+
+def _find(rows: list[dict], key: str, value: str) -> dict:
+    return next((r for r in rows if str(r.get(key, "")).startswith(value)), {})
+
+
+def summary(gpu: bool) -> list[dict]:
+    """The targets of the performance issue against what the parts measured."""
+    out: list[dict] = []
+
+    def add(metric: str, measured, target: str, ok: bool | None) -> None:
+        out.append({"metric": metric, "measured": measured if measured is not None else "-",
+                    "target": target, "met": "-" if ok is None else ("yes" if ok else "no")})
+
+    if gpu:
+        for r in _rows("train-cuda"):
+            frac = r.get("tessera TFLOP/s", 0) / 989.0  # H100/H200 dense bf16 peak
+            add(f"training MFU ({r['precision']}, of 989 TFLOP/s)", round(frac, 3), ">= 0.50",
+                frac >= 0.5)
+        single = _find(_rows("generate-cuda"), "case", "single stream")
+        frac = single.get("fraction of bandwidth bound")
+        add("decode batch 1, fraction of HBM bound", frac, ">= 0.60",
+            None if frac is None else frac >= 0.6)
+        for r in _rows("fp8"):
+            add(f"FP8 {r['layer']} {r['scales']} speedup (error {r['fp8 relative error']:.3f})",
+                r["fp8 speedup"], "report", None)
+        return out
+    for r in _rows("train"):
+        add(f"training tok/s vs HF ({r['precision']})", r["ratio (target >= 1.15)"], ">= 1.15",
+            r["ratio (target >= 1.15)"] >= 1.15)
+    mixed = _find(_rows("train"), "precision", "bf16 mixed")
+    if mixed:
+        add("training FLOP/s / bf16 matmul peak", mixed["fraction of peak"], ">= 0.70",
+            mixed["fraction of peak"] >= 0.7)
+    gen = _rows("generate")
+    single, sixteen = _find(gen, "case", "single stream"), _find(gen, "case", "16 concurrent")
+    if single:
+        add("decode tok/s vs HF, single stream", single["ratio"], ">= 2", single["ratio"] >= 2)
+    if sixteen:
+        add("16 concurrent vs HF single stream", sixteen["vs HF single stream"], ">= 5",
+            sixteen["vs HF single stream"] >= 5)
+    for r in _rows("convert")[2:]:
+        rss = float(str(r["peak RSS / checkpoint"]).split("%")[0]) / 100
+        add(f"convert {r['conversion']}: peak RSS / size", round(rss, 3), "< 0.25", rss < 0.25)
+        add(f"convert {r['conversion']}: speed vs copy", r["vs copy (target >= 0.5)"], ">= 0.5",
+            r["vs copy (target >= 0.5)"] >= 0.5)
+    for r in _rows("tune"):
+        add(f"{r['method']} step speed vs peft", r["speed ratio"], "report", None)
+    for r in _rows("parallel"):
+        if "bubble measured" in r:
+            add(f"{r['layout']} bubble (theory {r['bubble theory']:.2f})",
+                r["bubble measured"], "report", None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="the CUDA suite (~1B Llama, bf16)")
+    parser.add_argument("--only", nargs="+", help="run only these parts")
+    args = parser.parse_args(argv)
+    parts = GPU_PARTS if args.gpu else CPU_PARTS
+    failed = []
+    for name, cmd in parts.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        if subprocess.run([sys.executable, str(HERE / cmd[0]), *cmd[1:]]).returncode:
+            failed.append(name)
+    table = markdown_table(summary(args.gpu))
+    from datetime import datetime, timezone
+
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    text = f"Benchmarks, {stamp}, {machine()}\n\n{table}\n"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / ("summary-gpu.md" if args.gpu else "summary.md")).write_text(text)
+    print("\n" + text)
+    if failed:
+        print(f"parts that failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
