@@ -41,8 +41,14 @@ class KVCache:
         self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
         length = int(positions.max()) + 1
-        keys = self.keys[layer][slots, :, :length]
-        values = self.values[layer][slots, :, :length]
+        first = int(slots[0])
+        if bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all()):
+            # Consecutive slots (the engine keeps them so): a view, no copy of every prefix.
+            keys = self.keys[layer][first:first + len(slots), :, :length]
+            values = self.values[layer][first:first + len(slots), :, :length]
+        else:
+            keys = self.keys[layer][slots, :, :length]
+            values = self.values[layer][slots, :, :length]
         key_pos = torch.arange(length, device=positions.device)
         mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
         return keys.to(k.dtype), values.to(v.dtype), mask

@@ -31,6 +31,7 @@ called from the engine thread (keep it cheap and thread-safe, e.g. a Prometheus 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import random
@@ -223,7 +224,7 @@ class LLMEngine:
         self._waiting: deque[_Sequence] = deque()
         self._aborts: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._free_slots = list(range(self.max_batch - 1, -1, -1))
+        self._free_slots = list(range(self.max_batch))  # a heap: the lowest free slot first
         self._observers: list[Observer] = []
         self._stop_callbacks: list[Callable[[], None]] = []
         self._closing = False
@@ -496,7 +497,7 @@ class LLMEngine:
                 seq = self._waiting.popleft() if self._waiting else None
             if seq is None:
                 break
-            seq.slot = self._free_slots.pop()
+            seq.slot = heapq.heappop(self._free_slots)
             self._running.append(seq)
             self._observe("queue_time_seconds", now - seq.arrival)
             n = min(len(seq.tokens), budget)
@@ -511,8 +512,11 @@ class LLMEngine:
         to_sample: list[tuple[_Sequence, torch.Tensor]] = []
         done_prefill: list[_Sequence] = []
         # Rows of one token (decodes) and longer prefill chunks run as separate passes, so
-        # neither pads to the other's length.
+        # neither pads to the other's length. Rows in slot order: with the lowest free slot
+        # taken first, running slots are usually consecutive and the KV cache reads them as a
+        # view instead of gathering a copy.
         for group in ([r for r in plan if r[1] == 1], [r for r in plan if r[1] > 1]):
+            group.sort(key=lambda row: row[0].slot)
             if group:
                 self._run_group(group, to_sample, done_prefill)
         for seq in done_prefill:  # max_tokens 0: prompt scored, nothing to sample
@@ -718,7 +722,7 @@ class LLMEngine:
             return
         seq.finished = True
         if seq.slot >= 0:
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             seq.slot = -1
         if seq in self._running:
             self._running.remove(seq)
