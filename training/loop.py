@@ -92,24 +92,31 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
-def setup(cfg: PretrainConfig) -> Job:
-    """Validate the config against the world, build groups, model chunks and optimizer."""
+def build_rank_model(cfg: PretrainConfig, *, init: bool = True
+                     ) -> tuple[torch.device, ParallelGroups, list[GPTModel]]:
+    """Join the world, check the config against it, and build the groups and this rank's model
+    chunks, seeded (`init=False` leaves the weights for a checkpoint to fill)."""
     device = resolve_device(cfg.train.device)
     init_distributed(device)
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    par, precision = cfg.parallel, cfg.train.precision
+    par = cfg.parallel
     groups = init_groups(par)
     torch.manual_seed(cfg.train.seed)
     tracker.seed(cfg.train.seed, groups.tp_rank)
-    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
     if par.pp > 1:
         stages = pipeline.build_stages(cfg.model, par, groups, device=device, dtype=dtype,
-                                       seed=cfg.train.seed)
+                                       seed=cfg.train.seed, init=init)
     else:
         stages = [build_model(cfg.model, par, groups, device=device, dtype=dtype,
-                              seed=cfg.train.seed)]
-    for m in stages:
-        m.train()
+                              seed=cfg.train.seed, init=init)]
+    return device, groups, stages
+
+
+def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
+             stages: list[GPTModel]) -> Job:
+    """The optimizer (over parameters that require grad), pipeline schedule and precision."""
+    par, precision = cfg.parallel, cfg.train.precision
     schedule = None
     if par.pp > 1:
         schedule = pipeline.build_schedule(stages, par, groups,
@@ -118,6 +125,14 @@ def setup(cfg: PretrainConfig) -> Job:
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     return Job(cfg, groups, stages, build_optimizer(stages, cfg.train), schedule, device,
                autocast, scaler)
+
+
+def setup(cfg: PretrainConfig) -> Job:
+    """Validate the config against the world, build groups, model chunks and optimizer."""
+    device, groups, stages = build_rank_model(cfg)
+    for m in stages:
+        m.train()
+    return make_job(cfg, device, groups, stages)
 
 
 def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
@@ -267,7 +282,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             tflops = flops * tokens_per_s / world / 1e12
             metrics.update(step=step, tokens_per_s=tokens_per_s, tflops=tflops,
                            mfu=tflops / peak if peak else float("nan"),
-                           memory_gb=_memory_gb(job.device))
+                           memory_gb=memory_gb(job.device))
             losses.append(metrics["loss"])
             if not math.isfinite(metrics["loss"]):
                 raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; lower "
@@ -350,7 +365,7 @@ def _as_config_error() -> Iterator[None]:
         raise ConfigError(str(exc)) from exc
 
 
-def _memory_gb(device: torch.device) -> float:
+def memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource

@@ -26,16 +26,11 @@ import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
 from tessera.core.config import ConfigError
-from tessera.core.init import build_model
 from tessera.core.model import model_flops_per_token
-from tessera.core.parallel import pipeline
-from tessera.core.parallel.groups import init_groups
-from tessera.core.parallel.random import tracker
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
-from tessera.training.loop import Job, _memory_gb, check_config, init_distributed, resolve_device
+from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, measure_peak_tflops
-from tessera.training.optim import build_optimizer
 from tessera.tuning import checkpoint as ckpt
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.data import (
@@ -137,20 +132,8 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
     """
     from tessera.tuning.prompts import fixed_prompts
 
-    device = resolve_device(cfg.train.device)
-    init_distributed(device)
     cfg.train.seq_len = inputs.seq_len
-    check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    par, precision = cfg.parallel, cfg.train.precision
-    groups = init_groups(par)
-    torch.manual_seed(cfg.train.seed)
-    tracker.seed(cfg.train.seed, groups.tp_rank)
-    dtype = torch.bfloat16 if precision == "bf16-pure" else torch.float32
-    if par.pp > 1:
-        stages = pipeline.build_stages(cfg.model, par, groups, device=device, dtype=dtype,
-                                       init=False)
-    else:
-        stages = [build_model(cfg.model, par, groups, device=device, dtype=dtype, init=False)]
+    device, groups, stages = build_rank_model(cfg, init=False)
     load_weights(stages, cfg.tune.checkpoint)
     prompts = None
     if any(m.is_first for m in stages):
@@ -162,14 +145,7 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
     for m in stages:
         mark_only_prompt_as_trainable(m)
         m.eval()  # the base is frozen: no dropout, no recomputation
-    schedule = None
-    if par.pp > 1:
-        schedule = pipeline.build_schedule(stages, par, groups,
-                                           pipeline.pipeline_loss_fn(cfg.model, groups))
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    job = Job(cfg, groups, stages, build_optimizer(stages, cfg.train), schedule, device,
-              autocast, scaler)
+    job = make_job(cfg, device, groups, stages)
     return Tuning(cfg, job, prompts, inputs.specs, inputs.n_virtual,
                   {name: k for k, name in enumerate(inputs.specs)}, inputs.tokenizer,
                   inputs.seq_len, cfg.tune.add_eos)
@@ -253,7 +229,7 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
         tflops = flops * tokens_per_s / world / 1e12
         metrics.update(step=step + 1, tokens_per_s=tokens_per_s, tflops=tflops,
                        mfu=tflops / peak if peak else float("nan"),
-                       memory_gb=_memory_gb(t.job.device))
+                       memory_gb=memory_gb(t.job.device))
         losses.append(metrics["loss"])
         done = step + 1 == tr.steps
         results = None
