@@ -132,6 +132,8 @@ def setup(cfg: PretrainConfig) -> Job:
     device, groups, stages = build_rank_model(cfg)
     for m in stages:
         m.train()
+        if cfg.train.compile:
+            m.compile()  # in place: parameter names (checkpoints, optimizer) stay the same
     return make_job(cfg, device, groups, stages)
 
 

@@ -323,3 +323,15 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(tiny, run30, tmp_pat
     assert [losses[s] for s in range(1, 31)] == [run30[s] for s in range(1, 31)]
     leftovers = [p.name for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
     assert not leftovers
+
+
+def test_compiled_training_follows_the_eager_losses(tiny, run8, tmp_path):
+    """`--compile` keeps parameter names (checkpoints load) and the loss curve (fusion may
+    reorder float sums, so equal to 1e-4 relative, not bitwise)."""
+    run = tmp_path / "compiled"
+    cfg, _ = load_config(pretrain_argv(tiny, run, "--compile", "--steps", "8"))
+    pretrain(cfg)
+    eager, compiled = read_losses(run8), read_losses(run)
+    for step in range(1, 5):
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
+    assert (run / "checkpoints" / "step-00000008" / "manifest.json").is_file()
