@@ -87,7 +87,7 @@ def run(args) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-gen-"))
     ckpt = save_checkpoint(work / "ckpt", build_model(config, seed=0))
     export_hf(ckpt, work / "hf")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     hf = AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa",
                                               dtype=dtype).to(args.device).eval()
     engine = LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
@@ -135,8 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--preset", default=None, help="a model preset instead of the sizes")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="weights of both models (default: fp32 on CPU, bf16 on CUDA)")
     args = parser.parse_args(argv)
-    record(run(args), "generate" if args.device == "cpu" else f"generate-{args.device}")
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    name = "generate" if args.device == "cpu" else f"generate-{args.device}"
+    record(run(args), name if args.dtype == "fp32" or args.device == "cuda" else f"{name}-bf16")
 
 
 if __name__ == "__main__":
