@@ -47,3 +47,13 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Run the test inside its own empty directory, so relative outputs (runs/...) land there."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny models run no slower, much faster on a busy 2-core
+    machine, and in-process results match those of single-threaded spawned ranks bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

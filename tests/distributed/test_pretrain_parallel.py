@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from tessera.core.checkpoint import read_manifest
 from tessera.training.config import load_config
@@ -40,12 +39,8 @@ def _assert_close_curves(got: dict[int, float], want: dict[int, float], steps: r
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The single-process references run on one thread, like each spawned rank."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

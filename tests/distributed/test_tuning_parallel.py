@@ -36,11 +36,8 @@ RTOL = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from tessera.core.checkpoint import load_checkpoint
@@ -45,11 +44,8 @@ SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test of this module on one thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
