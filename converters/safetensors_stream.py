@@ -1,4 +1,4 @@
-"""Read and write safetensors files one tensor at a time, so memory stays near one tensor.
+"""Read and write safetensors files a tensor, or a range of its rows, at a time: bounded memory.
 
 The format (https://huggingface.co/docs/safetensors): 8 bytes little-endian header length N,
 then N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
@@ -8,6 +8,9 @@ resharded file is known in advance (names, dtypes and shapes come from the layou
 `SafetensorsWriter` writes the header first and then each tensor, in any order, at its offset.
 `SafetensorsFile` reads one tensor with a plain `readinto` (no memory map, so the pages of a
 large file never count against the process) and names the problem when a file is damaged.
+Both also work on row ranges (`write_rows`, `read_rows_into`): tensors are stored row-major, so
+rows `[a, b)` of a tensor are one contiguous byte range and a converter can stream a tensor of
+any size through a bounded buffer.
 """
 
 from __future__ import annotations
@@ -67,24 +70,49 @@ class SafetensorsWriter:
         self._data_start = 8 + len(raw)
         self.size = self._data_start + offset
         self._pending = set(self._layout)
+        self._rows_left: dict[str, int] = {}  # tensors written by rows, not yet complete
         self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._fh.write(struct.pack("<Q", len(raw)) + raw)
         self._fh.truncate(self.size)
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
-        """Write the declared tensor `name`; returns the bytes written."""
-        if name not in self._layout:
-            raise KeyError(f"{self.path}: tensor {name!r} was not declared")
-        dtype, shape, offset = self._layout[name]
+        """Write the declared tensor `name` whole; returns the bytes written."""
+        dtype, shape, _ = self._entry(name)
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{self.path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
                              f"declared {dtype} {shape}")
-        if name not in self._pending:
+        if name not in self._pending or name in self._rows_left:
             raise ValueError(f"{self.path}: tensor {name!r} written twice")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._fh.seek(self._data_start + offset)
-        self._fh.write(memoryview(data))
         self._pending.discard(name)
+        return self._put(name, 0, tensor)
+
+    def write_rows(self, name: str, row: int, tensor: torch.Tensor) -> int:
+        """Write rows `[row, row + len(tensor))` of the declared tensor `name` (dim 0 is the
+        row: row-major storage makes them one contiguous byte range). Each row once, in any
+        order; the tensor is complete when as many rows as it has were written."""
+        dtype, shape, _ = self._entry(name)
+        n = tensor.shape[0] if tensor.dim() else -1
+        if (tensor.dtype != dtype or not shape or tuple(tensor.shape[1:]) != shape[1:]
+                or not 0 <= row <= row + n <= shape[0]):
+            raise ValueError(f"{self.path}: rows {row}.. of {name!r} as {tensor.dtype} "
+                             f"{tuple(tensor.shape)} do not fit the declared {dtype} {shape}")
+        left = self._rows_left.get(name, shape[0]) - n
+        if name not in self._pending or left < 0:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        self._rows_left[name] = left
+        if left == 0:
+            self._pending.discard(name)
+        return self._put(name, row * _nbytes(dtype, shape[1:]), tensor)
+
+    def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+        if name not in self._layout:
+            raise KeyError(f"{self.path}: tensor {name!r} was not declared")
+        return self._layout[name]
+
+    def _put(self, name: str, byte_offset: int, tensor: torch.Tensor) -> int:
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._fh.seek(self._data_start + self._layout[name][2] + byte_offset)
+        self._fh.write(memoryview(data))
         return data.nbytes
 
     def close(self) -> None:
@@ -171,6 +199,24 @@ class SafetensorsFile:
         if not buf:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def read_rows_into(self, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Read rows `[row, row + len(out))` of tensor `name` straight into the contiguous
+        tensor `out` (one plain read, no copy); returns `out`."""
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        dtype, shape, begin, _ = self._entries[name]
+        n = out.shape[0] if out.dim() else -1
+        if (out.dtype != dtype or not shape or tuple(out.shape[1:]) != shape[1:]
+                or not 0 <= row <= row + n <= shape[0] or not out.is_contiguous()):
+            raise ValueError(f"{self.path}: cannot read rows {row}.. of {name!r} ({dtype} "
+                             f"{shape}) into {out.dtype} {tuple(out.shape)}")
+        size = _nbytes(dtype, out.shape)
+        if size:
+            self._fh.seek(self._data_start + begin + row * _nbytes(dtype, shape[1:]))
+            if self._fh.readinto(out.view(torch.uint8).reshape(-1).numpy()) != size:
+                raise SafetensorsFormatError(f"{self.path}: truncated while reading {name!r}")
+        return out
 
     def close(self) -> None:
         self._fh.close()

@@ -123,6 +123,51 @@ def shard_tensor(
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
 
 
+def _chunk_bounds(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """`[start, stop)` of piece `tp_rank` of `torch.chunk(size, tp_size)` (empty past the end)."""
+    step = -(-size // tp_size)
+    return min(tp_rank * step, size), min((tp_rank + 1) * step, size)
+
+
+def shard_row_ranges(name: str, config: ModelConfig, tp_rank: int, tp_size: int,
+                     rows: int | None = None) -> list[tuple[int, int, int]]:
+    """Which global rows this rank holds, as `(global_start, global_stop, local_start)`.
+
+    The row-range form of `shard_tensor` (tested against it), for streaming a tensor in row
+    chunks: local rows `[local_start, local_start + global_stop - global_start)` of the shard
+    are global rows `[global_start, global_stop)`. A replicated or column-split (`dim=1`) tensor
+    keeps every row; a row-split one (`dim=0`) keeps one slice per fused block, in order; local
+    rows no range covers are the vocabulary's zero padding. `rows` is the global row count
+    (default: from `global_param_shapes`, or pass it for an FP8 scale of the weight `name`).
+    """
+    if rows is None:
+        rows = global_param_shapes(config)[name][0]
+    spec = shard_spec(name, config)
+    if spec.dim != 0 or (tp_size == 1 and not spec.vocab):
+        return [(0, rows, 0)] if rows else []
+    if spec.vocab:
+        per_rank = padded_vocab_size(rows, tp_size) // tp_size
+        start, stop = tp_rank * per_rank, min((tp_rank + 1) * per_rank, rows)
+        return [(start, stop, 0)] if stop > start else []
+    out, block_start, local = [], 0, 0
+    for size in spec.parts or (rows,):
+        lo, hi = _chunk_bounds(size, tp_rank, tp_size)
+        if hi > lo:
+            out.append((block_start + lo, block_start + hi, local))
+            local += hi - lo
+        block_start += size
+    return out
+
+
+def shard_columns(name: str, config: ModelConfig, tp_rank: int, tp_size: int, cols: int
+                  ) -> tuple[int, int] | None:
+    """The global columns `[start, stop)` this rank holds of a column-split (`dim=1`) tensor
+    with `cols` columns; None when the columns are not split (every other tensor)."""
+    if shard_spec(name, config).dim != 1 or tp_size == 1:
+        return None
+    return _chunk_bounds(cols, tp_rank, tp_size)
+
+
 def unshard_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
     """The global tensor from the tensor-parallel shards of every rank, in rank order."""
     spec = shard_spec(name, config)
