@@ -26,5 +26,4 @@ demo: install
 	$(PYTHON) -m tessera
 
 bench:
-	@set -e; for f in bench/[!_]*.py; do [ -e "$$f" ] || continue; \
-	  echo "== $$f"; $(PYTHON) "$$f"; done
+	$(PYTHON) bench/run_all.py
