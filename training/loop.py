@@ -88,6 +88,12 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16"):
         problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure "
                         "or fp16")
+    if par.data_parallel != "ddp" and par.dp > 1:
+        # The loop averages gradients over dp itself (what DDP does) and checkpoints whole
+        # optimizer moments; sharded optimizer state (ZeRO-1) and sharded parameters (FSDP2)
+        # exist in core.parallel.data_parallel but are not wired into training checkpoints yet.
+        problems.append(f"data_parallel {par.data_parallel!r} is not supported by the training "
+                        "loop yet; use --data-parallel ddp (the default)")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -331,3 +331,13 @@ def test_compiled_training_follows_the_eager_losses(tiny, run8, tmp_path):
     for step in range(1, 5):
         assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
     assert (run / "checkpoints" / "step-00000008" / "manifest.json").is_file()
+
+
+def test_unwired_data_parallel_modes_are_refused(tiny, tmp_path):
+    from tessera.core.config import ConfigError
+    from tessera.training.loop import check_config
+
+    cfg, _ = load_config(pretrain_argv(tiny, tmp_path / "run", "--data-parallel", "zero1"))
+    check_config(cfg, 1)  # dp 1: nothing to shard, nothing to refuse
+    with pytest.raises(ConfigError, match="data_parallel 'zero1' is not supported"):
+        check_config(cfg, 2)
