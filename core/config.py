@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
@@ -258,11 +258,3 @@ def _layout_problems(
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass
-class RunConfigs:
-    """A model and its layout together: what a checkpoint's manifest records."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
