@@ -79,6 +79,16 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, A
     return [_run_case(case) for case in cases]
 
 
+def spawn_cases(cases: list[Case], world_size: int, timeout: float = 240
+                ) -> dict[str, list[dict[str, Any]]]:
+    """Run every case in one spawn of `world_size` gloo ranks (start-up is paid once);
+    each case's per-rank results, by case name."""
+    from tests.distributed_helper import run_ranks
+
+    per_rank = run_ranks(run_cases, world_size, cases, timeout=timeout)
+    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+
+
 def _run_case(case: Case) -> dict[str, Any]:
     config, par = case.model_config(), case.parallel_config()
     groups = init_groups(par)

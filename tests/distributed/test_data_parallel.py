@@ -8,8 +8,7 @@ import pytest
 from tessera.core.config import ConfigError, ParallelConfig
 from tessera.core.parallel.data_parallel import wrap_data_parallel
 from tessera.core.parallel.groups import ParallelGroups
-from tests.distributed._parity import Case, check_case, run_cases
-from tests.distributed_helper import run_ranks
+from tests.distributed._parity import Case, check_case, spawn_cases
 
 DP2 = [
     Case("llama-ddp", "llama-tiny", {"dp": 2}, model={"num_kv_heads": 2}, sgd_step=True),
@@ -20,8 +19,7 @@ DP2 = [
 
 @pytest.fixture(scope="module")
 def dp2_results():
-    per_rank = run_ranks(run_cases, 2, DP2, timeout=180)
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(DP2)}
+    return spawn_cases(DP2, 2, timeout=180)
 
 
 @pytest.mark.parametrize("case", DP2, ids=lambda c: c.name)

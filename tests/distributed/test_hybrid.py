@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed._parity import Case, check_case, run_cases
-from tests.distributed_helper import run_ranks
+from tests.distributed._parity import Case, check_case, spawn_cases
 
 MB4 = {"micro_batches": 4}
 
@@ -35,8 +34,7 @@ HYBRID = [
 
 @pytest.fixture(scope="module")
 def hybrid_results():
-    per_rank = run_ranks(run_cases, 4, HYBRID, timeout=240)
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(HYBRID)}
+    return spawn_cases(HYBRID, 4, timeout=240)
 
 
 @pytest.mark.parametrize("case", HYBRID, ids=lambda c: c.name)

@@ -25,7 +25,7 @@ from tessera.core.parallel.pipeline import (
     schedule_problems,
     sync_tied_embedding_grads,
 )
-from tests.distributed._parity import Case, check_case, make_batch, run_cases
+from tests.distributed._parity import Case, check_case, make_batch, spawn_cases
 from tests.distributed_helper import run_ranks
 
 MB4 = {"micro_batches": 4}
@@ -52,19 +52,14 @@ PP4 = [
 ]
 
 
-def _spawn(cases: list[Case], world_size: int) -> dict[str, list]:
-    per_rank = run_ranks(run_cases, world_size, cases, timeout=240)
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
-
-
 @pytest.fixture(scope="module")
 def pp2_results():
-    return _spawn(PP2, 2)
+    return spawn_cases(PP2, 2)
 
 
 @pytest.fixture(scope="module")
 def pp4_results():
-    return _spawn(PP4, 4)
+    return spawn_cases(PP4, 4)
 
 
 @pytest.mark.parametrize("case", PP2, ids=lambda c: c.name)

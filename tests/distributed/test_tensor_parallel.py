@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed._parity import Case, check_case, run_cases
-from tests.distributed_helper import run_ranks
+from tests.distributed._parity import Case, check_case, spawn_cases
 
 GQA_1003 = {"vocab_size": 1003, "num_heads": 8, "num_kv_heads": 4}  # kv heads < heads
 
@@ -26,19 +25,14 @@ TP4 = [
 ]
 
 
-def _spawn(cases: list[Case], world_size: int) -> dict[str, list]:
-    per_rank = run_ranks(run_cases, world_size, cases, timeout=180)
-    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
-
-
 @pytest.fixture(scope="module")
 def tp2_results():
-    return _spawn(TP2, 2)
+    return spawn_cases(TP2, 2, timeout=180)
 
 
 @pytest.fixture(scope="module")
 def tp4_results():
-    return _spawn(TP4, 4)
+    return spawn_cases(TP4, 4, timeout=180)
 
 
 @pytest.mark.parametrize("case", TP2, ids=lambda c: c.name)
