@@ -240,10 +240,7 @@ def sync_tied_embedding_grads(stages: Sequence[GPTModel], groups: ParallelGroups
     copies = [p for p in copies if p.requires_grad]  # frozen (prompt tuning): nothing to sync
     if not copies:
         return
-    for p in copies:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [_local(p.grad) for p in copies]
+    grads = _local_grads(copies)
     if len(grads) == 2:
         total = grads[0] + grads[1]
         for g in grads:
@@ -266,14 +263,20 @@ def sync_sequence_parallel_grads(modules: Sequence[nn.Module], groups: ParallelG
               if getattr(p, "sequence_parallel", False) and p.requires_grad]
     if not params:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [_local(p.grad) for p in params]
+    grads = _local_grads(params)
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=groups.tp_group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
+
+
+def _local_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient (zeros where none was produced, so every rank reduces the
+    same buffers), as the local shard where it is an FSDP2 DTensor."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [_local(p.grad) for p in params]
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
