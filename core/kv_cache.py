@@ -22,6 +22,30 @@ class KVCache:
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_slots, self.max_seq = num_slots, max_seq
+        self._plan_for: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plan_value: tuple[int, int | None, torch.Tensor] = (0, None, torch.empty(0))
+
+    def _plan(self, positions: torch.Tensor, slots: torch.Tensor
+              ) -> tuple[int, int | None, torch.Tensor]:
+        """Prefix length, first slot if the slots are consecutive (else None), and the mask.
+
+        Every layer of one forward pass passes the same `positions` and `slots` tensors, so this
+        is computed once per pass: each of its checks waits for the device. (So callers pass new
+        tensors for each pass rather than editing these in place.)
+        """
+        if self._plan_for is not None and self._plan_for[0] is positions \
+                and self._plan_for[1] is slots:
+            return self._plan_value
+        length = int(positions.max()) + 1
+        if length > self.max_seq:
+            raise ValueError(f"position {length - 1} exceeds the cache length {self.max_seq}")
+        first: int | None = int(slots[0])
+        if not bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all()):
+            first = None
+        key_pos = torch.arange(length, device=positions.device)
+        mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
+        self._plan_for, self._plan_value = (positions, slots), (length, first, mask)
+        return self._plan_value
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.keys, self.values)
@@ -34,21 +58,15 @@ class KVCache:
         Returns all keys and values of those slots up to the largest position, and the boolean
         attention mask `(B, 1, T, L)` (True = attend).
         """
-        if int(positions.max()) >= self.max_seq:
-            raise ValueError(f"position {int(positions.max())} exceeds the cache length "
-                             f"{self.max_seq}")
+        length, first, mask = self._plan(positions, slots)
         rows = slots.unsqueeze(1)  # (B, 1) broadcast against positions (B, T)
         self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
-        length = int(positions.max()) + 1
-        first = int(slots[0])
-        if bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all()):
+        if first is not None:
             # Consecutive slots (the engine keeps them so): a view, no copy of every prefix.
             keys = self.keys[layer][first:first + len(slots), :, :length]
             values = self.values[layer][first:first + len(slots), :, :length]
         else:
             keys = self.keys[layer][slots, :, :length]
             values = self.values[layer][slots, :, :length]
-        key_pos = torch.arange(length, device=positions.device)
-        mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
         return keys.to(k.dtype), values.to(v.dtype), mask
