@@ -41,12 +41,12 @@ def _sync() -> None:
 
 
 def matmul_peak_tflops(dtype: torch.dtype, device: str = "cpu", n: int | None = None) -> float:
-    """The best dense matmul TFLOP/s of this device in `dtype` (the MFU denominator)."""
-    n = n or (8192 if device == "cuda" else 2048)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    seconds = best_time(lambda: a @ b, repeats=5, warmup=2)
-    return 2 * n**3 / seconds / 1e12
+    """The best dense matmul TFLOP/s of this device in `dtype` (the MFU denominator), measured
+    as training does, on larger matrices."""
+    from tessera.training.metrics import measure_peak_tflops
+
+    return measure_peak_tflops(device, dtype, seconds=2.0,
+                               n=n or (8192 if device == "cuda" else 2048))
 
 
 def peak_rss_mb() -> float:

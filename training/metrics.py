@@ -15,11 +15,12 @@ import torch
 from tqdm import tqdm
 
 
-def measure_peak_tflops(device: torch.device, dtype: torch.dtype | None = None,
-                        seconds: float = 0.5) -> float:
-    """Dense matmul TFLOP/s this device reaches (best of repeated runs): the MFU denominator."""
-    dtype = dtype or torch.float32
-    n = 4096 if device.type == "cuda" else 1024
+def measure_peak_tflops(device: torch.device | str, dtype: torch.dtype | None = None,
+                        seconds: float = 0.5, n: int | None = None) -> float:
+    """Dense `n x n` matmul TFLOP/s this device reaches (best of the runs that fit in `seconds`,
+    after a warm-up): the MFU denominator of the training log and of `bench/`."""
+    device, dtype = torch.device(device), dtype or torch.float32
+    n = n or (4096 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
