@@ -23,6 +23,8 @@ from _common import best_time, matmul_peak_tflops, record  # noqa: E402
 from tessera.converters.hf_mapping import config_to_hf  # noqa: E402
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.model import model_flops_per_token  # noqa: E402
+from tessera.training.config import TrainConfig  # noqa: E402
+from tessera.training.optim import build_optimizer, param_groups  # noqa: E402
 
 
 def _config(args) -> ModelConfig:
@@ -45,8 +47,18 @@ def _hf_model(config: ModelConfig, dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(hf_config).to(dtype).train()
 
 
+def _optimizer(model, hf: bool) -> torch.optim.Optimizer:
+    """Each side's own default: Tessera's `build_optimizer`, and what the HF `Trainer` builds
+    by default on torch >= 2.8 (`adamw_torch_fused`), with the same hyperparameters."""
+    cfg = TrainConfig()
+    if not hf:
+        return build_optimizer([model], cfg)
+    return torch.optim.AdamW(param_groups([model], cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=True)
+
+
 def _step_fn(model, ids, labels, autocast: torch.dtype | None, hf: bool):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer = _optimizer(model, hf)
     device = ids.device.type
 
     def step():

@@ -12,12 +12,14 @@ tensor-parallel regions. Callers see `(B, T, ...)`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.core import fused
 from tessera.core.config import ModelConfig, ParallelConfig
 from tessera.core.kv_cache import KVCache
 from tessera.core.parallel.groups import ParallelGroups
@@ -47,9 +49,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * h.to(x.dtype)
+            return fused.rms_norm(x, self.weight, self.eps)
         weight = self.weight + 1 if self.kind == "layernorm1p" else self.weight
         return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
 
@@ -72,19 +72,6 @@ class Rotary(nn.Module):
         freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `cos.shape[-1]` dims of `x (B, nh, T, hd)`; the rest pass through."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x_rot = x_rot * cos + _rotate_half(x_rot) * sin
-    return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
 
 
 class Attention(nn.Module):
@@ -121,7 +108,7 @@ class Attention(nn.Module):
         k = k.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
         v = v.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None
         if cache is not None:
             k, v, mask = cache.update(self.layer, k, v, positions, slots)
@@ -147,8 +134,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w1(x)
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = fused.swiglu(h)
         elif self.activation == "squared_relu":
             h = F.relu(h).square()
         elif self.activation == "gelu_tanh":
@@ -295,10 +281,20 @@ class GPTModel(nn.Module):
 
 
 def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, counted as Megatron does: 6 N plus the attention term."""
-    n = config.num_parameters()
-    attention = 6 * config.num_layers * seq_len * config.num_heads * config.head_dim
-    return 6 * n + attention
+    """Training FLOPs per token, counted as Megatron does (Narayanan et al., 2021).
+
+    6 per weight of every matrix multiply (forward 2, backward 4), the output projection
+    included and embedding lookups not, plus the attention scores and weighted values:
+    12 * layers * seq_len * heads * head_dim (counted as if unmasked, as Megatron does).
+    """
+    from tessera.core.parallel.sharding import global_param_shapes
+
+    matmul = sum(math.prod(shape) for name, shape in global_param_shapes(config).items()
+                 if len(shape) == 2 and "embeddings" not in name)
+    if config.tied_embeddings:  # the embedding table is also the output projection
+        matmul += config.vocab_size * config.hidden_size
+    attention = 12 * config.num_layers * seq_len * config.num_heads * config.head_dim
+    return 6 * matmul + attention
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.core import fused
 from tessera.core.parallel.mappings import (
     Group,
     copy_to_tp,
@@ -148,9 +149,8 @@ def vocab_parallel_cross_entropy(
     `[r * V_local, (r + 1) * V_local)`), `target` is `(N,)` global token ids.
     """
     if tp_group is None and logits.shape[-1] == vocab_size:
-        # One rank, no padding: torch's fused log-softmax + NLL makes fewer passes over the logits.
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
-                               reduction="none")
+        # One rank, no padding: log-softmax + NLL, compiled into few passes when training.
+        return fused.cross_entropy(logits, target, ignore_index)
     vocab_start = tp_rank * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size,
                                             ignore_index)

@@ -1,0 +1,119 @@
+"""Fused elementwise kernels for training: RMSNorm, SwiGLU, rotary embedding, cross-entropy.
+
+Eager PyTorch runs each of these as 5-10 separate passes over the activations in each
+direction (upcast, square, mean, multiply, downcast, ...), and on a CPU those passes cost as
+much as the matrix multiplies of a small model. TorchInductor compiles each function here into
+one or two loops per direction. The functions are plain PyTorch with the rounding points of
+the reference implementations (Hugging Face's: RMSNorm normalises in fp32 and rounds before
+the weight; the loss is computed from fp32 logits), so compiled and eager results agree to
+float reassociation.
+
+When: `TESSERA_FUSED_KERNELS` = `auto` (default), `on` or `off`. `auto` and `on` use the
+compiled kernels while autograd is recording (training and tuning steps); inference always runs
+eager, because decode shapes change every step and its time goes to the weights, not to these
+passes. `auto` falls back to eager, with one warning, when compilation fails (no C++ compiler,
+an unsupported platform); `on` raises instead. Shapes may vary between calls: after the first
+shape change a function is recompiled once with dynamic shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch._functorch.config
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+_mode: str | None = None  # None: read TESSERA_FUSED_KERNELS on first use
+_failed = False  # `auto` saw a compile failure: eager from then on
+
+F_ = TypeVar("F_", bound=Callable[..., torch.Tensor])
+
+
+def set_mode(mode: str | None) -> None:
+    """Set the mode (`auto`, `on`, `off`), or `None` to read `TESSERA_FUSED_KERNELS` again."""
+    global _mode, _failed
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"fused kernel mode {mode!r} is not one of {MODES}")
+    _mode, _failed = mode, False
+
+
+def mode() -> str:
+    global _mode
+    if _mode is None:
+        value = os.environ.get("TESSERA_FUSED_KERNELS", "auto").lower()
+        if value not in MODES:
+            raise ValueError(f"TESSERA_FUSED_KERNELS={value!r} is not one of {MODES}")
+        _mode = value
+    return _mode
+
+
+def _wanted(x: torch.Tensor) -> bool:
+    return (torch.is_grad_enabled() and x.requires_grad and mode() != "off" and not _failed
+            and not torch.compiler.is_compiling())
+
+
+def fusable(fn: F_) -> F_:
+    """`fn` itself, or its TorchInductor-compiled version when training (see the module doc)."""
+    # Pipeline schedules that split backward into input and weight gradients run it with
+    # retain_graph, which a backward kernel given donated buffers refuses. The donation only
+    # saves a temporary per kernel; this is the one switch torch offers (read at compile time).
+    torch._functorch.config.donated_buffer = False
+    compiled = torch.compile(fn, dynamic=None)
+
+    @functools.wraps(fn)
+    def dispatch(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        global _failed
+        if not _wanted(x):
+            return fn(x, *args, **kwargs)
+        try:
+            return compiled(x, *args, **kwargs)
+        except Exception as error:  # compile failures surface on the first call
+            if mode() == "on":
+                raise
+            _failed = True
+            log.warning("fused kernels disabled, running eager: compiling %s failed (%s: %s). "
+                        "Set TESSERA_FUSED_KERNELS=off to skip the attempt.",
+                        fn.__name__, type(error).__name__, str(error).splitlines()[0][:200])
+            return fn(x, *args, **kwargs)
+
+    dispatch.eager = fn  # the reference formula, for tests
+    return dispatch  # type: ignore[return-value]
+
+
+@fusable
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / rms(x)`, normalised in fp32 and rounded to `x.dtype` before the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@fusable
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` where `h = [gate, up]` along the last dimension."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@fusable
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first `cos.shape[-1]` dims of `x`; the rest pass through."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    a, b = x_rot.chunk(2, dim=-1)
+    x_rot = x_rot * cos + torch.cat([-b, a], dim=-1) * sin
+    return torch.cat([x_rot, x_pass], dim=-1) if x_pass.shape[-1] else x_rot
+
+
+@fusable
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Per-token cross-entropy `(N,)` in fp32 from logits `(N, V)`; 0 where ignored."""
+    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="none")
