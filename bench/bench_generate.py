@@ -3,7 +3,9 @@
 Rows: single-stream decode tokens/s and time to first token; then aggregate throughput with
 continuous batching at 1, 4, 16 and 64 concurrent requests against HF `generate` with a static
 batch of the same size. Greedy, fixed output length (EOS ignored), same weights (the Tessera
-checkpoint is exported to Hugging Face format in the same run).
+checkpoint is exported to Hugging Face format in the same run). The engine's step loop runs on
+the main thread, as `tessera serve` runs it, and HF `generate` runs there too: a torch team on a
+second thread would slow both sides (see `serving.engine`).
 
 Targets on the 2-core CPU: single-stream decode >= 2x HF; 16 concurrent >= 5x HF single-stream.
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import record  # noqa: E402
 
 from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
-from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.engine import LLMEngine, run_beside  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -92,7 +94,8 @@ def run(args) -> list[dict]:
                                               dtype=dtype).to(args.device).eval()
     engine = LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
                                        device=args.device,
-                                       max_step_tokens=max(args.concurrency) * args.prompt)
+                                       max_step_tokens=max(args.concurrency) * args.prompt,
+                                       background=False)
     gen = torch.Generator().manual_seed(1)
 
     def prompts(n: int) -> list[list[int]]:
@@ -101,9 +104,9 @@ def run(args) -> list[dict]:
     rows = []
     with torch.inference_mode():
         single = prompts(1)
-        asyncio.run(_engine_run(engine, single, 4))  # warm-up
+        run_beside(engine, lambda: _engine_run(engine, single, 4))  # warm-up
         _hf_run(hf, single, 4)
-        t_ours, ttft_ours = asyncio.run(_engine_run(engine, single, args.new))
+        t_ours, ttft_ours = run_beside(engine, lambda: _engine_run(engine, single, args.new))
         t_hf, ttft_hf = _hf_run(hf, single, args.new)
         hf_single = args.new / t_hf
         row = {"case": "single stream", "tessera tok/s": args.new / t_ours,
@@ -116,7 +119,7 @@ def run(args) -> list[dict]:
         rows.append(row)
         for n in args.concurrency:
             batch = prompts(n)
-            t_ours, _ = asyncio.run(_engine_run(engine, batch, args.new))
+            t_ours, _ = run_beside(engine, lambda b=batch: _engine_run(engine, b, args.new))
             t_hf, _ = _hf_run(hf, batch, args.new)
             rows.append({"case": f"{n} concurrent (HF: static batch {n})",
                          "tessera tok/s": n * args.new / t_ours,

@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -82,10 +83,9 @@ def main(argv: list[str]) -> int:
     if engine is None:
         return 0  # a worker rank: rank 0 has stopped
     try:
-        _run_http(engine, args)
+        return _run_http(engine, args)
     finally:
         engine.shutdown()
-    return 0
 
 
 def _device(name: str) -> torch.device:
@@ -105,14 +105,20 @@ def _start(args: argparse.Namespace):
         from tessera.tuning.prompt_table import load_prompt_tables
 
         tasks = load_prompt_tables(args.prompts, args.checkpoint)
+    # background=False: the step loop runs on this (main) thread, see `serving.engine`.
     return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=args.dtype,
                       device=_device(args.device), max_batch=args.max_batch, tasks=tasks,
+                      background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
                       **({"model_name": args.model_name} if args.model_name else {}))
 
 
-def _run_http(engine, args: argparse.Namespace) -> None:
-    """uvicorn in this (main) thread; it turns SIGINT/SIGTERM into a graceful exit."""
+def _run_http(engine, args: argparse.Namespace) -> int:
+    """The engine's step loop on this (main) thread, uvicorn on a helper thread.
+
+    SIGINT / SIGTERM shut the engine down, which stops uvicorn; uvicorn stopping on its own
+    (it could not bind the port) shuts the engine down. Returns the exit code.
+    """
     import uvicorn
 
     from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
@@ -125,15 +131,29 @@ def _run_http(engine, args: argparse.Namespace) -> None:
                      request_timeout_s=args.request_timeout, chat_template=template)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level))
-    engine.on_stop(lambda: setattr(server, "should_exit", True))  # e.g. a worker rank stopped
-    # Once stopped, uvicorn raises the signal it caught again for the previous handler; with the
-    # default one the process would die before the engine releases the other ranks.
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    engine.on_stop(lambda: setattr(server, "should_exit", True))
+    failed = []
+
+    def serve_http() -> None:
+        try:
+            server.run()  # off the main thread, uvicorn installs no signal handlers
+        except BaseException as exc:  # e.g. SystemExit(1) when the port is taken
+            failed.append(exc)
+        finally:
+            engine.shutdown()
+
+    http = threading.Thread(target=serve_http, name="tessera-http", daemon=True)
+    previous = {s: signal.signal(s, lambda *_: engine.shutdown())
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        http.start()
+        engine.run()
     finally:
+        server.should_exit = True
+        http.join(timeout=30)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 1 if failed or not server.started else 0
 
 
 def _launch(argv: list[str], nproc: int) -> int:

@@ -1,9 +1,18 @@
 """The generation engine: iteration-level (continuous) batching over a slot-addressed KV cache.
 
-`LLMEngine` implements `serving.types.Engine`. One background thread runs the step loop; the
-asyncio side (the HTTP layer) calls `generate`, which validates and queues the request at once
-(raising `RequestError` or `Overloaded` before any work) and returns an async iterator that
-receives the request's `GenerationOutput`s through `loop.call_soon_threadsafe`.
+`LLMEngine` implements `serving.types.Engine`. One thread runs the step loop: a background
+thread by default, or the thread that calls `run()` (`background=False`). The asyncio side (the
+HTTP layer) calls `generate`, which validates and queues the request at once (raising
+`RequestError` or `Overloaded` before any work) and returns an async iterator that receives the
+request's `GenerationOutput`s through `loop.call_soon_threadsafe`.
+
+Which thread matters on CPU. GNU OpenMP (torch's intra-op threads) counts the threads of every
+team in the process; once they outnumber the cores it stops letting idle workers spin, so every
+parallel op pays a futex wake-up. A team started from a second thread always brings the count
+over: the main thread plus the engine's team is `1 + cores`. Measured on 2 cores, a decode step
+took 2x as long on a background thread as on the main thread, and it slowed the main thread's
+torch work as much. So the server (`tessera serve`) runs the loop on the main thread and its
+HTTP event loop on a helper thread; `run_beside(engine, coroutine)` does the same for scripts.
 
 Each step:
 1. aborts (a closed iterator) and timeouts are applied; finished requests free their slot;
@@ -38,9 +47,10 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -200,7 +210,7 @@ class LLMEngine:
                  tasks: Mapping[str, torch.Tensor] | None = None, max_batch: int = 8,
                  max_queue: int = 128, max_step_tokens: int = 512, max_logprobs: int = 20,
                  eos_id: int | None = None, seed: int | None = None,
-                 heartbeat_s: float = 1.0):
+                 heartbeat_s: float = 1.0, background: bool = True):
         if isinstance(model, (GPTModel, list, tuple)):
             model = LocalExecutor(ModelRunner(model, max_batch, tasks))
         elif tasks:
@@ -233,8 +243,11 @@ class LLMEngine:
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                           "requests_total": 0, "requests_rejected_total": 0, "steps_total": 0,
                           **{f"requests_finished_{r}_total": 0 for r in FINISH_REASONS}}
-        self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
-        self._thread.start()
+        self._looping = self._stopped = False
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
+            self._thread.start()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, dtype: torch.dtype | str | None = None,
@@ -322,12 +335,24 @@ class LLMEngine:
     def alive(self) -> bool:
         return self._alive
 
+    def run(self) -> None:
+        """Run the step loop in the calling thread until `shutdown()` (from another thread or a
+        signal handler) or a stopped rank; for engines built with `background=False`."""
+        if self._thread is not None:
+            raise RuntimeError("this engine runs its step loop on a background thread already")
+        self._loop()
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish outstanding requests as aborted, release the other ranks, stop the thread."""
+        """Finish outstanding requests as aborted, release the other ranks, stop the loop.
+
+        Waits for a background loop to end; a loop in `run()` ends at its next check."""
         self._closing = True
         self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout)
+        elif thread is None and not self._looping:  # no loop to notice: stop here
+            self._stop(stopped_by_rank=False)
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -416,8 +441,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step loop
 
-    def _loop(self) -> None:
+    def _loop(self, until: threading.Event | None = None) -> None:
+        """Steps until shutdown, a stopped rank, or (if given) `until` is set while no request
+        is in the engine; only the first two stop the engine."""
         stopped_by_rank = False
+        paused = False
+        self._looping = True
         try:
             while True:
                 self._wake.clear()
@@ -426,6 +455,9 @@ class LLMEngine:
                     break
                 self._expire(time.monotonic())
                 if not self._running and not self._waiting:
+                    if until is not None and until.is_set():
+                        paused = True
+                        break
                     if not self._wake.wait(self.heartbeat_s) and not self.executor.heartbeat():
                         stopped_by_rank = True
                         break
@@ -442,20 +474,30 @@ class LLMEngine:
             log.warning("serving stops: %s", exc)
             stopped_by_rank = True
         except BaseException:
-            log.exception("the engine thread died")
+            log.exception("the engine loop died")
         finally:
-            self._alive = False
-            self._fail_all("the server is shutting down")
-            if not stopped_by_rank:
-                try:
-                    self.executor.close()
-                except Exception:
-                    log.exception("could not release the other ranks")
-            for fn in self._stop_callbacks:
-                try:
-                    fn()
-                except Exception:
-                    log.exception("stop callback failed")
+            self._looping = False
+            if not paused:
+                self._stop(stopped_by_rank)
+
+    def _stop(self, stopped_by_rank: bool) -> None:
+        """Once: fail what is left, release the other ranks, call the stop callbacks."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._alive = False
+        self._fail_all("the server is shutting down")
+        if not stopped_by_rank:
+            try:
+                self.executor.close()
+            except Exception:
+                log.exception("could not release the other ranks")
+        for fn in self._stop_callbacks:
+            try:
+                fn()
+            except Exception:
+                log.exception("stop callback failed")
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -753,3 +795,35 @@ class LLMEngine:
             except Exception:
                 log.exception("metrics observer failed on %s", name)
 
+
+T = TypeVar("T")
+
+
+def run_beside(engine: LLMEngine, work: Callable[[], Awaitable[T]]) -> T:
+    """Run the coroutine `work()` on an event loop in a helper thread while `engine`'s step loop
+    runs in the calling thread (see the module doc for why); return its result when it is done.
+
+    The engine (built with `background=False`) keeps its state and can be used again."""
+    if engine._thread is not None:
+        raise RuntimeError("run_beside needs an engine built with background=False")
+    done = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            outcome["value"] = asyncio.run(work())
+        except BaseException as exc:  # re-raised in the caller's thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+            engine._wake.set()
+
+    thread = threading.Thread(target=client, name="tessera-client", daemon=True)
+    thread.start()
+    engine._loop(until=done)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    if not engine.alive and "value" not in outcome:
+        raise RuntimeError("the engine stopped before the work was done")
+    return outcome["value"]

@@ -4,6 +4,7 @@ here: no port is opened, and the HTTP app is a stand-in)."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -33,6 +34,8 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     def run(server):
         seen["config"] = server.config
         seen["alive"] = seen["engine"].alive
+        seen["http_thread"] = threading.current_thread().name
+        server.started = True
 
     app_module.create_app = create_app
     monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
@@ -43,6 +46,22 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     assert (seen["model_name"], seen["api_key"]) == ("tiny-ckpt", "k")
     assert engine.tokenizer is not None and engine.max_batch == 2 and seen["alive"]
     assert not engine.alive  # shut down when the server returned
+    # The step loop ran on the main thread (see serving.engine), uvicorn on a helper thread.
+    assert seen["http_thread"] == "tessera-http" and engine._thread is None
+
+
+def test_serve_exits_1_and_stops_the_engine_when_uvicorn_cannot_start(checkpoint, monkeypatch):
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.app")
+    app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
+    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+
+    def run(server):  # what uvicorn does when the port is taken
+        raise SystemExit(1)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["--checkpoint", str(checkpoint)]) == 1
+    assert not seen["engine"].alive
 
 
 @pytest.mark.parametrize("extra, message", [
