@@ -93,7 +93,9 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        with tracker.fork():  # heads differ per tp rank: independent dropout masks
+        # Heads differ per tp rank: independent dropout masks. Without dropout there is nothing
+        # to draw, and swapping the RNG state (a few KB, twice) cost 4% of a decode step.
+        with tracker.fork() if p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                   is_causal=mask is None, enable_gqa=True)
 
