@@ -23,6 +23,10 @@ from _common import RESULTS, machine, markdown_table  # noqa: E402
 HERE = Path(__file__).parent
 CPU_PARTS = {
     "train": ["bench_train.py"],
+    # 1B-model width (Llama 3.2 1B has hidden 2048): where matmuls, not elementwise passes,
+    # decide the fraction of peak. Two layers keep it a few minutes.
+    "train-wide": ["bench_train.py", "--hidden", "2048", "--layers", "2", "--steps", "2",
+                   "--no-compile", "--name", "train-wide"],
     "parallel": ["bench_parallel.py"],
     "generate": ["bench_generate.py"],
     "serve_load": ["serve_load.py", "--self-test", "--compare-hf"],
@@ -69,14 +73,14 @@ def summary(gpu: bool) -> list[dict]:
             add(f"FP8 {r['layer']} {r['scales']} speedup (error {r['fp8 relative error']:.3f})",
                 r["fp8 speedup"], "report", None)
         return out
-    for r in _rows("train"):
-        add(f"training tok/s vs HF ({r['precision']})", r["ratio (target >= 1.15)"], ">= 1.15",
-            r["ratio (target >= 1.15)"] >= 1.15)
-    mixed = max((r for r in _rows("train") if r["precision"].startswith("bf16 mixed")),
-                key=lambda r: r["fraction of peak"], default=None)
-    if mixed:
-        add("training FLOP/s / bf16 matmul peak", mixed["fraction of peak"], ">= 0.70",
-            mixed["fraction of peak"] >= 0.7)
+    train = _rows("train") + _rows("train-wide")
+    for r in train:
+        add(f"training tok/s vs HF ({r['precision']}; {r.get('model', '')})",
+            r["ratio (target >= 1.15)"], ">= 1.15", r["ratio (target >= 1.15)"] >= 1.15)
+    for r in train:
+        if r["precision"].startswith("bf16"):
+            add(f"training FLOP/s / bf16 matmul peak ({r['precision']}; {r.get('model', '')})",
+                r["fraction of peak"], ">= 0.70", r["fraction of peak"] >= 0.7)
     gen = _rows("generate")
     single, sixteen = _find(gen, "case", "single stream"), _find(gen, "case", "16 concurrent")
     if single:
