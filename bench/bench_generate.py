@@ -117,6 +117,22 @@ def run(args) -> list[dict]:
             bound = hbm_bandwidth() / weight_bytes  # tokens/s if each token reads every weight once
             row["fraction of bandwidth bound"] = args.new / t_ours / bound
         rows.append(row)
+        if args.device == "cpu" and args.int8:
+            # Weight-only int8 (core/quantize.py) against the same HF model: fewer weight bytes
+            # per token, so a different precision; the logit error is reported beside it.
+            quantized = LLMEngine.from_checkpoint(ckpt, max_batch=1, dtype=torch.bfloat16,
+                                                  quantize_with="int8", background=False)
+            run_beside(quantized, lambda: _engine_run(quantized, single, 4))
+            t_q, ttft_q = run_beside(quantized, lambda: _engine_run(quantized, single, args.new))
+            ids = torch.tensor(single)
+            reference = engine.executor.runner.stages[0](ids).float()
+            error = (quantized.executor.runner.stages[0](ids).float() - reference).norm() \
+                / reference.norm()
+            rows.append({"case": f"single stream, Tessera int8 weights vs HF {args.dtype}",
+                         "tessera tok/s": args.new / t_q, "HF tok/s": hf_single,
+                         "ratio": t_hf / t_q, "tessera TTFT s": ttft_q, "HF TTFT s": ttft_hf,
+                         "int8 logit error": float(error)})
+            quantized.shutdown()
         for n in args.concurrency:
             batch = prompts(n)
             t_ours, _ = run_beside(engine, lambda b=batch: _engine_run(engine, b, args.new))
@@ -137,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--preset", default=None, help="a model preset instead of the sizes")
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure weight-only int8 decoding (CPU)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="weights of both models (default: fp32 on CPU, bf16 on CUDA)")

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="int8: weight-only int8 matrices with bf16 activations, for faster "
+                        "CPU decoding (implies --dtype bf16; see core/quantize.py)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -106,7 +109,11 @@ def _start(args: argparse.Namespace):
 
         tasks = load_prompt_tables(args.prompts, args.checkpoint)
     # background=False: the step loop runs on this (main) thread, see `serving.engine`.
-    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=args.dtype,
+    if args.quantize == "int8" and args.dtype not in (None, "bf16"):
+        raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
+    dtype = "bf16" if args.quantize == "int8" else args.dtype
+    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype,
+                      quantize=args.quantize,
                       device=_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,

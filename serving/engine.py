@@ -253,14 +253,17 @@ class LLMEngine:
     def from_checkpoint(cls, path: str | Path, *, dtype: torch.dtype | str | None = None,
                         device: torch.device | str = "cpu", max_batch: int = 8,
                         tasks: Mapping[str, torch.Tensor] | None = None,
-                        model_name: str | None = None, **kwargs) -> LLMEngine:
+                        model_name: str | None = None, quantize_with: str = "none",
+                        **kwargs) -> LLMEngine:
         """A single-process engine for the checkpoint at `path` (any saved layout, FP8
-        dequantized), with its tokenizer when it has one. `kwargs` go to the constructor."""
+        dequantized), with its tokenizer when it has one; `quantize_with="int8"` quantizes the
+        weights (`core.quantize`; give `dtype="bf16"`). `kwargs` go to the constructor."""
         from tessera.core.checkpoint import load_checkpoint, read_manifest
+        from tessera.core.quantize import quantize
         from tessera.core.tokenizer import load_tokenizer
 
         manifest = read_manifest(path)
-        model = load_checkpoint(path, dtype=dtype, device=device)
+        model = quantize(load_checkpoint(path, dtype=dtype, device=device), quantize_with)
         tokenizer = load_tokenizer(path) if manifest.tokenizer else None
         return cls(model, tokenizer, model_name=model_name or Path(path).name, tasks=tasks,
                    max_batch=max_batch, **kwargs)

@@ -96,11 +96,23 @@ def _collect(procs: list, results, timeout: float) -> list[Any]:
         try:
             rank, ok, payload = results.get(timeout=min(left, 0.5))
         except queue.Empty:
-            for r, p in enumerate(procs):  # a rank that died without reporting
-                if r not in done and p.exitcode not in (None, 0):
-                    raise RuntimeError(f"rank {r} died with exit code {p.exitcode}") from None
+            _raise_if_dead(procs, done)
             continue
         if not ok:
+            # A rank that died (e.g. killed) makes its peers fail at their next collective;
+            # their reports can arrive first. Name the root cause when there is one.
+            deadline_dead = time.monotonic() + 2.0
+            while time.monotonic() < deadline_dead:
+                _raise_if_dead(procs, {**done, rank: None}, also=f"rank {rank} failed after it:\n{payload}")
+                time.sleep(0.1)
             raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{payload}")
         done[rank] = pickle.loads(payload)
     return [done[r] for r in range(len(procs))]
+
+
+def _raise_if_dead(procs: list, done: dict[int, Any], also: str = "") -> None:
+    """Raise for the first rank not in `done` that exited with an error without reporting."""
+    for r, p in enumerate(procs):
+        if r not in done and p.exitcode not in (None, 0):
+            extra = f" ({also})" if also else ""
+            raise RuntimeError(f"rank {r} died with exit code {p.exitcode}{extra}") from None

@@ -45,7 +45,14 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            tp_group: Group, sequence_parallel: bool) -> torch.Tensor:
     """The column-parallel product for a weight held elsewhere (e.g. a tied embedding)."""
     x = gather_from_sequence(x, tp_group) if sequence_parallel else copy_to_tp(x, tp_group)
-    return F.linear(x, weight, bias)
+    return _product(x, weight, bias)
+
+
+def _product(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # A quantized weight (`core.quantize.Int8Weight`, serving only) brings its own product.
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight.linear(x, bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -65,7 +72,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = _product(x, self.weight)
         y = (reduce_scatter_to_sequence(y, self.tp_group) if self.sequence_parallel
              else reduce_from_tp(y, self.tp_group))
         return y if self.bias is None else y + self.bias

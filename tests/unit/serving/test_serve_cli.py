@@ -8,6 +8,7 @@ import threading
 import types
 
 import pytest
+import torch
 import uvicorn
 
 from tessera.core import ModelConfig, build_model
@@ -76,3 +77,27 @@ def test_serve_reports_bad_layouts(checkpoint, capsys, extra, message):
 def test_serve_reports_a_missing_checkpoint(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "nope")]) == 2
     assert "not a Tessera checkpoint" in capsys.readouterr().err
+
+
+def test_serve_quantize_int8_loads_int8_weights(checkpoint, monkeypatch):
+    from tessera.core.quantize import Int8Weight
+
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.app")
+    app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
+    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+
+    def run(server):
+        model = seen["engine"].executor.runner.stages[0]
+        seen["int8"] = sum(isinstance(m, Int8Weight) for m in model.modules())
+        seen["dtype"] = seen["engine"].executor.runner.dtype
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["--checkpoint", str(checkpoint), "--quantize", "int8"]) == 0
+    assert seen["int8"] > 0 and seen["dtype"] == torch.bfloat16
+
+
+def test_serve_refuses_int8_with_another_dtype(checkpoint, capsys):
+    assert main(["--checkpoint", str(checkpoint), "--quantize", "int8", "--dtype", "fp32"]) == 2
+    assert "computes in bf16" in capsys.readouterr().err
