@@ -1,7 +1,8 @@
 """Weight-only int8 quantization for serving: int8 weights, one bf16 scale per output channel.
 
 Decoding a token reads every weight once, so at small batch its time is the weight bytes over
-the memory bandwidth. Int8 weights are a quarter of fp32 and half of bf16. On CPU,
+the memory bandwidth. Int8 weights are a quarter of fp32 and half of bf16. This is for latency
+at low concurrency: with many rows per step the int8 kernel loses to a plain bf16 model. On CPU,
 `torch._weight_int8pack_mm` multiplies bf16 activations by int8 weights without materialising
 a dequantized copy (measured on this project's 2-core machine: a 512x3072 product in 39 us
 against 107 us in fp32); elsewhere the weight is dequantized per call, correct but not faster.
@@ -26,6 +27,7 @@ from torch import nn
 from tessera.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 QUANTIZE_CHOICES = ("none", "int8")
+KERNEL_MAX_ROWS = 24  # rows (tokens) above which dequantizing is faster than the int8 kernel
 
 
 class Int8Weight(nn.Module):
@@ -55,9 +57,11 @@ class Int8Weight(nn.Module):
         """`x @ W^T (+ bias)` in `x.dtype`, for `x (..., in)`."""
         flat = x.reshape(-1, x.shape[-1])
         # torch 2.13's CPU kernel reads past the rows when in_features % 16 != 0 (a crash, or
-        # NaNs): those shapes take the dequantized path.
+        # NaNs): those shapes take the dequantized path. Its cost also grows with the rows (on
+        # the 2-core machine: 43 us for 1 row, 316 us for 16, of a 512x3072 weight, against
+        # ~420 us to dequantize and multiply in bf16), so many rows dequantize too.
         if flat.device.type == "cpu" and flat.dtype == self.scale.dtype \
-                and flat.shape[-1] % 16 == 0:
+                and flat.shape[-1] % 16 == 0 and flat.shape[0] <= KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scale)
         else:
             y = F.linear(flat, self.dequantize(flat.dtype))

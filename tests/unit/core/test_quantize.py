@@ -12,7 +12,8 @@ from tessera.core.quantize import Int8Weight, quantize
 
 @pytest.mark.parametrize("rows, in_features, out_features", [
     (1, 512, 3072),   # a decode step: the kernel path
-    (33, 64, 100),
+    (33, 64, 100),    # more rows than KERNEL_MAX_ROWS: dequantized
+    (4, 64, 100),
     (5, 172, 64),     # in_features % 16 != 0: the dequantized path (the kernel misreads it)
     (7, 200, 48),
 ])
