@@ -108,7 +108,7 @@ def _start(args: argparse.Namespace):
         from tessera.tuning.prompt_table import load_prompt_tables
 
         tasks = load_prompt_tables(args.prompts, args.checkpoint)
-    # background=False: the step loop runs on this (main) thread, see `serving.engine`.
+    # background=False: the step loop runs on this (main) thread, see `serving.bridge`.
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype

@@ -4,15 +4,8 @@
 thread by default, or the thread that calls `run()` (`background=False`). The asyncio side (the
 HTTP layer) calls `generate`, which validates and queues the request at once (raising
 `RequestError` or `Overloaded` before any work) and returns an async iterator that receives the
-request's `GenerationOutput`s through `loop.call_soon_threadsafe`.
-
-Which thread matters on CPU. GNU OpenMP (torch's intra-op threads) counts the threads of every
-team in the process; once they outnumber the cores it stops letting idle workers spin, so every
-parallel op pays a futex wake-up. A team started from a second thread always brings the count
-over: the main thread plus the engine's team is `1 + cores`. Measured on 2 cores, a decode step
-took 2x as long on a background thread as on the main thread, and it slowed the main thread's
-torch work as much. So the server (`tessera serve`) runs the loop on the main thread and its
-HTTP event loop on a helper thread; `run_beside(engine, coroutine)` does the same for scripts.
+request's `GenerationOutput`s (`serving.bridge`). Which thread should run the loop, and why it
+matters on CPU: `serving.bridge`.
 
 Each step:
 1. aborts (a closed iterator) and timeouts are applied; finished requests free their slot;
@@ -47,10 +40,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
@@ -63,6 +55,7 @@ from tessera.core.sampling import (
     uniforms_from,
 )
 from tessera.core.tokenizer import Tokenizer
+from tessera.serving.bridge import RequestStream, Sink
 from tessera.serving.detokenize import OutputText
 from tessera.serving.executor import (
     Executor,
@@ -97,65 +90,12 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 Observer = Callable[[str, float], None]
 
 
-class _Sink:
-    """Where the engine thread puts a request's outputs: the asyncio queue of its stream."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[GenerationOutput] = asyncio.Queue()
-
-    def deliver(self, out: GenerationOutput) -> bool:
-        """Hand `out` to the event loop (from any thread); False if the loop is gone."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-            return True
-        except RuntimeError:
-            return False
-
-
-class RequestStream:
-    """The async iterator `generate` returns. Closing it (`aclose`), cancelling the task that
-    awaits it, or dropping it unfinished aborts the request and frees its slot."""
-
-    def __init__(self, request_id: str, sink: _Sink, abort: Callable[[], None]):
-        self.request_id = request_id
-        self._sink, self._abort = sink, abort  # the engine never holds a reference to this
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> GenerationOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            out = await self._sink.queue.get()
-        except asyncio.CancelledError:
-            self._cancel()
-            raise
-        if out.finished:
-            self._done = True
-        return out
-
-    async def aclose(self) -> None:
-        self._cancel()
-
-    def _cancel(self) -> None:
-        if not self._done:
-            self._done = True
-            self._abort()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            self._abort()
-
-
 @dataclass(eq=False)
 class _Sequence:
     """A request's state inside the engine (owned by the engine thread once queued)."""
 
     request: GenerationRequest
-    sink: _Sink
+    sink: Sink
     tokens: list[int]  # virtual placeholders + prompt + sampled tokens
     n_input: int  # virtual placeholders + prompt
     n_virtual: int
@@ -300,7 +240,7 @@ class LLMEngine:
         """
         self.validate(request)
         loop = asyncio.get_running_loop()
-        seq = self._new_sequence(request, _Sink(loop))
+        seq = self._new_sequence(request, Sink(loop))
         stream = RequestStream(request.request_id, seq.sink, lambda: self._abort(seq))
         with self._lock:
             if self._closing or not self._alive:
@@ -338,12 +278,24 @@ class LLMEngine:
     def alive(self) -> bool:
         return self._alive
 
-    def run(self) -> None:
+    @property
+    def background(self) -> bool:
+        """Whether the step loop runs on the engine's own thread (else in `run()`)."""
+        return self._thread is not None
+
+    def run(self, until: threading.Event | None = None) -> None:
         """Run the step loop in the calling thread until `shutdown()` (from another thread or a
-        signal handler) or a stopped rank; for engines built with `background=False`."""
-        if self._thread is not None:
+        signal handler) or a stopped rank; for engines built with `background=False`.
+
+        With `until`: also return, leaving the engine usable, once it is set and no request
+        is left (call `wake()` after setting it, so an idle loop notices at once)."""
+        if self.background:
             raise RuntimeError("this engine runs its step loop on a background thread already")
-        self._loop()
+        self._loop(until)
+
+    def wake(self) -> None:
+        """Cut short an idle loop's wait (thread-safe)."""
+        self._wake.set()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish outstanding requests as aborted, release the other ranks, stop the loop.
@@ -415,7 +367,7 @@ class LLMEngine:
             out.append(f"timeout_s must be > 0, got {request.timeout_s}")
         return out
 
-    def _new_sequence(self, request: GenerationRequest, sink: _Sink) -> _Sequence:
+    def _new_sequence(self, request: GenerationRequest, sink: Sink) -> _Sequence:
         p = request.params
         n_virtual = self._task_len.get(request.task, 0) if request.task else 0
         tokens = [self.pad_id] * n_virtual + list(request.prompt_ids)
@@ -797,36 +749,3 @@ class LLMEngine:
                 fn(name, float(value))
             except Exception:
                 log.exception("metrics observer failed on %s", name)
-
-
-T = TypeVar("T")
-
-
-def run_beside(engine: LLMEngine, work: Callable[[], Awaitable[T]]) -> T:
-    """Run the coroutine `work()` on an event loop in a helper thread while `engine`'s step loop
-    runs in the calling thread (see the module doc for why); return its result when it is done.
-
-    The engine (built with `background=False`) keeps its state and can be used again."""
-    if engine._thread is not None:
-        raise RuntimeError("run_beside needs an engine built with background=False")
-    done = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def client() -> None:
-        try:
-            outcome["value"] = asyncio.run(work())
-        except BaseException as exc:  # re-raised in the caller's thread
-            outcome["error"] = exc
-        finally:
-            done.set()
-            engine._wake.set()
-
-    thread = threading.Thread(target=client, name="tessera-client", daemon=True)
-    thread.start()
-    engine._loop(until=done)
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    if not engine.alive and "value" not in outcome:
-        raise RuntimeError("the engine stopped before the work was done")
-    return outcome["value"]

@@ -48,7 +48,7 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     assert engine.tokenizer is not None and engine.max_batch == 2 and seen["alive"]
     assert not engine.alive  # shut down when the server returned
     # The step loop ran on the main thread (see serving.engine), uvicorn on a helper thread.
-    assert seen["http_thread"] == "tessera-http" and engine._thread is None
+    assert seen["http_thread"] == "tessera-http" and not engine.background
 
 
 def test_serve_exits_1_and_stops_the_engine_when_uvicorn_cannot_start(checkpoint, monkeypatch):
