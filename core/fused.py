@@ -36,6 +36,11 @@ _failed = False  # `auto` saw a compile failure: eager from then on
 
 F_ = TypeVar("F_", bound=Callable[..., torch.Tensor])
 
+# Pipeline schedules that split backward into input and weight gradients run it with
+# retain_graph, which a backward kernel given donated buffers refuses. The donation only saves a
+# temporary per kernel; this is the one switch torch offers (read at compile time, process-wide).
+torch._functorch.config.donated_buffer = False
+
 
 def set_mode(mode: str | None) -> None:
     """Set the mode (`auto`, `on`, `off`), or `None` to read `TESSERA_FUSED_KERNELS` again."""
@@ -62,10 +67,6 @@ def _wanted(x: torch.Tensor) -> bool:
 
 def fusable(fn: F_) -> F_:
     """`fn` itself, or its TorchInductor-compiled version when training (see the module doc)."""
-    # Pipeline schedules that split backward into input and weight gradients run it with
-    # retain_graph, which a backward kernel given donated buffers refuses. The donation only
-    # saves a temporary per kernel; this is the one switch torch offers (read at compile time).
-    torch._functorch.config.donated_buffer = False
     compiled = torch.compile(fn, dynamic=None)
 
     @functools.wraps(fn)

@@ -14,8 +14,6 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-
 _EPILOG = """examples:
   tessera serve --checkpoint runs/demo/checkpoints/step-00000300
   tessera serve --checkpoint CKPT --tp 2 --nproc-per-node 2 --dtype bf16
@@ -91,16 +89,9 @@ def main(argv: list[str]) -> int:
         engine.shutdown()
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(name)
-
-
 def _start(args: argparse.Namespace):
     """This rank's part: the engine on rank 0, the worker loop (then None) elsewhere."""
+    from tessera.core.parallel.groups import resolve_device
     from tessera.serving.distributed import start_rank
 
     tasks = None
@@ -114,7 +105,7 @@ def _start(args: argparse.Namespace):
     dtype = "bf16" if args.quantize == "int8" else args.dtype
     return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype,
                       quantize=args.quantize,
-                      device=_device(args.device), max_batch=args.max_batch, tasks=tasks,
+                      device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
                       **({"model_name": args.model_name} if args.model_name else {}))

@@ -29,7 +29,7 @@ from tessera.core.init import build_model
 from tessera.core.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
 from tessera.core.parallel.data_parallel import allreduce_gradients
-from tessera.core.parallel.groups import ParallelGroups, init_groups
+from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
 from tessera.training.config import PretrainConfig
@@ -63,14 +63,6 @@ def init_distributed(device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(minutes=10))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(name)
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:

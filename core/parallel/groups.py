@@ -8,8 +8,10 @@ becomes a plain layer and the whole model runs in one process.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from tessera.core.config import ParallelConfig
@@ -92,3 +94,12 @@ def init_groups(par: ParallelConfig) -> ParallelGroups:
         embedding_group=mine.get("embedding"),
         pp_ranks=tuple(rank_of(tp_rank, dp_rank, p, par) for p in range(par.pp)),
     )
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto", "cpu" or "cuda" as this rank's device: a CUDA rank uses GPU `LOCAL_RANK`."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
