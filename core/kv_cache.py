@@ -22,30 +22,36 @@ class KVCache:
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_slots, self.max_seq = num_slots, max_seq
-        self._plan_for: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._plan_value: tuple[int, int | None, torch.Tensor] = (0, None, torch.empty(0))
+        self._pass: tuple[int, int | None, torch.Tensor] | None = None
 
-    def _plan(self, positions: torch.Tensor, slots: torch.Tensor
-              ) -> tuple[int, int | None, torch.Tensor]:
-        """Prefix length, first slot if the slots are consecutive (else None), and the mask.
+    def begin(self, positions: torch.Tensor, slots: torch.Tensor, views: bool = True) -> None:
+        """Plan the forward pass that writes `positions (B, T)` of `slots (B,)`.
 
-        Every layer of one forward pass passes the same `positions` and `slots` tensors, so this
-        is computed once per pass: each of its checks waits for the device. (So callers pass new
-        tensors for each pass rather than editing these in place.)
+        Every layer's `update` in that pass uses the plan: the prefix length to read, the first
+        slot if the slots are consecutive (else None), and the attention mask. Its checks read
+        tensor values (a device sync each), so they run once per pass, in `GPTModel.forward`
+        before the layers, which also keeps them out of a compiled decode step (`serving.compiled`).
+        `views=False` always gathers: then the pass does not depend on which slots it reads
+        (a compiled graph would be specialized to the first slot's number otherwise).
         """
-        if self._plan_for is not None and self._plan_for[0] is positions \
-                and self._plan_for[1] is slots:
-            return self._plan_value
         length = int(positions.max()) + 1
         if length > self.max_seq:
             raise ValueError(f"position {length - 1} exceeds the cache length {self.max_seq}")
-        first: int | None = int(slots[0])
-        if not bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all()):
-            first = None
+        first: int | None = int(slots[0]) if views else None
+        if first is not None:
+            consecutive = torch.arange(first, first + len(slots), device=slots.device)
+            if not bool((slots == consecutive).all()):
+                first = None
         key_pos = torch.arange(length, device=positions.device)
         mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
-        self._plan_for, self._plan_value = (positions, slots), (length, first, mask)
-        return self._plan_value
+        self._pass = (length, first, mask)
+
+    @property
+    def pass_length(self) -> int:
+        """The prefix length the planned pass reads (its largest position + 1)."""
+        if self._pass is None:
+            raise RuntimeError("no pass planned: call KVCache.begin(positions, slots)")
+        return self._pass[0]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.keys, self.values)
@@ -56,9 +62,11 @@ class KVCache:
         """Store new `k, v (B, nkv, T, hd)` at `positions (B, T)` of `slots (B,)`.
 
         Returns all keys and values of those slots up to the largest position, and the boolean
-        attention mask `(B, 1, T, L)` (True = attend).
+        attention mask `(B, 1, T, L)` (True = attend). `begin` must have planned this pass.
         """
-        length, first, mask = self._plan(positions, slots)
+        if self._pass is None:
+            raise RuntimeError("KVCache.update before KVCache.begin(positions, slots)")
+        length, first, mask = self._pass
         rows = slots.unsqueeze(1)  # (B, 1) broadcast against positions (B, T)
         self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)

@@ -245,7 +245,6 @@ class GPTModel(nn.Module):
                 slots: torch.Tensor | None = None, local_logits: bool = False) -> torch.Tensor:
         sp = self.parallel.sequence_parallel and cache is None
         if self.is_first:
-            B, T = x.shape
             h = self.embed(x, positions).transpose(0, 1).contiguous()  # (T, B, C)
             if sp:
                 h = scatter_to_sequence(h, self.groups.tp_group)
@@ -254,8 +253,25 @@ class GPTModel(nn.Module):
                     h = F.dropout(h, self.config.dropout, True)
         else:
             h = x
-            T = h.shape[0] * (self.groups.tp_size if sp else 1)
-            B = h.shape[1]
+        if cache is not None:
+            if positions is None or slots is None:
+                raise ValueError("a KV cache needs the positions and slots of the new tokens")
+            cache.begin(positions, slots)
+        return self.forward_hidden(h, labels, positions=positions, cache=cache, slots=slots,
+                                   local_logits=local_logits)
+
+    def forward_hidden(self, h: torch.Tensor, labels: torch.Tensor | None = None, *,
+                       positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                       slots: torch.Tensor | None = None,
+                       local_logits: bool = False) -> torch.Tensor:
+        """Everything after the embedding: `h (T, B, C)` (T / tp rows under sequence parallelism)
+        through this stage's layers, and on the last stage the head, returning what `forward`
+        returns. With a cache, `cache.begin(positions, slots)` must have planned this pass (as
+        `forward` does). Reads no tensor values on the host, so it compiles as one graph
+        (`serving.compiled`)."""
+        sp = self.parallel.sequence_parallel and cache is None
+        T = h.shape[0] * (self.groups.tp_size if sp else 1)
+        B = h.shape[1]
         rope = None
         if self.rotary is not None:
             if positions is None:
