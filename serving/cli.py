@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="int8: weight-only int8 matrices with bf16 activations, for faster "
                         "CPU decoding (implies --dtype bf16; see core/quantize.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with TorchInductor: about 2x faster decoding "
+                        "of small models on CPU, after 10-60 s of compiling at start; keeps a "
+                        "second, prepacked copy of the weights; one process only "
+                        "(see serving/compiled.py)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -104,7 +109,7 @@ def _start(args: argparse.Namespace):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
     return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype,
-                      quantize=args.quantize,
+                      quantize=args.quantize, compile_decode=args.compile,
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,

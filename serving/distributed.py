@@ -206,22 +206,26 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
                dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                max_batch: int = 8, tasks: Mapping[str, torch.Tensor] | None = None,
                tokenizer: Any = "checkpoint", handle_signals: bool = True,
-               quantize: str = "none", **engine_kwargs: Any):
+               quantize: str = "none", compile_decode: bool = False, **engine_kwargs: Any):
     """Every rank calls this. Rank 0 gets an `LLMEngine` over all ranks; every other rank serves
     steps until the engine shuts down, then gets None.
 
     `tasks` (prompt-tuned tables) must be given on every rank; `tokenizer` (rank 0) defaults to
     the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
+    `compile_decode` (one process only) compiles the decode step (`serving.compiled`);
     `engine_kwargs` go to `LLMEngine` on rank 0.
     """
     from tessera.core.quantize import quantize as quantize_model
     from tessera.serving.engine import LLMEngine
 
+    if compile_decode and tp * pp > 1:
+        raise ValueError(f"a compiled decode step runs in one process; tp {tp} x pp {pp} "
+                         "serves eagerly, so drop --compile (or serve with tp=1, pp=1)")
     parallel, groups = init_serving(tp, pp, device)
     stages = load_stages(path, parallel, groups, dtype=dtype, device=device)
     for stage in stages:
         quantize_model(stage, quantize)
-    runner = ModelRunner(stages, max_batch, tasks)
+    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         worker_loop(runner, parallel, handle_signals=handle_signals)

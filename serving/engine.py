@@ -143,6 +143,8 @@ class LLMEngine:
         max_logprobs: the largest `logprobs` (top alternatives) a request may ask for.
         eos_id: the end-of-sequence id (default: the tokenizer's).
         seed: seeds the generators of requests that give no seed (default: from the OS).
+        compile_decode: run decode passes compiled by TorchInductor (`serving.compiled`: one
+            process only; compiles for a while here, in the constructor).
     """
 
     def __init__(self, model: GPTModel | Sequence[GPTModel] | Executor,
@@ -150,11 +152,14 @@ class LLMEngine:
                  tasks: Mapping[str, torch.Tensor] | None = None, max_batch: int = 8,
                  max_queue: int = 128, max_step_tokens: int = 512, max_logprobs: int = 20,
                  eos_id: int | None = None, seed: int | None = None,
-                 heartbeat_s: float = 1.0, background: bool = True):
+                 heartbeat_s: float = 1.0, background: bool = True,
+                 compile_decode: bool = False):
         if isinstance(model, (GPTModel, list, tuple)):
-            model = LocalExecutor(ModelRunner(model, max_batch, tasks))
-        elif tasks:
-            raise ValueError("with an executor, give the tasks to its ModelRunner (every rank)")
+            model = LocalExecutor(ModelRunner(model, max_batch, tasks,
+                                              compile_decode=compile_decode))
+        elif tasks or compile_decode:
+            raise ValueError("with an executor, give tasks and compile_decode to its "
+                             "ModelRunner (every rank)")
         self.executor: Executor = model
         runner = model.runner
         self.model_name, self.tokenizer = model_name, tokenizer

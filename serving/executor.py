@@ -16,6 +16,7 @@ tasks, share a batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,7 +28,10 @@ from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
+from tessera.serving.compiled import CompiledDecode
 from tessera.tuning.prompts import VirtualPrompts, attach_prompts, fixed_prompts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +58,8 @@ class ModelRunner:
     """One rank's share of every step: its model stages, its KV cache and the task hook."""
 
     def __init__(self, stages: GPTModel | Sequence[GPTModel], max_batch: int,
-                 tasks: Mapping[str, torch.Tensor] | None = None, max_seq: int | None = None):
+                 tasks: Mapping[str, torch.Tensor] | None = None, max_seq: int | None = None,
+                 compile_decode: bool = False):
         self.stages = [stages] if isinstance(stages, GPTModel) else list(stages)
         first = self.stages[0]
         self.config: ModelConfig = first.config
@@ -81,6 +86,13 @@ class ModelRunner:
                                      f"{c.hidden_size})")
             # Task index = position in `task_names` order, as the engine numbers them.
             self.hook = attach_prompts(first, fixed_prompts({n: tasks[n] for n in self.tasks}))
+        self.decode: CompiledDecode | None = None
+        if compile_decode:
+            if len(self.stages) != 1:
+                raise ValueError("a compiled decode step needs the whole model in one process")
+            self.decode = CompiledDecode(first)
+            seconds = self.decode.warm_up(self.cache)
+            log.info("decode step compiled in %.1f s", seconds)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -92,7 +104,9 @@ class ModelRunner:
         if self.hook is not None:
             self.hook.set_rows(batch.tasks)
         kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots)
-        if len(self.stages) == 1 and self.groups.pp_size == 1:
+        if self.decode is not None and batch.ids.shape[1] == 1:
+            out = self.decode(batch.ids, batch.positions, self.cache, batch.slots)
+        elif len(self.stages) == 1 and self.groups.pp_size == 1:
             out = self.stages[0](batch.ids, **kwargs)
         else:
             out = pipeline_forward(self.stages, self.groups, batch.ids, **kwargs)

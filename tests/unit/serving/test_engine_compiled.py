@@ -1,0 +1,85 @@
+"""The engine with a compiled decode step generates what Hugging Face `generate` does, and never
+compiles again once it has started.
+
+Reference: the same weights exported to Hugging Face format and run by `transformers` (greedy
+`generate`, its scores for the logprobs). Requests outnumber the slots and stop at different
+lengths, so decode passes see one row, several rows, and rows in scattered slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tessera.converters.hf_io import export_hf  # noqa: E402
+from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
+from tessera.core.parallel.groups import ParallelGroups  # noqa: E402
+from tessera.serving.compiled import CompiledDecode  # noqa: E402
+from tessera.serving.distributed import start_rank  # noqa: E402
+from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.executor import LocalExecutor, ModelRunner  # noqa: E402
+from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
+from tests.serving_helper import collect  # noqa: E402
+
+
+def _compiles() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "gpt2-tiny"])
+def served(request, tmp_path_factory):
+    """(engine with compile_decode, HF model of the same weights, graphs compiled at start)."""
+    root = tmp_path_factory.mktemp(request.param)
+    config = ModelConfig.from_name(request.param, init_std=0.1)
+    path = save_checkpoint(root / "ckpt", build_model(config, seed=0))
+    export_hf(path, root / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "hf").eval()
+    before = _compiles()
+    engine = LLMEngine.from_checkpoint(path, max_batch=3, compile_decode=True)
+    yield engine, hf, _compiles() - before
+    engine.shutdown()
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                      output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+def test_compiled_engine_matches_hf_generate_without_recompiling(served):
+    engine, hf, compiled_at_start = served
+    assert compiled_at_start == 2  # one row; many rows (any slots, any cached length)
+    gen = torch.Generator().manual_seed(0)
+    # Five requests on three slots, of different prompt and output lengths (one prompt of a
+    # single token): slots free up out of order and are reused.
+    shapes = [(1, 9), (7, 3), (12, 14), (5, 6), (20, 10)]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n, _ in shapes]
+    requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=new, temperature=0.0,
+                                                               ignore_eos=True, logprobs=0))
+                for i, (p, (_, new)) in enumerate(zip(prompts, shapes))]
+    before = _compiles()
+    with torch.no_grad():
+        results = collect(engine, requests)
+        for prompt, (_, new), result in zip(prompts, shapes, results):
+            tokens, logprobs = _hf_greedy(hf, prompt, new)
+            assert result.token_ids == tokens
+            torch.testing.assert_close([lp.logprob for lp in result.logprobs], logprobs,
+                                       atol=1e-4, rtol=0)
+    assert _compiles() == before, "a decode pass compiled a new graph while serving"
+
+
+def test_compiled_decode_refuses_what_it_cannot_run():
+    config = ModelConfig.from_name("llama-tiny")
+    stage = build_model(config, None, ParallelGroups(), stage_id=0, num_stages=2)
+    with pytest.raises(ValueError, match="whole model in one process"):
+        CompiledDecode(stage)
+    with pytest.raises(ValueError, match="tp 2 x pp 1 serves eagerly"):
+        start_rank("unused", tp=2, compile_decode=True)
+    executor = LocalExecutor(ModelRunner(build_model(config), max_batch=1))
+    with pytest.raises(ValueError, match="compile_decode to its ModelRunner"):
+        LLMEngine(executor, compile_decode=True, background=False)
