@@ -2,7 +2,10 @@
 
 Rows: single-stream decode tokens/s and time to first token; then aggregate throughput with
 continuous batching at 1, 4, 16 and 64 concurrent requests against HF `generate` with a static
-batch of the same size. Greedy, fixed output length (EOS ignored), same weights (the Tessera
+batch of the same size. Each Tessera row comes twice: the engine as it runs by default (eager),
+and with its decode step compiled (`--compile`, `serving/compiled.py`). HF's own compiled path
+(static cache, compiled forward) is measured too, as the peer of the compiled decode step.
+Greedy, fixed output length (EOS ignored), same weights (the Tessera
 checkpoint is exported to Hugging Face format in the same run). The engine's step loop runs on
 the main thread, as `tessera serve` runs it, and HF `generate` runs there too: a torch team on a
 second thread would slow both sides (see `serving.bridge`).
@@ -80,6 +83,28 @@ def hbm_bandwidth() -> float:
     return 2 * a.numel() / best_time(lambda: b.copy_(a), repeats=5)
 
 
+def _hf_compiled(model, prompt: list[int], new: int) -> float | None:
+    """HF `generate` on its own compiled path (static cache, `torch.compile` of the forward),
+    warmed up; decode tok/s, or None when it does not compile here."""
+    from transformers import CompileConfig
+
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = CompileConfig(fullgraph=False, dynamic=False)
+    # transformers compiles on CUDA only unless told otherwise (a private switch, as of 5.x).
+    model.generation_config.compile_config._compile_all_devices = True
+    try:
+        _hf_run(model, [prompt], new)  # compiles; the static cache's length is fixed by `new`
+        _hf_run(model, [prompt], new)
+        seconds, _ = _hf_run(model, [prompt], new)
+        return new / seconds
+    except Exception as exc:  # a peer that cannot compile here is reported, not fatal
+        print(f"HF compiled generate failed: {exc}", file=sys.stderr)
+        return None
+    finally:
+        model.generation_config.cache_implementation = None
+        model.generation_config.compile_config = None
+
+
 def run(args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -93,10 +118,18 @@ def run(args) -> list[dict]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     hf = AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa",
                                               dtype=dtype).to(args.device).eval()
-    engine = LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
-                                       device=args.device,
-                                       max_step_tokens=max(args.concurrency) * args.prompt,
-                                       background=False)
+
+    def engine(**kwargs) -> LLMEngine:
+        return LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
+                                         device=args.device,
+                                         max_step_tokens=max(args.concurrency) * args.prompt,
+                                         background=False, **kwargs)
+
+    engines = {"": engine()}
+    if args.compile:
+        tic = time.perf_counter()
+        engines[", compiled decode"] = engine(compile_decode=True)
+        print(f"compiled the decode step in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
     gen = torch.Generator().manual_seed(1)
 
     def prompts(n: int) -> list[list[int]]:
@@ -105,19 +138,28 @@ def run(args) -> list[dict]:
     rows = []
     with torch.inference_mode():
         single = prompts(1)
-        run_beside(engine, lambda: _engine_run(engine, single, 4))  # warm-up
-        _hf_run(hf, single, 4)
-        t_ours, ttft_ours = run_beside(engine, lambda: _engine_run(engine, single, args.new))
+        _hf_run(hf, single, 4)  # warm-up
         t_hf, ttft_hf = _hf_run(hf, single, args.new)
         hf_single = args.new / t_hf
-        row = {"case": "single stream", "tessera tok/s": args.new / t_ours,
-               "HF tok/s": hf_single, "ratio": t_hf / t_ours,
-               "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf}
-        if args.device == "cuda":
-            weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-            bound = hbm_bandwidth() / weight_bytes  # tokens/s if each token reads every weight once
-            row["fraction of bandwidth bound"] = args.new / t_ours / bound
-        rows.append(row)
+        for label, eng in engines.items():
+            run_beside(eng, lambda e=eng: _engine_run(e, single, 4))  # warm-up
+            t_ours, ttft_ours = run_beside(eng, lambda e=eng: _engine_run(e, single, args.new))
+            row = {"case": f"single stream{label}", "tessera tok/s": args.new / t_ours,
+                   "HF tok/s": hf_single, "ratio": t_hf / t_ours,
+                   "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf}
+            if args.device == "cuda":
+                weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+                bound = hbm_bandwidth() / weight_bytes  # tok/s if a token reads every weight once
+                row["fraction of bandwidth bound"] = args.new / t_ours / bound
+            rows.append(row)
+        if args.compile and args.hf_compile:
+            # Both compiled: HF's own compiled generate against Tessera's compiled decode.
+            hf_fast = _hf_compiled(hf, single[0], args.new)
+            if hf_fast is not None:
+                ours = rows[-1]["tessera tok/s"]
+                rows.append({"case": "single stream, both compiled (HF: static cache)",
+                             "tessera tok/s": ours, "HF tok/s": hf_fast,
+                             "ratio": ours / hf_fast})
         if args.device == "cpu" and args.int8:
             # Weight-only int8 (core/quantize.py) against the same HF model: fewer weight bytes
             # per token, so a different precision; the logit error is reported beside it.
@@ -126,7 +168,7 @@ def run(args) -> list[dict]:
             run_beside(quantized, lambda: _engine_run(quantized, single, 4))
             t_q, ttft_q = run_beside(quantized, lambda: _engine_run(quantized, single, args.new))
             ids = torch.tensor(single)
-            reference = engine.executor.runner.stages[0](ids).float()
+            reference = engines[""].executor.runner.stages[0](ids).float()
             error = (quantized.executor.runner.stages[0](ids).float() - reference).norm() \
                 / reference.norm()
             rows.append({"case": f"single stream, Tessera int8 weights vs HF {args.dtype}",
@@ -136,13 +178,15 @@ def run(args) -> list[dict]:
             quantized.shutdown()
         for n in args.concurrency:
             batch = prompts(n)
-            t_ours, _ = run_beside(engine, lambda b=batch: _engine_run(engine, b, args.new))
             t_hf, _ = _hf_run(hf, batch, args.new)
-            rows.append({"case": f"{n} concurrent (HF: static batch {n})",
-                         "tessera tok/s": n * args.new / t_ours,
-                         "HF tok/s": n * args.new / t_hf, "ratio": t_hf / t_ours,
-                         "vs HF single stream": n * args.new / t_ours / hf_single})
-    engine.shutdown()
+            for label, eng in engines.items():
+                t_ours, _ = run_beside(eng, lambda e=eng, b=batch: _engine_run(e, b, args.new))
+                rows.append({"case": f"{n} concurrent{label} (HF: static batch {n})",
+                             "tessera tok/s": n * args.new / t_ours,
+                             "HF tok/s": n * args.new / t_hf, "ratio": t_hf / t_ours,
+                             "vs HF single stream": n * args.new / t_ours / hf_single})
+    for eng in engines.values():
+        eng.shutdown()
     return rows
 
 
@@ -156,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default=None, help="a model preset instead of the sizes")
     parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure weight-only int8 decoding (CPU)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the engine with its compiled decode step")
+    parser.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure HF's compiled generate (static cache), as a peer of "
+                             "the compiled decode step")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="weights of both models (default: fp32 on CPU, bf16 on CUDA)")
