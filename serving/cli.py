@@ -108,6 +108,9 @@ def _start(args: argparse.Namespace):
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
+    if args.compile:
+        print("tessera serve: compiling the decode step (tens of seconds, once per start)",
+              file=sys.stderr, flush=True)
     return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype,
                       quantize=args.quantize, compile_decode=args.compile,
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
