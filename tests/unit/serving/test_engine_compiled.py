@@ -73,6 +73,28 @@ def test_compiled_engine_matches_hf_generate_without_recompiling(served):
     assert _compiles() == before, "a decode pass compiled a new graph while serving"
 
 
+def test_prompt_tuned_tasks_decode_compiled_as_they_do_eagerly():
+    # The embedding hook that places a task's virtual tokens runs eagerly, before the graph.
+    model = build_model(ModelConfig.from_name("llama-tiny", init_std=0.1), seed=2)
+    g = torch.Generator().manual_seed(0)
+    tables = {"alpha": torch.randn(3, 64, generator=g), "beta": torch.randn(5, 64, generator=g)}
+    p, q = [1, 40, 41, 42], [1, 90, 7]
+
+    def requests():
+        return [GenerationRequest(rid, ids, SamplingParams(max_tokens=8, ignore_eos=True, **kw),
+                                  task=task)
+                for rid, ids, task, kw in (("a", p, "alpha", {"temperature": 0.0}),
+                                           ("b", p, "beta", {"temperature": 0.0}),
+                                           ("plain", p, None, {"temperature": 0.0}),
+                                           ("a2", q, "alpha", {"temperature": 0.9, "seed": 4}))]
+
+    with LLMEngine(model, tasks=tables, max_batch=4) as eager:
+        expected = [r.token_ids for r in collect(eager, requests())]
+    with LLMEngine(model, tasks=tables, max_batch=4, compile_decode=True) as compiled:
+        assert [r.token_ids for r in collect(compiled, requests())] == expected
+    assert len({tuple(t) for t in expected[:3]}) == 3  # each task changes the output
+
+
 def test_compiled_decode_refuses_what_it_cannot_run():
     config = ModelConfig.from_name("llama-tiny")
     stage = build_model(config, None, ParallelGroups(), stage_id=0, num_stages=2)
