@@ -33,6 +33,8 @@ CPU_PARTS = {
     # GEMM 4x more, so batched decoding is a bf16 job.
     "generate-bf16": ["bench_generate.py", "--dtype", "bf16", "--no-int8"],
     "serve_load": ["serve_load.py", "--self-test", "--compare-hf"],
+    "serve_load-compiled": ["serve_load.py", "--self-test", "--compare-hf",
+                            "--serve-arg=--compile", "--name", "serve_load-compiled"],
     "convert": ["bench_convert.py"],
     "tune": ["bench_tune.py"],
     "fp8": ["bench_fp8.py", "--device", "cpu"],
@@ -104,6 +106,16 @@ def summary(gpu: bool) -> list[dict]:
         if int8:
             add(f"decode tok/s vs HF {dtype}, single stream, Tessera int8 weights (logit error "
                 f"{int8['int8 logit error']:.3f})", int8["ratio"], ">= 2", int8["ratio"] >= 2)
+    for part, label in (("serve_load", ""), ("serve_load-compiled", ", --compile")):
+        rows = _rows(part)
+        hf = _find(rows, "run", "HF generate").get("output tok/s")
+        for r in rows:
+            if r["run"].startswith("tessera") and r.get("completed"):
+                # Below the server's capacity tok/s follows the offered rate: latency is the point.
+                add(f"serving{label}, {r['run'].split(', ')[1]}: output tok/s (HF sequential "
+                    f"{hf or float('nan'):.0f}; TTFT p50/p99 {r['TTFT p50 ms']:.0f}/"
+                    f"{r['TTFT p99 ms']:.0f} ms, ITL p50/p99 {r['ITL p50 ms']:.1f}/"
+                    f"{r['ITL p99 ms']:.1f} ms)", round(r["output tok/s"]), "report", None)
     for r in _rows("convert")[2:]:
         rss = float(str(r["peak RSS / checkpoint"]).split("%")[0]) / 100
         add(f"convert {r['conversion']}: peak RSS / size", round(rss, 3), "< 0.25", rss < 0.25)

@@ -2,18 +2,19 @@
 
 Sends N streaming `/v1/completions` requests with fixed prompt and output lengths (random token
 ids as the prompt, `ignore_eos` + `min_tokens` so every request generates exactly the output
-length, greedy) at a given rate (exponential gaps, i.e. a Poisson process; `--rate inf` sends
-them all at once) and reports request and token throughput, time to first token (TTFT),
-inter-token latency (ITL: every gap between streamed chunks), time per output token (TPOT) and
+length, greedy) at each given rate (exponential gaps, i.e. a Poisson process; `--rate inf`
+sends them all at once) and reports, per rate, request and token throughput, time to first
+token (TTFT), inter-token latency (ITL: every gap between streamed chunks), time per output token (TPOT) and
 end-to-end latency, the way vLLM's `benchmark_serving` counts them.
 
 `--compare-hf` then exports the checkpoint with `tessera.converters.hf_io.export_hf` and runs
 `transformers` `generate` on the same prompts, one request at a time in this process (the way
 a script without a server would), and prints both side by side.
 
-    python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --rate 8
+    python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --rate 2 8 32
     python bench/serve_load.py --url ... --compare-hf --checkpoint runs/demo/checkpoints/latest
     python bench/serve_load.py --self-test [--compare-hf]   # starts `tessera serve` on a tiny model
+    python bench/serve_load.py --self-test --serve-arg=--compile   # ... with a compiled decode step
 """
 
 from __future__ import annotations
@@ -198,15 +199,14 @@ def summarize(timings: list[Timing], wall: float) -> dict[str, float]:
         "E2E p99 ms": ms([t.e2e for t in done], 99)}
 
 
-def side_by_side(ours: dict[str, float], hf: dict[str, float] | None) -> list[dict]:
-    rows = []
-    for key, value in ours.items():
-        row = {"metric": key, "tessera server": value}
-        if hf is not None:
-            peer = hf.get(key, float("nan"))
-            row["HF generate (sequential)"] = peer
-            row["tessera / HF"] = value / peer if peer else float("nan")
-        rows.append(row)
+def as_rows(runs: list[tuple[str, dict[str, float]]], hf: dict[str, float] | None) -> list[dict]:
+    """One row per load run (and HF's), with output tok/s against HF's where it ran."""
+    rows = [{"run": name, **summary} for name, summary in runs]
+    if hf is not None:
+        rows.append({"run": "HF generate (sequential)", **hf})
+        for row in rows:
+            row["tok/s vs HF"] = row.get("output tok/s", 0.0) / hf["output tok/s"] \
+                if hf.get("output tok/s") else float("nan")
     return rows
 
 
@@ -228,16 +228,18 @@ def make_tiny_checkpoint(directory: Path) -> Path:
     return save_checkpoint(directory / "tiny", model, tokenizer=directory / "tokenizer.model")
 
 
-def start_server(checkpoint: Path, max_batch: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(checkpoint: Path, max_batch: int, threads: int | None,
+                 extra: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     process = subprocess.Popen([sys.executable, "-m", "tessera", "serve", "--checkpoint",
                                 str(checkpoint), "--port", str(port), "--max-batch", str(max_batch),
-                                "--log-level", "warning"], env=env)
+                                "--log-level", "warning", *extra], env=env)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    deadline = time.monotonic() + 300  # --compile spends tens of seconds before it listens
+    while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"tessera serve exited with code {process.returncode}")
         try:
@@ -246,7 +248,7 @@ def start_server(checkpoint: Path, max_batch: int, threads: int | None) -> tuple
         except httpx.HTTPError:
             time.sleep(0.1)
     process.kill()
-    raise SystemExit("tessera serve did not come up within a minute")
+    raise SystemExit("tessera serve did not come up within 5 minutes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--rate", type=float, nargs="+", default=[4.0, 16.0, float("inf")],
+                   help="offered requests/s, one run each against the same server "
+                        "(inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at most, client side (default: no cap)")
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens")
@@ -270,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the HF run and the --self-test server")
     p.add_argument("--hf-device", default=None, help="device of the HF run (default: cuda if any)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                   help="--self-test: a further `tessera serve` flag (repeatable), e.g. "
+                        "--serve-arg=--compile")
+    p.add_argument("--name", default="serve_load", help="results name (bench/results/NAME.*)")
     args = p.parse_args(argv)
     if not args.url and not args.self_test:
         p.error("give --url URL or --self-test")
@@ -280,19 +288,24 @@ def main(argv: list[str] | None = None) -> int:
         server = None
         if args.self_test:
             args.checkpoint = make_tiny_checkpoint(Path(tmp))
-            server, args.url = start_server(args.checkpoint, args.max_batch, args.threads)
+            server, args.url = start_server(args.checkpoint, args.max_batch, args.threads,
+                                            args.serve_arg)
+        runs: list[tuple[str, dict[str, float]]] = []
         try:
-            timings, wall = asyncio.run(run_load(args.url, prompts, args.output_len, args.rate,
-                                                 args.model, args.api_key, args.seed,
-                                                 args.max_concurrency))
+            for rate in args.rate:
+                timings, wall = asyncio.run(run_load(args.url, prompts, args.output_len, rate,
+                                                     args.model, args.api_key, args.seed,
+                                                     args.max_concurrency))
+                runs.append((f"tessera server, {rate:g} req/s offered", summarize(timings, wall)))
+                errors = sorted({t.error for t in timings if not t.ok})
+                if errors:
+                    print(f"rate {rate:g}: {len(errors)} distinct errors, e.g.: {errors[:3]}",
+                          file=sys.stderr)
         finally:
             if server is not None:
                 server.terminate()
                 server.wait(timeout=30)
-        errors = sorted({t.error for t in timings if not t.ok})
-        if errors:
-            print(f"{len(errors)} distinct errors, e.g.: {errors[:3]}", file=sys.stderr)
-        ours, hf = summarize(timings, wall), None
+        hf = None
         if args.compare_hf:
             import torch
 
@@ -301,15 +314,15 @@ def main(argv: list[str] | None = None) -> int:
             device = args.hf_device or ("cuda" if torch.cuda.is_available() else "cpu")
             hf = summarize(*run_hf(args.checkpoint, prompts[:args.hf_requests], args.output_len,
                                    device))
-    print(f"\n{args.num_requests} requests, rate {args.rate}/s, {args.input_len} prompt + "
-          f"{args.output_len} output tokens, greedy. The server's req/s cannot exceed the offered "
-          "rate; HF runs one request at a time, as fast as it can.")
-    rows = side_by_side(ours, hf)
+    print(f"\n{args.num_requests} requests per run, {args.input_len} prompt + {args.output_len} "
+          "output tokens, greedy. A run's req/s cannot exceed its offered rate; HF runs one "
+          "request at a time, as fast as it can.")
+    rows = as_rows(runs, hf)
     if args.self_test or args.compare_hf:
-        record(rows, "serve_load")
+        record(rows, args.name)
     else:
         print(markdown_table(rows))
-    return 0 if ours.get("completed") else 1
+    return 0 if all(summary.get("completed") for _, summary in runs) else 1
 
 
 if __name__ == "__main__":
