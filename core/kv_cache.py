@@ -29,8 +29,9 @@ class KVCache:
 
         Every layer's `update` in that pass uses the plan: the prefix length to read, the first
         slot if the slots are consecutive (else None), and the attention mask. Its checks read
-        tensor values (a device sync each), so they run once per pass, in `GPTModel.forward`
-        before the layers, which also keeps them out of a compiled decode step (`serving.compiled`).
+        tensor values (a device sync each), so they run once per pass and stage, in
+        `GPTModel.forward` before the layers, which also keeps them out of a compiled decode
+        step (`serving.compiled`).
         `views=False` always gathers: then the pass does not depend on which slots it reads
         (a compiled graph would be specialized to the first slot's number otherwise).
         """
@@ -67,6 +68,11 @@ class KVCache:
         if self._pass is None:
             raise RuntimeError("KVCache.update before KVCache.begin(positions, slots)")
         length, first, mask = self._pass
+        if mask.shape[0] != k.shape[0] or mask.shape[2] != k.shape[2]:
+            # The plan of an earlier pass, left over: its mask would silently mislead.
+            raise RuntimeError(f"KVCache.update of {k.shape[0]} rows x {k.shape[2]} tokens, but "
+                               f"the planned pass has {mask.shape[0]} x {mask.shape[2]}: call "
+                               "KVCache.begin(positions, slots) for every pass")
         rows = slots.unsqueeze(1)  # (B, 1) broadcast against positions (B, T)
         self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)

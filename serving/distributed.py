@@ -220,7 +220,7 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
 
     if compile_decode and tp * pp > 1:
         raise ValueError(f"a compiled decode step runs in one process; tp {tp} x pp {pp} "
-                         "serves eagerly, so drop --compile (or serve with tp=1, pp=1)")
+                         "serves eagerly, so drop compile_decode / --compile (or serve with tp=1, pp=1)")
     parallel, groups = init_serving(tp, pp, device)
     stages = load_stages(path, parallel, groups, dtype=dtype, device=device)
     for stage in stages:

@@ -515,8 +515,8 @@ class LLMEngine:
         done_prefill: list[_Sequence] = []
         # Rows of one token (decodes) and longer prefill chunks run as separate passes, so
         # neither pads to the other's length. Rows in slot order: with the lowest free slot
-        # taken first, running slots are usually consecutive and the KV cache reads them as a
-        # view instead of gathering a copy.
+        # taken first, running slots are usually consecutive and the eager KV cache reads them
+        # as a view instead of gathering a copy (a compiled decode step always gathers).
         for group in ([r for r in plan if r[1] == 1], [r for r in plan if r[1] > 1]):
             group.sort(key=lambda row: row[0].slot)
             if group:

@@ -42,3 +42,28 @@ def test_ragged_batch_prefill_next_to_decode():
     out = model(ids, positions=positions, cache=cache, slots=torch.tensor([0, 1]))
     torch.testing.assert_close(out[0, 0], model(a)[0, 8], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1], model(b)[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_gathered_reads_equal_views_and_a_stale_plan_is_refused():
+    model = build_model(ModelConfig.from_name("llama-tiny"), seed=5).eval()
+    ids = torch.randint(0, 512, (2, 10))
+    outs = []
+    for views in (True, False):
+        cache, slots = _cache(model), torch.tensor([1, 2])  # consecutive: a view when allowed
+        pos = torch.arange(9).expand(2, 9)
+        model(ids[:, :9], positions=pos, cache=cache, slots=slots)
+        cache.begin(torch.full((2, 1), 9), slots, views=views)
+        assert cache._pass[1] == (1 if views else None) and cache.pass_length == 10
+        h = model.embed(ids[:, 9:]).transpose(0, 1).contiguous()
+        outs.append(model.forward_hidden(h, positions=torch.full((2, 1), 9), cache=cache,
+                                         slots=slots))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="planned pass has 2 x 1"):
+        h = model.embed(ids[:1, :3]).transpose(0, 1).contiguous()
+        model.forward_hidden(h, positions=torch.arange(3)[None], cache=cache,
+                             slots=torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="before KVCache.begin"):
+        h = model.embed(ids[:, :1]).transpose(0, 1).contiguous()
+        model.forward_hidden(h, positions=torch.zeros(2, 1, dtype=torch.long), cache=_cache(model),
+                             slots=slots)
