@@ -89,7 +89,8 @@ def summary(gpu: bool) -> list[dict]:
     for part, dtype in (("generate", "fp32"), ("generate-bf16", "bf16")):
         gen = _rows(part)
         for label in ("", ", compiled decode"):
-            single = _find(gen, "case", f"single stream{label}")
+            # Exact: every single-stream row starts with "single stream".
+            single = next((r for r in gen if r["case"] == f"single stream{label}"), {})
             sixteen = _find(gen, "case", f"16 concurrent{label} (")
             mode = f"{dtype} both{label}"
             if single:

@@ -125,12 +125,12 @@ class CompiledDecode:
         self._cache = cache
         tic = time.perf_counter()
         cases = [[0]] if cache.num_slots == 1 else [[0], [1, 0]]
+        device = next(iter(cache.keys.values())).device
         before = _graphs_compiled()
         with self._compile_settings():
             for slots in cases:
                 n = len(slots)
                 log.info("compiling the decode step for %s", "one row" if n == 1 else "many rows")
-                device = cache.keys[next(iter(cache.keys))].device
                 self(torch.zeros((n, 1), dtype=torch.long, device=device),
                      torch.ones((n, 1), dtype=torch.long, device=device), cache,
                      torch.tensor(slots, device=device))
