@@ -40,9 +40,10 @@ print(json.dumps({"seconds": time.perf_counter() - tic, "bytes_written": s.bytes
 def make_checkpoint(path: Path, size_gb: float) -> int:
     """A random fp32 Llama checkpoint of about `size_gb` (built layer by layer, never whole)."""
     from tessera.core import ModelConfig, build_model, save_checkpoint
+    from tessera.core.parallel.sharding import num_parameters
 
     def params(layers: int) -> int:
-        return ModelConfig.from_name("llama-1b", num_layers=layers).num_parameters()
+        return num_parameters(ModelConfig.from_name("llama-1b", num_layers=layers))
 
     layer_bytes, other_bytes = 4 * (params(1) - params(0)), 4 * params(0)  # fp32
     # A multiple of 4 layers, so every target layout (pp 2, pp 4) divides it.

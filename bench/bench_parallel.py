@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from _common import record  # noqa: E402
 
-from tessera.core import ModelConfig, ParallelConfig, build_model  # noqa: E402
+from tessera.core import ModelConfig, build_model  # noqa: E402
+from tessera.core.parallel.pipeline import split_layout_and_schedule  # noqa: E402
 from tests.distributed_helper import run_ranks  # noqa: E402
 
-LAYOUTS = [  # (label, ParallelConfig kwargs)
+LAYOUTS = [  # (label, Layout and TrainSchedule fields)
     ("tp2", dict(tp=2)),
     ("tp2 + sequence parallel", dict(tp=2, sequence_parallel=True)),
     ("pp2 1f1b", dict(pp=2, schedule="1f1b")),
@@ -69,7 +70,7 @@ def _rank_body(rank: int, world: int, args, kwargs: dict) -> float:
     from tessera.core.parallel.data_parallel import allreduce_gradients
     from tessera.core.parallel.groups import init_groups
 
-    par = ParallelConfig(micro_batches=args.micro_batches, **kwargs)
+    par, sched = split_layout_and_schedule(dict(micro_batches=args.micro_batches, **kwargs))
     groups = init_groups(par)
     config = _config(args)
     tokens, labels = _batch(args)
@@ -78,12 +79,12 @@ def _rank_body(rank: int, world: int, args, kwargs: dict) -> float:
         tokens, labels = (x[groups.dp_rank * per:(groups.dp_rank + 1) * per]
                           for x in (tokens, labels))
     if par.pp > 1:
-        stages = pipeline.build_stages(config, par, groups)
-        schedule = pipeline.build_schedule(stages, par, groups,
+        stages = pipeline.build_stages(config, par, groups, schedule=sched)
+        schedule = pipeline.build_schedule(stages, par, sched, groups,
                                            pipeline.pipeline_loss_fn(config, groups))
     else:
         stages = [build_model(config, par, groups)]
-    n_mb = par.micro_batches if par.pp == 1 else 1
+    n_mb = sched.micro_batches if par.pp == 1 else 1
     best = float("inf")
     for i in range(args.steps + 1):
         torch.distributed.barrier()
@@ -110,12 +111,12 @@ def run(args) -> list[dict]:
     base = single_step_time(args)
     rows = [{"layout": "1 process (1 thread)", "step s": base, "vs 1 process": 1.0}]
     for label, kwargs in LAYOUTS:
-        par = ParallelConfig(micro_batches=args.micro_batches, **kwargs)
+        par, _ = split_layout_and_schedule(dict(micro_batches=args.micro_batches, **kwargs))
         seconds = max(run_ranks(_rank_body, par.world_size, args, kwargs, timeout=600))
         row = {"layout": label, "step s": seconds, "vs 1 process": base / seconds}
         if par.pp > 1:
             row["bubble measured"] = max(0.0, 1 - base / par.pp / seconds)
-            row["bubble theory"] = theoretical_bubble(par.pp, par.micro_batches,
+            row["bubble theory"] = theoretical_bubble(par.pp, args.micro_batches,
                                                       par.virtual_stages)
         rows.append(row)
     return rows

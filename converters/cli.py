@@ -129,8 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # ConversionError, CheckpointError, ConfigError, ...
         print(f"tessera convert: error: {exc}", file=sys.stderr)
         return 1
+    from tessera.core.parallel.sharding import num_parameters
+
     written = _bytes_written(out)
-    print(f"{verb} {args.input} -> {out}: {config.num_parameters():,} parameters "
+    print(f"{verb} {args.input} -> {out}: {num_parameters(config):,} parameters "
           f"({config.family}), {written:,} bytes written in "
           f"{time.perf_counter() - start:.1f} s")
     return 0

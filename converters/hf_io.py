@@ -45,15 +45,16 @@ from tessera.converters.hf_mapping import (
 )
 from tessera.converters.safetensors_stream import SafetensorsWriter
 from tessera.core.checkpoint import (
-    MANIFEST,
     CheckpointReader,
     Manifest,
     atomic_directory,
+    build_manifest,
     dtype_from_name,
     dtype_name,
     shard_file_name,
+    write_manifest,
 )
-from tessera.core.config import ParallelConfig
+from tessera.core.config import Layout
 from tessera.core.parallel.sharding import global_param_shapes
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 
@@ -164,10 +165,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | str 
                 shutil.copyfile(hf_dir / "tokenizer_config.json", tmp / "tokenizer_config.json")
         hf_extra = {"model_type": src.config["model_type"],
                     **{k: src.config.get(k) for k in _SPECIAL_KEYS}}
-        manifest = Manifest(model=config, layout=ParallelConfig(), dtype=dtype_name(target),
-                            tokenizer=tok_name, weight_map={n: [file] for n in shapes},
-                            extra={"hf": hf_extra})
-        (tmp / MANIFEST).write_text(manifest.to_json())
+        write_manifest(tmp, build_manifest(config, Layout(), {n: [file] for n in shapes},
+                                           dtype=target, tokenizer=tok_name,
+                                           extra={"hf": hf_extra}))
     return out_dir
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from tessera.converters.reshard import human_bytes, human_count
 from tessera.core.checkpoint import CheckpointError, read_manifest
+from tessera.core.parallel.sharding import num_parameters
 
 
 def describe(path: str | Path) -> dict[str, Any]:
@@ -27,7 +28,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         "path": str(path),
         "family": m.family,
         "preset": m.name,
-        "parameters": m.num_parameters(),
+        "parameters": num_parameters(m),
         "layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "num_heads": m.num_heads,

@@ -48,23 +48,25 @@ from tessera.converters.safetensors_stream import (
     SafetensorsWriter,
 )
 from tessera.core.checkpoint import (
-    MANIFEST,
     CheckpointError,
     CheckpointReader,
     Manifest,
     atomic_directory,
+    build_manifest,
     dtype_from_name,
     dtype_name,
     shard_file_name,
     stored_parameters,
+    write_manifest,
 )
-from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.config import Layout, ModelConfig
 from tessera.core.fp8 import is_fp8_weight, quantize, weight_amax
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     global_param_shapes,
     local_shape,
+    num_parameters,
     shard_columns,
     shard_row_ranges,
     shard_scale,
@@ -85,6 +87,7 @@ class ConvertSummary:
     source: str
     destination: str
     layout: dict[str, int]  # tp, pp, virtual_stages
+    placement: str  # looped | v (see core.config.Layout)
     files: int
     tensors: int
     parameters: int
@@ -99,9 +102,10 @@ class ConvertSummary:
         lay = self.layout
         fp8 = f", FP8 e4m3 ({self.fp8['granularity']} scales)" if self.fp8 else ""
         files = f"{self.files} weight file{'s' if self.files != 1 else ''}"
+        v = ", V placement" if self.placement == "v" else ""
         return (
             f"wrote {self.destination}: tp {lay['tp']} x pp {lay['pp']} (virtual stages "
-            f"{lay['virtual_stages']}), {files}, {self.dtype}{fp8}\n"
+            f"{lay['virtual_stages']}{v}), {files}, {self.dtype}{fp8}\n"
             f"{self.tensors} tensors, {human_count(self.parameters)} parameters; read "
             f"{human_bytes(self.bytes_read)}, wrote {human_bytes(self.bytes_written)} in "
             f"{self.seconds:.1f} s; peak memory (RSS) {human_bytes(self.peak_rss_bytes)}")
@@ -198,14 +202,14 @@ class StreamingReader(CheckpointReader):
 class _Plan:
     """The target: layout, dtype, FP8, and the `(name -> local shape)` of every file."""
 
-    layout: ParallelConfig
+    layout: Layout
     dtype: torch.dtype | None  # None: keep each tensor's dtype
     fp8: dict[str, str] | None  # the output's FP8 description
     quantize: bool  # quantize high-precision linear weights now
     files: dict[tuple[int, int], dict[str, tuple[int, ...]]]
 
 
-def target_files(config: ModelConfig, layout: ParallelConfig, v_shape: bool = False
+def target_files(config: ModelConfig, layout: Layout
                  ) -> dict[tuple[int, int], dict[str, tuple[int, ...]]]:
     """`(tp_rank, pp_rank) -> {global name: local shape}` of every file of `layout`.
 
@@ -213,11 +217,12 @@ def target_files(config: ModelConfig, layout: ParallelConfig, v_shape: bool = Fa
     hold and `save_checkpoint` stores, except that replicated tensors (norms, row-parallel
     biases, position embeddings) go into every tp rank's file, not only tp rank 0's: then
     each rank reads only its own file. Every tp rank holds the same names and local shapes.
+    Pipeline ranks hold the stages of the layout's placement (`sharding.stage_ids`).
     """
     out: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
-    n_stages = layout.pp * layout.virtual_stages
+    n_stages = layout.num_stages
     for p in range(layout.pp):
-        stages = stage_ids(p, layout.pp, layout.virtual_stages, v_shape)
+        stages = stage_ids(layout, p)
         g = ParallelGroups(tp_rank=0, tp_size=layout.tp, pp_rank=p, pp_size=layout.pp)
         with torch.device("meta"):
             chunks = [GPTModel(config, layout, g, s, n_stages) for s in stages]
@@ -226,17 +231,22 @@ def target_files(config: ModelConfig, layout: ParallelConfig, v_shape: bool = Fa
     return out
 
 
-def _plan(man: Manifest, tp: int | None, pp: int | None, virtual_stages: int | None,
-          v_shape: bool, dtype: torch.dtype | None, fp8: bool, per_channel: bool) -> _Plan:
-    if virtual_stages is None:  # a new pipeline size starts from one chunk per rank
-        virtual_stages = 2 if v_shape else man.layout.virtual_stages if pp is None else 1
-    tp = man.layout.tp if tp is None else tp
-    pp = man.layout.pp if pp is None else pp
-    # Only the model's divisibility rules matter for files; pick a schedule and a micro-batch
-    # count that any runnable layout accepts, so the schedule checks stay quiet.
-    schedule = "zbv" if v_shape else "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
-    layout = ParallelConfig(tp=tp, pp=pp, virtual_stages=virtual_stages, schedule=schedule,
-                            micro_batches=max(1, pp * virtual_stages))
+def target_layout(source: Layout, tp: int | None = None, pp: int | None = None,
+                  virtual_stages: int | None = None, placement: str | None = None) -> Layout:
+    """The layout a conversion writes: unset sizes keep the source's, except that a new
+    pipeline size starts from one looped chunk per rank; placement `v` means two chunks per
+    rank. Data parallelism and sequence parallelism do not shape files: dp 1, no sp."""
+    if placement is None:
+        keeps = pp is None and virtual_stages in (None, source.virtual_stages)
+        placement = source.placement if keeps else "looped"
+    if virtual_stages is None:
+        virtual_stages = 2 if placement == "v" else source.virtual_stages if pp is None else 1
+    return Layout(tp=source.tp if tp is None else tp, pp=source.pp if pp is None else pp,
+                  virtual_stages=virtual_stages, placement=placement)
+
+
+def _plan(man: Manifest, layout: Layout, dtype: torch.dtype | None, fp8: bool,
+          per_channel: bool) -> _Plan:
     layout.validate(man.model)  # ConfigError naming the clash, before anything is written
     if dtype is not None and (dtype == FP8 or not dtype.is_floating_point):
         raise CheckpointError(f"--dtype must be fp32, bf16 or fp16, got {dtype} (FP8: use --fp8)")
@@ -250,7 +260,7 @@ def _plan(man: Manifest, tp: int | None, pp: int | None, virtual_stages: int | N
     else:
         out_fp8 = {"format": "e4m3", "granularity": granularity} if fp8 or per_channel else None
         fresh = fp8 or per_channel
-    return _Plan(layout, dtype, out_fp8, fresh, target_files(man.model, layout, v_shape))
+    return _Plan(layout, dtype, out_fp8, fresh, target_files(man.model, layout))
 
 
 def reshard_checkpoint(
@@ -265,12 +275,13 @@ def reshard_checkpoint(
     fp8_per_channel: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-    v_shape: bool = False,
+    placement: str | None = None,
 ) -> ConvertSummary:
     """Write the checkpoint `src` to `dst` for the layout `tp` x `pp` (x `virtual_stages`).
 
     Unset sizes keep the source's (`virtual_stages` becomes 1 when `pp` changes, 2 with
-    `v_shape`, the placement of the ZBV / DualPipeV schedules). `dtype` casts the
+    `placement="v"`, the placement of the ZBV / DualPipeV schedules; see `target_layout`; the
+    manifest records the whole target layout). `dtype` casts the
     higher-precision tensors. `fp8` stores the linear-layer weights (`core.fp8.is_fp8_weight`) as
     float8_e4m3fn with fp32 scales `NAME.scale` next to them in the same files, per tensor or,
     with `fp8_per_channel`, per output channel; an FP8 source stays FP8, bit-exactly.
@@ -287,7 +298,8 @@ def reshard_checkpoint(
     reader = StreamingReader(src)
     try:
         man = reader.manifest
-        plan = _plan(man, tp, pp, virtual_stages, v_shape, dtype, fp8, fp8_per_channel)
+        layout = target_layout(man.layout, tp, pp, virtual_stages, placement)
+        plan = _plan(man, layout, dtype, fp8, fp8_per_channel)
         if dst.exists() and not overwrite:
             raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
         reader.check()
@@ -299,17 +311,18 @@ def reshard_checkpoint(
                     raise CheckpointError(f"{src / tokenizer} is missing (named in the manifest)")
                 shutil.copyfile(src / tokenizer, tmp / tokenizer)
             out_dtype = dtype_name(plan.dtype) if plan.dtype else man.dtype
-            out = Manifest(model=man.model, layout=plan.layout, dtype=out_dtype, step=man.step,
-                           tokenizer=tokenizer, fp8=plan.fp8, weight_map=weight_map,
-                           extra=man.extra)
-            (tmp / MANIFEST).write_text(out.to_json())
+            write_manifest(tmp, build_manifest(man.model, plan.layout, weight_map,
+                                               dtype=out_dtype, step=man.step,
+                                               tokenizer=tokenizer, fp8=plan.fp8,
+                                               extra=man.extra))
     finally:
         reader.close()
     lay = plan.layout
     return ConvertSummary(
         source=str(src), destination=str(dst),
         layout={"tp": lay.tp, "pp": lay.pp, "virtual_stages": lay.virtual_stages},
-        files=len(plan.files), tensors=len(weight_map), parameters=man.model.num_parameters(),
+        placement=lay.placement, files=len(plan.files), tensors=len(weight_map),
+        parameters=num_parameters(man.model),
         dtype=out_dtype, fp8=plan.fp8, bytes_read=reader.bytes_read, bytes_written=written,
         seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes())
 

@@ -2,7 +2,8 @@
 
 Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
 - `manifest.json`: format name and version, model config, the layout the weights were saved
-  under, dtype, FP8 description if any, step, tokenizer file, and `weight_map`: for each global
+  under (the whole `Layout`: tp, pp, virtual stages, stage placement, dp, sequence parallel),
+  dtype, FP8 description if any, step, tokenizer file, and `weight_map`: for each global
   parameter name, the files holding its tensor-parallel shards in tp-rank order (a replicated
   tensor: one file, or one full copy per tp rank in a converted checkpoint, so that each rank
   reads only its own file);
@@ -12,6 +13,10 @@ Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
   it needs and re-slices them with `sharding`, so every checkpoint loads under every layout,
   bit-exactly. An FP8 weight (see `core.fp8`) keeps its fp32 scale `NAME.scale` next to each
   shard, in the same file. Files are opened lazily (memory-mapped); no pickle anywhere.
+
+Every writer (`save_checkpoint`, the converters) builds its manifest with `build_manifest` and
+writes it with `write_manifest`. Format version 2 records the whole layout; version 1 (before
+`Layout`) recorded tp, pp and virtual_stages only, and still loads, as the looped placement.
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
 last, so a crash mid-write leaves any earlier checkpoint untouched.
@@ -23,9 +28,9 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +39,13 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.config import ConfigError, Layout, ModelConfig
 from tessera.core.model import GPTModel
 from tessera.core.parallel.sharding import global_param_shapes, shard_spec, shard_tensor, unshard_tensors
 
 FORMAT = "tessera-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: the layout holds only tp, pp and virtual_stages (looped)
 MANIFEST = "manifest.json"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -64,10 +70,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class Manifest:
-    """The parsed `manifest.json` of a checkpoint."""
+    """The parsed `manifest.json` of a checkpoint (build new ones with `build_manifest`)."""
 
     model: ModelConfig
-    layout: ParallelConfig
+    layout: Layout
     dtype: str = "float32"
     step: int = 0
     tokenizer: str | None = None
@@ -76,16 +82,56 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. training metadata
 
     def to_json(self) -> str:
-        layout = {k: getattr(self.layout, k) for k in ("tp", "pp", "virtual_stages")}
         body = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "model": self.model.to_dict(), "layout": layout, "dtype": self.dtype,
-                "step": self.step, "tokenizer": self.tokenizer, "fp8": self.fp8,
-                "extra": self.extra, "weight_map": self.weight_map}
+                "model": self.model.to_dict(), "layout": self.layout.to_dict(),
+                "dtype": self.dtype, "step": self.step, "tokenizer": self.tokenizer,
+                "fp8": self.fp8, "extra": self.extra, "weight_map": self.weight_map}
         return json.dumps(body, indent=2) + "\n"
 
 
+def build_manifest(
+    model: ModelConfig,
+    layout: Layout,
+    weight_map: Mapping[str, Sequence[str]],
+    *,
+    dtype: torch.dtype | str,
+    step: int = 0,
+    tokenizer: str | None = None,
+    fp8: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """The manifest of a checkpoint of `model` saved under `layout`: the one way every writer
+    makes it.
+
+    `weight_map` gives, for each global parameter name, the files holding its tp shards in
+    tp-rank order (see the module docstring); it must name every global parameter of `model`
+    and nothing else, and is stored in the model's parameter order. `tokenizer` is the file
+    name inside the checkpoint. Raises `CheckpointError` for a weight map that does not fit
+    the model, `ConfigError` for a layout that cannot hold it.
+    """
+    order = list(global_param_shapes(model))
+    missing = [n for n in order if n not in weight_map]
+    unknown = sorted(set(weight_map) - set(order))
+    if missing or unknown:
+        raise CheckpointError(f"the weight map does not fit the model: missing {missing[:5]}, "
+                              f"unknown {unknown[:5]}")
+    layout.validate(model)
+    return Manifest(model=model, layout=layout,
+                    dtype=dtype if isinstance(dtype, str) else dtype_name(dtype), step=step,
+                    tokenizer=tokenizer, fp8=fp8,
+                    weight_map={n: list(weight_map[n]) for n in order}, extra=dict(extra or {}))
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write `manifest` as `directory/manifest.json` (inside a checkpoint being written)."""
+    file = Path(directory) / MANIFEST
+    file.write_text(manifest.to_json())
+    return file
+
+
 def read_manifest(path: str | os.PathLike) -> Manifest:
-    """Parse and validate `path/manifest.json`, with an error that says what is wrong."""
+    """Parse and validate `path/manifest.json` (format version 1 or 2), with an error that
+    says what is wrong."""
     file = Path(path) / MANIFEST
     if not file.is_file():
         hint = " (it looks like a Hugging Face model: use `tessera convert --from hf`)" if (
@@ -97,12 +143,16 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         raise CheckpointError(f"{file} is not valid JSON ({exc}); the checkpoint is damaged") from exc
     if data.get("format") != FORMAT:
         raise CheckpointError(f"{file}: format is {data.get('format')!r}, expected {FORMAT!r}")
-    if data.get("format_version") != FORMAT_VERSION:
+    version = data.get("format_version")
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{file}: format version {data.get('format_version')} is not supported by this "
-            f"Tessera (reads version {FORMAT_VERSION}); use the Tessera release that wrote it "
-            "or convert it with that release")
-    layout = ParallelConfig(**data["layout"])
+            f"{file}: format version {version} is not supported by this Tessera (reads "
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}); use the Tessera release that "
+            "wrote it or convert it with that release")
+    try:
+        layout = Layout.from_dict(data["layout"])
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"{file}: the layout {data['layout']} cannot be read ({exc})") from exc
     return Manifest(model=ModelConfig.from_dict(data["model"]), layout=layout,
                     dtype=data.get("dtype", "float32"), step=data.get("step", 0),
                     tokenizer=data.get("tokenizer"), fp8=data.get("fp8"),
@@ -261,12 +311,11 @@ def save_checkpoint(
         if tokenizer is not None:
             tok_name = "tokenizer.json" if str(tokenizer).endswith(".json") else "tokenizer.model"
             shutil.copyfile(tokenizer, tmp / tok_name)
-        par = models[0].parallel
-        layout = ParallelConfig(tp=g.tp_size, pp=g.pp_size, virtual_stages=par.virtual_stages)
+        # The groups are what the weights were split over; the model's layout adds the rest.
+        layout = replace(models[0].layout, tp=g.tp_size, pp=g.pp_size, dp=g.dp_size)
         dtype = next(models[0].parameters()).dtype
-        manifest = Manifest(model=models[0].config, layout=layout, dtype=dtype_name(dtype),
-                            step=step, tokenizer=tok_name, weight_map=merged, extra=extra or {})
-        (tmp / MANIFEST).write_text(manifest.to_json())
+        write_manifest(tmp, build_manifest(models[0].config, layout, merged, dtype=dtype,
+                                           step=step, tokenizer=tok_name, extra=extra))
         _publish(tmp, path)
     if distributed:
         dist.barrier()

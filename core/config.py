@@ -1,14 +1,15 @@
-"""Typed configs for the model and its parallel layout, with named presets.
+"""Typed configs for the model, its parallel layout and the training step, with named presets.
 
-`ModelConfig` describes the global (unsharded) network; `ParallelConfig` describes how it is laid
-out over ranks. Both are plain dataclasses: they are saved into every checkpoint manifest as JSON
-(`to_dict` / `from_dict`) and validated up front with messages that name the numbers and the fix.
+`ModelConfig` describes the global (unsharded) network; `Layout` describes where its weights live
+over ranks (saved in every checkpoint manifest, `to_dict` / `from_dict`); `TrainSchedule` describes
+how a training step runs on a layout. All are validated up front with messages that name the
+numbers and the fix. This module imports nothing from `core.parallel`: the schedule checks that
+need the schedule names live in `core.parallel.pipeline`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,12 +78,6 @@ class ModelConfig:
         """True when the first MLP projection holds two fused halves (gate and up)."""
         return self.activation == "swiglu"
 
-    def num_parameters(self) -> int:
-        """Parameter count of the global model (tied embeddings counted once)."""
-        from tessera.core.parallel.sharding import global_param_shapes
-
-        return sum(math.prod(s) for s in global_param_shapes(self).values())
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -144,24 +139,46 @@ PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
 
 
-@dataclass
-class ParallelConfig:
-    """How one model is laid out over `tp * pp * dp` ranks (tp fastest, then dp, then pp)."""
+Placement = Literal["looped", "v"]
+DataParallel = Literal["ddp", "fsdp", "zero1"]
+PLACEMENTS: tuple[str, ...] = ("looped", "v")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the weights live: how one model is laid out over `tp * dp * pp` ranks.
+
+    Rank order, fastest first: tp, then dp, then pp, so global rank
+    `= (pp_rank * dp + dp_rank) * tp + tp_rank` (`core.parallel.groups.rank_of`) and
+    tensor-parallel peers are neighbours on one node, as Megatron lays them out.
+
+    Pipeline placement of the `pp * virtual_stages` stages (`core.parallel.sharding.stage_ids`):
+    `looped` puts stages r, r + pp, r + 2pp, ... on pipeline rank r (1F1B, interleaved 1F1B);
+    `v` puts two stages per rank in a V, r and 2pp - 1 - r, so rank 0 holds the first and the
+    last (the ZBV and DualPipeV schedules). Placement is part of the layout, not of the
+    schedule, so converters, checkpoints and the server can describe it without one.
+
+    Room for what comes next (not implemented): context parallelism `cp` splits the sequence
+    and will sit between tp and dp in the rank order (tp, cp, dp, pp; cp peers next to tp
+    peers, as in Megatron), multiplying `world_size`; expert parallelism `ep` will not add
+    ranks but split the data-parallel ranks (dp, or dp x cp) into expert groups for the MoE
+    layers, so it must divide them. Each new field defaults to 1, so a version-2 manifest
+    (without them) still reads as the same layout.
+
+    The training schedule (pipeline schedule, micro-batches, recomputation, data-parallel
+    flavour) is a separate `TrainSchedule`: how a step runs, not where weights live.
+    """
 
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size (ranks)
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / V schedules)
+    virtual_stages: int = 1  # model chunks (stages) per pipeline rank
+    placement: Placement = "looped"  # how stages map onto pipeline ranks: looped | v
     dp: int = 1  # data-parallel size
-    sequence_parallel: bool = False  # shard norms/dropout activations along the sequence over tp
-    recompute: Recompute = "none"
-    recompute_layers: int | None = None  # with recompute="full": first N layers per stage (None: all)
-    schedule: str = "1f1b"  # pipeline schedule name, see core.parallel.pipeline.SCHEDULES
-    micro_batches: int = 1  # micro-batches per step (pipeline) / gradient-accumulation steps
-    data_parallel: Literal["ddp", "fsdp", "zero1"] = "ddp"
+    sequence_parallel: bool = False  # shard norm/dropout activations along the sequence over tp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.dp * self.pp
 
     @property
     def num_stages(self) -> int:
@@ -171,90 +188,97 @@ class ParallelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
-        return cls(**{k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)}})
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        """A layout from `to_dict` output; missing fields take their defaults (a version-1
+        manifest holds only tp, pp and virtual_stages), unknown ones are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown Layout fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def problems(
+        self, model: ModelConfig, world_size: int | None = None, seq_len: int | None = None
+    ) -> list[str]:
+        """Every reason this layout cannot hold `model` (empty when it can), each with the
+        numbers that clash and what to do."""
+        return _layout_problems(self, model, world_size, seq_len)
 
     def validate(
-        self,
-        model: ModelConfig,
-        world_size: int | None = None,
-        global_batch: int | None = None,
-        seq_len: int | None = None,
+        self, model: ModelConfig, world_size: int | None = None, seq_len: int | None = None
     ) -> None:
-        """Raise `ConfigError` naming the clash and the fix for any layout that cannot work."""
-        problems = _layout_problems(self, model, world_size, global_batch, seq_len)
+        """Raise `ConfigError` listing every problem (`problems`) of this layout for `model`."""
+        problems = self.problems(model, world_size, seq_len)
         if problems:
             raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
 
 
-def _layout_problems(
-    par: ParallelConfig,
-    model: ModelConfig,
-    world_size: int | None,
-    global_batch: int | None,
-    seq_len: int | None,
-) -> list[str]:
-    from tessera.core.parallel.pipeline import SCHEDULES, V_SCHEDULES, schedule_problems
+@dataclass(frozen=True)
+class TrainSchedule:
+    """How a training step runs on a `Layout`: what the weights' placement does not decide.
 
-    out: list[str] = []
-    for name in ("tp", "pp", "virtual_stages", "dp", "micro_batches"):
-        if getattr(par, name) < 1:
-            out.append(f"{name} must be >= 1, got {getattr(par, name)}")
+    Validated against a layout by `core.parallel.pipeline.schedule_problems`, which knows the
+    schedule names; `core.parallel.pipeline.default_placement(schedule)` gives the placement a
+    schedule needs.
+    """
+
+    schedule: str = "1f1b"  # pipeline schedule name, see core.parallel.pipeline.SCHEDULES
+    micro_batches: int = 1  # micro-batches per step (pipeline) / gradient-accumulation steps
+    recompute: Recompute = "none"
+    recompute_layers: int | None = None  # with recompute="full": first N layers per stage (None: all)
+    data_parallel: DataParallel = "ddp"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _layout_problems(
+    lay: Layout, model: ModelConfig, world_size: int | None, seq_len: int | None
+) -> list[str]:
+    out = [f"{name} must be >= 1, got {getattr(lay, name)}"
+           for name in ("tp", "pp", "virtual_stages", "dp") if getattr(lay, name) < 1]
     if out:
         return out
-    if world_size is not None and world_size != par.world_size:
+    if world_size is not None and world_size != lay.world_size:
         out.append(
-            f"world size {world_size} != tp {par.tp} x pp {par.pp} x dp {par.dp} = "
-            f"{par.world_size}; launch {par.world_size} processes or change tp/pp/dp "
-            f"(e.g. dp = {world_size // (par.tp * par.pp) or 1})"
+            f"world size {world_size} != tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = "
+            f"{lay.world_size}; launch {lay.world_size} processes or change tp/pp/dp "
+            f"(e.g. dp = {world_size // (lay.tp * lay.pp) or 1})"
         )
-    if model.num_heads % par.tp:
+    if model.num_heads % lay.tp:
         out.append(
-            f"num_heads {model.num_heads} is not divisible by tp {par.tp}; use a tp that "
-            f"divides it (e.g. {_divisors(model.num_heads)})"
+            f"num_heads {model.num_heads} is not divisible by tp {lay.tp}; use a tp that "
+            f"divides it (e.g. {divisors(model.num_heads)})"
         )
-    if model.num_kv_heads % par.tp:
-        out.append(
-            f"num_kv_heads {model.num_kv_heads} is not divisible by tp {par.tp}; each rank "
-            f"needs whole kv heads, so use tp in {_divisors(model.num_kv_heads)}"
-        )
-    if model.ffn_hidden_size % par.tp:
-        out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {par.tp}")
-    stages = par.num_stages
+    out += _kv_head_problems(model, lay.tp)
+    if model.ffn_hidden_size % lay.tp:
+        out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {lay.tp}")
+    stages = lay.num_stages
     if model.num_layers % stages:
         out.append(
-            f"num_layers {model.num_layers} is not divisible by pp {par.pp} x virtual_stages "
-            f"{par.virtual_stages} = {stages}; use a stage count in {_divisors(model.num_layers)}"
+            f"num_layers {model.num_layers} is not divisible by pp {lay.pp} x virtual_stages "
+            f"{lay.virtual_stages} = {stages}; use a stage count in {divisors(model.num_layers)}"
         )
-    if par.schedule not in SCHEDULES:
-        out.append(f"unknown schedule {par.schedule!r}; choose one of {sorted(SCHEDULES)}")
-    elif par.schedule in V_SCHEDULES and par.virtual_stages != 2:
-        out.append(f"schedule {par.schedule!r} places two stages per rank: set virtual_stages 2")
-    elif par.virtual_stages > 1 and par.schedule in ("1f1b", "gpipe"):
-        out.append(
-            f"schedule {par.schedule!r} runs one stage per rank but virtual_stages is "
-            f"{par.virtual_stages}; use 'interleaved-1f1b' or set virtual_stages 1"
-        )
-    if par.pp > 1 and par.schedule in SCHEDULES:
-        out += schedule_problems(par)
-    if par.sequence_parallel and par.tp == 1:
+    if lay.placement not in PLACEMENTS:
+        out.append(f"unknown placement {lay.placement!r}; choose one of {list(PLACEMENTS)}")
+    elif lay.placement == "v" and lay.virtual_stages != 2:
+        out.append(f"placement 'v' puts two stages on each pipeline rank: set virtual_stages 2 "
+                   f"(got {lay.virtual_stages})")
+    if lay.sequence_parallel and lay.tp == 1:
         out.append("sequence_parallel needs tp > 1 (it shards activations over the tp group)")
-    if par.sequence_parallel and seq_len is not None and seq_len % par.tp:
-        out.append(f"sequence length {seq_len} is not divisible by tp {par.tp} (sequence parallel)")
-    if par.recompute == "full" and par.recompute_layers is not None and par.recompute_layers < 0:
-        out.append(f"recompute_layers must be >= 0, got {par.recompute_layers}")
-    if global_batch is not None:
-        per_dp = global_batch // par.dp
-        if global_batch % par.dp:
-            out.append(f"global batch {global_batch} is not divisible by dp {par.dp}")
-        elif per_dp % par.micro_batches:
-            out.append(
-                f"per-data-parallel batch {per_dp} (global {global_batch} / dp {par.dp}) does not "
-                f"split into {par.micro_batches} micro-batches; choose micro_batches in "
-                f"{_divisors(per_dp)}"
-            )
+    if lay.sequence_parallel and seq_len is not None and seq_len % lay.tp:
+        out.append(f"sequence length {seq_len} is not divisible by tp {lay.tp} (sequence parallel)")
     return out
 
 
-def _divisors(n: int) -> list[int]:
+def _kv_head_problems(model: ModelConfig, tp: int) -> list[str]:
+    """Each tp rank needs whole kv heads (kv-head replication over tp is not implemented)."""
+    if model.num_kv_heads % tp:
+        return [f"num_kv_heads {model.num_kv_heads} is not divisible by tp {tp}; each rank "
+                f"needs whole kv heads, so use tp in {divisors(model.num_kv_heads)}"]
+    return []
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending (for error messages that suggest a fix)."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -14,7 +14,7 @@ import zlib
 import torch
 from torch import nn
 
-from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import global_param_shapes, shard_tensor
@@ -51,9 +51,10 @@ def init_weights(model: GPTModel, seed: int) -> None:
 
 def build_model(
     config: ModelConfig,
-    parallel: ParallelConfig | None = None,
+    layout: Layout | None = None,
     groups: ParallelGroups | None = None,
     *,
+    schedule: TrainSchedule | None = None,
     stage_id: int = 0,
     num_stages: int = 1,
     device: torch.device | str = "cpu",
@@ -64,6 +65,8 @@ def build_model(
 ) -> GPTModel:
     """Build one stage of the model for this rank: on the meta device, then materialized.
 
+    `layout` says where the weights live (sequence parallelism; tp and pp come from `groups`),
+    `schedule` how training steps run (only its recomputation matters here; None: none).
     With `init=False` the weights are left uninitialized (a checkpoint will be loaded into them).
     `backend`: "torch" (plain PyTorch), "te" (Transformer Engine linears; CUDA only), or "auto"
     (TE when it imports on a CUDA device, else plain PyTorch). Parameter names and shapes are the
@@ -78,7 +81,7 @@ def build_model(
         raise RuntimeError("backend 'te' needs a CUDA device and transformer_engine installed "
                            '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
-        model = GPTModel(config, parallel, groups, stage_id, num_stages)
+        model = GPTModel(config, layout, groups, stage_id, num_stages, schedule)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
     # the `sequence_parallel` mark that the gradient sync looks for: carry it over.
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.core import fused
-from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import (
@@ -150,11 +150,10 @@ class Block(nn.Module):
     """Pre-norm transformer layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups,
-                 parallel: ParallelConfig):
+                 sp: bool, selective_recompute: bool):
         super().__init__()
-        sp = parallel.sequence_parallel
         self.attention_norm = Norm(config, sp)
-        self.attention = Attention(config, layer, groups, sp, parallel.recompute == "selective")
+        self.attention = Attention(config, layer, groups, sp, selective_recompute)
         self.ffn_norm = Norm(config, sp)
         self.feed_forward = MLP(config, layer, groups, sp)
         self.dropout, self.sp = config.dropout, sp
@@ -189,12 +188,15 @@ class GPTModel(nn.Module):
     - otherwise logits `(B, T, vocab_size)` gathered over tp, padding removed.
     """
 
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig | None = None,
-                 groups: ParallelGroups | None = None, stage_id: int = 0, num_stages: int = 1):
+    def __init__(self, config: ModelConfig, layout: Layout | None = None,
+                 groups: ParallelGroups | None = None, stage_id: int = 0, num_stages: int = 1,
+                 schedule: TrainSchedule | None = None):
         super().__init__()
-        self.config, self.parallel = config, parallel or ParallelConfig()
+        self.config, self.layout = config, layout or Layout()
+        # How a training step runs; only its recomputation matters to the model.
+        self.train_schedule = schedule or TrainSchedule()
         self.groups = groups or ParallelGroups()
-        g, par = self.groups, self.parallel
+        g, sp, rc = self.groups, self.layout.sequence_parallel, self.train_schedule
         self.stage_id, self.num_stages = stage_id, num_stages
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.layer_ids = list(stage_layers(stage_id, num_stages, config.num_layers))
@@ -206,18 +208,20 @@ class GPTModel(nn.Module):
                 self.pos_embeddings = nn.Embedding(config.max_position_embeddings,
                                                    config.hidden_size)
         self.rotary = Rotary(config) if config.position == "rope" else None
-        self.layers = nn.ModuleDict({str(i): Block(config, i, g, par) for i in self.layer_ids})
-        n_full = len(self.layer_ids) if par.recompute_layers is None else par.recompute_layers
-        self.recompute_ids = set(self.layer_ids[:n_full]) if par.recompute == "full" else set()
+        selective = rc.recompute == "selective"
+        self.layers = nn.ModuleDict({str(i): Block(config, i, g, sp, selective)
+                                     for i in self.layer_ids})
+        n_full = len(self.layer_ids) if rc.recompute_layers is None else rc.recompute_layers
+        self.recompute_ids = set(self.layer_ids[:n_full]) if rc.recompute == "full" else set()
         if self.is_last:
-            self.norm = Norm(config, par.sequence_parallel)
+            self.norm = Norm(config, sp)
             rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]
             self.output = None
             if not (config.tied_embeddings and self.is_first):
                 # A tied model on a separate last stage keeps its own copy of the embedding,
                 # kept equal by summing gradients over `groups.embedding_group`.
                 self.output = ColumnParallelLinear(config.hidden_size, rows, False, g.tp_group,
-                                                   par.sequence_parallel)
+                                                   sp)
         self.embedding_hook: nn.Module | None = None  # set by prompt tuning
 
     def global_name(self, local_name: str) -> str:
@@ -243,7 +247,7 @@ class GPTModel(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, local_logits: bool = False) -> torch.Tensor:
-        sp = self.parallel.sequence_parallel and cache is None
+        sp = self.layout.sequence_parallel and cache is None
         if self.is_first:
             h = self.embed(x, positions).transpose(0, 1).contiguous()  # (T, B, C)
             if sp:
@@ -269,7 +273,7 @@ class GPTModel(nn.Module):
         returns. With a cache, `cache.begin(positions, slots)` must have planned this pass (as
         `forward` does). Reads no tensor values on the host, so it compiles as one graph
         (`serving.compiled`)."""
-        sp = self.parallel.sequence_parallel and cache is None
+        sp = self.layout.sequence_parallel and cache is None
         T = h.shape[0] * (self.groups.tp_size if sp else 1)
         B = h.shape[1]
         rope = None

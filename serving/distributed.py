@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.checkpoint import dtype_from_name, load_weights, read_manifest
-from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.config import ConfigError, Layout
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
 from tessera.core.parallel.pipeline import build_stages
+from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
 
 STEP, IDLE, STOP = 1, 2, 3
@@ -45,13 +46,13 @@ _HEADER = 8
 _TIMEOUT = timedelta(minutes=30)  # a single collective; idle ranks hear a heartbeat every second
 
 
-def serving_layout(tp: int = 1, pp: int = 1) -> ParallelConfig:
+def serving_layout(tp: int = 1, pp: int = 1) -> Layout:
     """The layout a server runs: tp x pp ranks, one stage per pipeline rank, no data parallel."""
-    return ParallelConfig(tp=tp, pp=pp, schedule="gpipe")
+    return Layout(tp=tp, pp=pp)
 
 
 def init_serving(tp: int = 1, pp: int = 1,
-                 device: torch.device | str = "cpu") -> tuple[ParallelConfig, ParallelGroups]:
+                 device: torch.device | str = "cpu") -> tuple[Layout, ParallelGroups]:
     """Join the torchrun world when there is one and build the serving layout's groups.
 
     With more than one rank and tp = pp = 1, tp takes the whole world. Collective.
@@ -69,19 +70,19 @@ def init_serving(tp: int = 1, pp: int = 1,
     if tp * pp != world:
         raise ConfigError(f"serving layout tp {tp} x pp {pp} = {tp * pp} ranks, but the world has "
                           f"{world}; launch tp x pp processes (e.g. --nproc-per-node {tp * pp})")
-    parallel = serving_layout(tp, pp)
-    return parallel, init_groups(parallel)
+    layout = serving_layout(tp, pp)
+    return layout, init_groups(layout)
 
 
-def load_stages(path: str | Path, parallel: ParallelConfig, groups: ParallelGroups, *,
+def load_stages(path: str | Path, layout: Layout, groups: ParallelGroups, *,
                 dtype: torch.dtype | str | None = None,
                 device: torch.device | str = "cpu") -> list[GPTModel]:
-    """This rank's stages of the checkpoint at `path` under `parallel`, whatever its own layout."""
+    """This rank's stages of the checkpoint at `path` under `layout`, whatever its own layout."""
     manifest = read_manifest(path)
     if isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
     dtype = dtype or dtype_from_name(manifest.dtype)  # FP8 checkpoints: their compute dtype
-    stages = build_stages(manifest.model, parallel, groups, device=device, dtype=dtype,
+    stages = build_stages(manifest.model, layout, groups, device=device, dtype=dtype,
                           init=False)
     load_weights(stages, path)
     return [m.eval() for m in stages]
@@ -90,10 +91,11 @@ def load_stages(path: str | Path, parallel: ParallelConfig, groups: ParallelGrou
 class _Channel:
     """The step protocol's collectives, the same on every rank."""
 
-    def __init__(self, runner: ModelRunner, parallel: ParallelConfig):
+    def __init__(self, runner: ModelRunner, layout: Layout):
         self.runner, self.device = runner, runner.device
         self.rank = dist.get_rank()
-        self.logits_from = rank_of(0, 0, parallel.pp - 1, parallel)  # tp rank 0, last stage
+        # tp rank 0 of the pipeline rank holding the last stage
+        self.logits_from = rank_of(0, 0, last_stage_pp_rank(layout), layout)
         self.vocab = runner.config.vocab_size
 
     def header(self, command: int = 0, sizes: tuple[int, int, int] = (0, 0, 0),
@@ -133,11 +135,11 @@ class _Channel:
 class DistributedExecutor:
     """Rank 0's executor: announces each step, runs its own share, receives the logits."""
 
-    def __init__(self, runner: ModelRunner, parallel: ParallelConfig):
+    def __init__(self, runner: ModelRunner, layout: Layout):
         if dist.get_rank() != 0:
             raise RuntimeError("DistributedExecutor runs on rank 0; other ranks run worker_loop")
         self.runner = runner
-        self._channel = _Channel(runner, parallel)
+        self._channel = _Channel(runner, layout)
         self._stopped = False
         self.stop_requested = False  # set (e.g. by a signal handler) to stop every rank
 
@@ -178,13 +180,13 @@ class DistributedExecutor:
             self._channel.header(STOP)
 
 
-def worker_loop(runner: ModelRunner, parallel: ParallelConfig, *,
+def worker_loop(runner: ModelRunner, layout: Layout, *,
                 handle_signals: bool = True) -> None:
     """Serve rank 0's steps until it sends STOP or any rank votes to stop.
 
     With `handle_signals`, SIGTERM and SIGINT set this rank's stop vote (main thread only).
     """
-    channel = _Channel(runner, parallel)
+    channel = _Channel(runner, layout)
     stop = {"vote": False}
     if handle_signals:
         try:
@@ -221,20 +223,20 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     if compile_decode and tp * pp > 1:
         raise ValueError(f"a compiled decode step runs in one process; tp {tp} x pp {pp} "
                          "serves eagerly, so drop compile_decode / --compile (or serve with tp=1, pp=1)")
-    parallel, groups = init_serving(tp, pp, device)
-    stages = load_stages(path, parallel, groups, dtype=dtype, device=device)
+    layout, groups = init_serving(tp, pp, device)
+    stages = load_stages(path, layout, groups, dtype=dtype, device=device)
     for stage in stages:
         quantize_model(stage, quantize)
     runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
-        worker_loop(runner, parallel, handle_signals=handle_signals)
+        worker_loop(runner, layout, handle_signals=handle_signals)
         return None
     if tokenizer == "checkpoint":
         from tessera.core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path) if read_manifest(path).tokenizer else None
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    executor = DistributedExecutor(runner, parallel) if distributed else LocalExecutor(runner)
+    executor = DistributedExecutor(runner, layout) if distributed else LocalExecutor(runner)
     engine_kwargs.setdefault("model_name", Path(path).name)
     return LLMEngine(executor, tokenizer, **engine_kwargs)

@@ -1,7 +1,7 @@
 """The pretraining run's configuration: YAML file plus `--key value` overrides, each field documented.
 
-Sections are dataclasses (`TrainConfig`, `DataConfig`, `ParallelConfig`, and the model as a preset
-name plus `ModelConfig` overrides). Every field name is unique across sections, so a flag can be
+Sections are dataclasses (`TrainConfig`, `DataConfig`, `ParallelSection`, and the model as a
+preset name plus `ModelConfig` overrides). Every field name is unique across sections, so a flag can be
 written bare (`--lr 3e-4`, `--tp 2`) or dotted (`--train.lr 3e-4`); YAML takes the same names,
 grouped by section or flat. `--help` lists every field with its default and meaning.
 """
@@ -18,7 +18,14 @@ from typing import Any
 
 import yaml
 
-from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.core.config import (
+    ConfigError,
+    DataParallel,
+    Layout,
+    ModelConfig,
+    Recompute,
+    TrainSchedule,
+)
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -74,11 +81,39 @@ class LoopConfig:
 
 
 @dataclass
+class ParallelSection:
+    """The `parallel:` section (and its flags): the layout and the training schedule together,
+    as the user writes them. `layout()` and `schedule()` split it into the core's `Layout`
+    (placement: the one the schedule needs) and `TrainSchedule`."""
+
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    recompute: Recompute = "none"
+    recompute_layers: int | None = None
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    data_parallel: DataParallel = "ddp"
+
+    def layout(self) -> Layout:
+        from tessera.core.parallel.pipeline import split_layout_and_schedule
+
+        return split_layout_and_schedule(dataclasses.asdict(self))[0]
+
+    def train_schedule(self) -> TrainSchedule:
+        from tessera.core.parallel.pipeline import split_layout_and_schedule
+
+        return split_layout_and_schedule(dataclasses.asdict(self))[1]
+
+
+@dataclass
 class PretrainConfig:
     """Everything `tessera pretrain` runs from; each component receives only its section."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.from_name("llama-demo"))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -102,8 +137,8 @@ _PARALLEL_HELP = {
 
 # section name -> its dataclass: what `tessera pretrain` reads. Other verbs (`tessera tune`) pass
 # their own mapping to `add_section_flags` / `section_values`, reusing sections from here.
-SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-                             "loop": LoopConfig}
+SECTIONS: dict[str, type] = {"parallel": ParallelSection, "train": TrainConfig,
+                             "data": DataConfig, "loop": LoopConfig}
 
 
 def _type_of(f: dataclasses.Field, owner: type) -> Any:

@@ -86,7 +86,7 @@ def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
     if "save_interval" not in explicit:
         cfg.loop.save_interval = 100
     if cfg.parallel.pp > 1 and "micro_batches" not in explicit:
-        cfg.parallel.micro_batches = 2 * cfg.parallel.num_stages
+        cfg.parallel.micro_batches = 2 * cfg.parallel.layout().num_stages
 
 
 def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:

@@ -71,9 +71,10 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     par = cfg.parallel
     if par.dp == 1 and world > par.tp * par.pp and world % (par.tp * par.pp) == 0:
         par.dp = world // (par.tp * par.pp)
-    par.validate(cfg.model, world_size=world, global_batch=cfg.train.global_batch,
-                 seq_len=cfg.train.seq_len)
-    problems = pipeline.schedule_problems(par) if par.pp > 1 else []
+    layout, schedule = par.layout(), par.train_schedule()
+    pipeline.validate_training(cfg.model, layout, schedule, world_size=world,
+                               global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
+    problems: list[str] = []
     if cfg.train.seq_len > cfg.model.max_position_embeddings:
         problems.append(f"seq_len {cfg.train.seq_len} exceeds the model's "
                         f"max_position_embeddings {cfg.model.max_position_embeddings}")
@@ -97,17 +98,18 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
     device = resolve_device(cfg.train.device)
     init_distributed(device)
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    par = cfg.parallel
-    groups = init_groups(par)
+    layout, schedule = cfg.parallel.layout(), cfg.parallel.train_schedule()
+    groups = init_groups(layout)
     torch.manual_seed(cfg.train.seed)
     tracker.seed(cfg.train.seed, groups.tp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
-    if par.pp > 1:
-        stages = pipeline.build_stages(cfg.model, par, groups, device=device, dtype=dtype,
-                                       seed=cfg.train.seed, init=init)
+    if layout.pp > 1:
+        stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
+                                       device=device, dtype=dtype, seed=cfg.train.seed,
+                                       init=init)
     else:
-        stages = [build_model(cfg.model, par, groups, device=device, dtype=dtype,
-                              seed=cfg.train.seed, init=init)]
+        stages = [build_model(cfg.model, layout, groups, schedule=schedule, device=device,
+                              dtype=dtype, seed=cfg.train.seed, init=init)]
     return device, groups, stages
 
 
@@ -117,7 +119,7 @@ def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
     par, precision = cfg.parallel, cfg.train.precision
     schedule = None
     if par.pp > 1:
-        schedule = pipeline.build_schedule(stages, par, groups,
+        schedule = pipeline.build_schedule(stages, par.layout(), par.train_schedule(), groups,
                                            pipeline.pipeline_loss_fn(cfg.model, groups))
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
@@ -154,7 +156,7 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> to
     if job.schedule is not None:
         with amp:
             loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels)
-        loss = pipeline.broadcast_loss(loss, par, g)
+        loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
         model, n_mb = job.stages[0], par.micro_batches
         loss = torch.zeros((), device=job.device)
@@ -211,7 +213,7 @@ def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.T
     g, par = job.groups, job.cfg.parallel
     if job.schedule is not None:
         loss = pipeline_forward(job.stages, g, tokens, labels=labels)
-        loss = pipeline.broadcast_loss(loss, par, g)
+        loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
         loss = job.stages[0](tokens, labels).float()
     if g.dp_group is not None:

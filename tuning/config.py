@@ -20,9 +20,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.core.config import ConfigError, ModelConfig
 from tessera.training.config import (
     LoopConfig,
+    ParallelSection,
     TrainConfig,
     add_section_flags,
     opt,
@@ -58,8 +59,8 @@ TRAIN_DEFAULTS = dict(steps=200, global_batch=16, seq_len=0, lr=3e-2, min_lr=3e-
                       warmup_steps=10, weight_decay=0.0, precision="fp32")
 LOOP_DEFAULTS = dict(output="runs/tune", log_interval=20, eval_interval=50, eval_batches=0,
                      save_interval=100)
-SECTIONS: dict[str, type] = {"tune": TuneConfig, "train": TrainConfig, "parallel": ParallelConfig,
-                             "loop": LoopConfig}
+SECTIONS: dict[str, type] = {"tune": TuneConfig, "train": TrainConfig,
+                             "parallel": ParallelSection, "loop": LoopConfig}
 
 
 @dataclass
@@ -68,7 +69,7 @@ class TuneRunConfig:
 
     tune: TuneConfig = field(default_factory=TuneConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**TRAIN_DEFAULTS))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(**LOOP_DEFAULTS))
     tasks: dict[str, TaskSpec] = field(default_factory=dict)  # from the YAML `tasks:` mapping
     model: ModelConfig | None = None

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.core.parallel.pipeline import last_stage_pp_rank
 from tessera.core.parallel.pipeline_forward import pipeline_forward
+from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.tuning.data import Example, TaskData, make_batch, sequence
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def _from_last_stage(t: Tuning, value: torch.Tensor | None, like: torch.Tensor) 
     g, par = t.job.groups, t.job.cfg.parallel
     if g.pp_group is None:
         return value
-    src = last_stage_pp_rank(par)
+    src = last_stage_pp_rank(par.layout())
     buf = value.contiguous() if g.pp_rank == src else torch.empty_like(like)
     dist.broadcast(buf, src=g.pp_ranks[src], group=g.pp_group)
     return buf

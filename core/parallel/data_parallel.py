@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.config import ConfigError, TrainSchedule
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
 
 
 def wrap_data_parallel(
-    modules: Sequence[nn.Module], parallel: ParallelConfig, groups: ParallelGroups
+    modules: Sequence[nn.Module], schedule: TrainSchedule, groups: ParallelGroups
 ) -> list[nn.Module]:
-    """Wrap each model chunk for `parallel.data_parallel`; returns what forward should call.
+    """Wrap each model chunk for `schedule.data_parallel`; returns what forward should call.
 
     Unchanged when dp is 1, and for `ddp`/`zero1` under pipelining (see the module docstring:
     use `allreduce_gradients` there).
@@ -50,17 +50,17 @@ def wrap_data_parallel(
     modules = list(modules)
     if groups.dp_size == 1:
         return modules
-    kind = parallel.data_parallel
+    kind = schedule.data_parallel
     if kind == "fsdp":
-        if parallel.pp > 1 and parallel.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if groups.pp_size > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES:
             raise ConfigError(
                 "data_parallel 'fsdp' does not work with the split-backward schedule "
-                f"{parallel.schedule!r} (FSDP2 loses weight-pass gradients there); use ddp or "
+                f"{schedule.schedule!r} (FSDP2 loses weight-pass gradients there); use ddp or "
                 "zero1, or one of the schedules 1f1b, gpipe, interleaved-1f1b, looped-bfs")
         return [_fully_shard(m, groups) for m in modules]
     if kind not in ("ddp", "zero1"):
         raise ValueError(f"unknown data_parallel {kind!r}; choose ddp, fsdp or zero1")
-    if parallel.pp > 1:
+    if groups.pp_size > 1:
         return modules
     from torch.nn.parallel import DistributedDataParallel
 

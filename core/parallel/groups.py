@@ -1,6 +1,7 @@
 """Explicit process groups, built once from the world and passed to constructors.
 
-Rank order is tp fastest, then dp, then pp: global rank = pp_rank * (dp * tp) + dp_rank * tp +
+Rank order is tp fastest, then dp, then pp (documented on `core.config.Layout`, with where
+context and expert parallelism will slot in): global rank = pp_rank * (dp * tp) + dp_rank * tp +
 tp_rank. Tensor-parallel peers are therefore neighbours (same node), as Megatron lays them out.
 With no distributed world every group is `None` and every size is 1, so each parallel layer
 becomes a plain layer and the whole model runs in one process.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.core.config import ParallelConfig
+from tessera.core.config import Layout
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,12 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: ParallelConfig) -> int:
-    """Global rank of the given coordinates (tp fastest, then dp, then pp)."""
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: Layout) -> int:
+    """Global rank of the given coordinates (tp fastest, then dp, then pp; see `Layout`)."""
     return (pp_rank * par.dp + dp_rank) * par.tp + tp_rank
 
 
-def init_groups(par: ParallelConfig) -> ParallelGroups:
+def init_groups(par: Layout) -> ParallelGroups:
     """Build every group of the layout. Collective: all ranks must call it, in the same order.
 
     Without an initialized process group this returns the single-process `ParallelGroups()`.

@@ -1,13 +1,16 @@
-"""Pipeline parallelism over `torch.distributed.pipelining`: stages, schedules by name, and the
-gradient syncs that a pipelined step needs around them.
+"""Pipeline parallelism over `torch.distributed.pipelining`: stages, schedules by name, the
+checks of a training schedule against a layout, and the gradient syncs that a pipelined step
+needs around them.
 
-Each pipeline rank holds one or more `GPTModel` stages (model chunks): one for 1F1B/GPipe,
-`virtual_stages` for the looped schedules (rank r holds stages r, r + pp, ...), and two in a V
-for ZBV/DualPipeV (rank r holds stages r and 2pp - 1 - r, so rank 0 holds the first and the
-last). `build_stages` returns those modules; they are what optimizers, checkpoints and data
-parallelism see, with unchanged parameter names. `build_schedule` wraps them in
-`PipelineStage`s and the schedule class named by `ParallelConfig.schedule`, and `pipeline_step`
-runs one training step through it.
+Each pipeline rank holds one or more `GPTModel` stages (model chunks), placed by the `Layout`
+(`sharding.stage_ids`): one for 1F1B/GPipe, `virtual_stages` for the looped schedules (rank r
+holds stages r, r + pp, ...), and two in a V for ZBV/DualPipeV (placement `v`: rank r holds
+stages r and 2pp - 1 - r, so rank 0 holds the first and the last). `build_stages` returns those
+modules; they are what optimizers, checkpoints and data parallelism see, with unchanged
+parameter names. `build_schedule` wraps them in `PipelineStage`s and the schedule class named by
+`TrainSchedule.schedule`, and `pipeline_step` runs one training step through it.
+`train_schedule_problems` / `validate_training` check a `TrainSchedule` against a `Layout`
+(the schedule names live here, so `core.config` does not import this module).
 
 The last stage returns its tensor-parallel shard of the logits (`local_logits=True`, passed
 by `pipeline_step` as a keyword the schedule hands to every local stage) and the schedule's loss
@@ -19,21 +22,30 @@ After the step, and before the optimizer, call `sync_tied_embedding_grads` (tied
 split over stages), `sync_sequence_parallel_grads` (under sequence parallelism) and, with data
 parallelism, `data_parallel.allreduce_gradients`.
 
-`torch.distributed.pipelining` is imported lazily: it costs over a second, and the config
+`torch.distributed.pipelining` is imported lazily: it costs over a second, and config
 validation imports this module for the schedule names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.core.config import (
+    ConfigError,
+    Layout,
+    ModelConfig,
+    Placement,
+    TrainSchedule,
+    divisors,
+)
 from tessera.core.parallel.groups import ParallelGroups
+from tessera.core.parallel.sharding import last_stage_pp_rank, stage_ids
 
 if TYPE_CHECKING:
     from tessera.core.model import GPTModel
@@ -48,7 +60,8 @@ SCHEDULES: dict[str, str] = {
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-# Schedules that place two stages per rank in a V (rank r holds stages r and 2pp - 1 - r).
+# Schedules that run on the V placement (`Layout.placement == "v"`: rank r holds stages r and
+# 2pp - 1 - r); all others run on the looped placement.
 V_SCHEDULES = frozenset({"zbv", "dualpipev"})
 # Schedules that split backward into an input pass and a later weight pass (zero bubble).
 SPLIT_BACKWARD_SCHEDULES = frozenset({"zero-bubble", "zbv", "dualpipev"})
@@ -56,16 +69,61 @@ SPLIT_BACKWARD_SCHEDULES = frozenset({"zero-bubble", "zbv", "dualpipev"})
 _SINGLE_STAGE = frozenset({"gpipe", "1f1b"})
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+DATA_PARALLEL = ("ddp", "fsdp", "zero1")
+_LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(Layout))
+_SCHEDULE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainSchedule))
 
 
-def schedule_problems(parallel: ParallelConfig) -> list[str]:
-    """What the chosen schedule cannot do with this layout (empty when it can run)."""
-    name, n_mb, pp = parallel.schedule, parallel.micro_batches, parallel.pp
-    stages = parallel.num_stages
-    out: list[str] = []
+def default_placement(schedule: str) -> Placement:
+    """The stage placement `schedule` runs on: `v` for ZBV and DualPipeV, else `looped`."""
+    return "v" if schedule in V_SCHEDULES else "looped"
+
+
+def split_layout_and_schedule(fields: Mapping[str, Any]) -> tuple[Layout, TrainSchedule]:
+    """A `Layout` and a `TrainSchedule` from one flat mapping of both's fields (the `parallel:`
+    section of the pretraining and tuning configs). Without a `placement`, the layout takes
+    the one the schedule needs (`default_placement`)."""
+    unknown = sorted(set(fields) - _LAYOUT_FIELDS - _SCHEDULE_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown layout or schedule fields {unknown}; known fields: "
+                          f"{sorted(_LAYOUT_FIELDS | _SCHEDULE_FIELDS)}")
+    schedule = TrainSchedule(**{k: v for k, v in fields.items() if k in _SCHEDULE_FIELDS})
+    lay = {k: v for k, v in fields.items() if k in _LAYOUT_FIELDS}
+    lay.setdefault("placement", default_placement(schedule.schedule))
+    return Layout(**lay), schedule
+
+
+def _placement_problems(layout: Layout, schedule: TrainSchedule) -> list[str]:
+    """Whether the schedule `schedule.schedule` can run on the layout's stage placement."""
+    name = schedule.schedule
+    if name not in SCHEDULES:
+        return [f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}"]
+    if name in V_SCHEDULES:
+        out = [] if layout.virtual_stages == 2 else [
+            f"schedule {name!r} places two stages per rank: set virtual_stages 2"]
+        if layout.placement != "v":
+            out.append(f"schedule {name!r} runs stages placed in a V: set placement 'v' "
+                       f"(got {layout.placement!r})")
+        return out
+    if layout.placement != "looped":
+        return [f"schedule {name!r} runs looped stage placement, but placement is "
+                f"{layout.placement!r}; use 'zbv' or 'dualpipev', or placement 'looped'"]
+    if layout.virtual_stages > 1 and name in _SINGLE_STAGE:
+        return [f"schedule {name!r} runs one stage per rank but virtual_stages is "
+                f"{layout.virtual_stages}; use 'interleaved-1f1b' or set virtual_stages 1"]
+    return []
+
+
+def schedule_problems(layout: Layout, schedule: TrainSchedule) -> list[str]:
+    """What the pipeline schedule cannot do with this layout (empty when it can run)."""
+    name, n_mb, pp = schedule.schedule, schedule.micro_batches, layout.pp
+    stages = layout.num_stages
+    out = _placement_problems(layout, schedule)
     if pp < 2:
         out.append(f"pipeline schedules need pp >= 2 (got pp {pp}); with pp 1 call the model "
                    "directly and accumulate gradients over micro-batches")
+    if n_mb < 1:
+        return out + [f"micro_batches must be >= 1, got {n_mb}"]
     if name == "1f1b" and n_mb < stages:
         out.append(f"schedule '1f1b' needs micro_batches >= stages: got {n_mb} micro-batches "
                    f"for {stages} stages")
@@ -73,7 +131,7 @@ def schedule_problems(parallel: ParallelConfig) -> list[str]:
         out.append(f"schedule 'dualpipev' needs micro_batches >= stages (pp {pp} x 2 = "
                    f"{stages}): got {n_mb}; raise micro_batches or use 'zbv'")
     if name in ("interleaved-1f1b", "zero-bubble"):
-        rounds = max(1, n_mb // pp)
+        rounds = max(1, n_mb // max(pp, 1))
         if n_mb % rounds:
             out.append(f"schedule {name!r} runs micro-batches in rounds of pp {pp}: "
                        f"micro_batches {n_mb} must be a multiple of {rounds} (e.g. "
@@ -81,41 +139,84 @@ def schedule_problems(parallel: ParallelConfig) -> list[str]:
     return out
 
 
-def local_stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
-    """The pipeline stage indices that pipeline rank `pp_rank` holds, in execution order."""
-    from tessera.core.parallel.sharding import stage_ids
+def train_schedule_problems(
+    layout: Layout, schedule: TrainSchedule, global_batch: int | None = None
+) -> list[str]:
+    """Every reason `schedule` cannot train on `layout` (empty when it can), at any pp: the
+    pipeline schedule's own limits (`schedule_problems`) when pp > 1, recomputation, the
+    data-parallel flavour, and the split of `global_batch` over dp and micro-batches."""
+    if min(layout.tp, layout.pp, layout.virtual_stages, layout.dp) < 1:
+        return []  # `Layout.problems` names these; nothing below can be computed
+    out: list[str] = []
+    if schedule.micro_batches < 1:
+        out.append(f"micro_batches must be >= 1, got {schedule.micro_batches}")
+    if layout.pp > 1:
+        out += [p for p in schedule_problems(layout, schedule) if p not in out]
+    else:
+        out += _placement_problems(layout, schedule)
+    if schedule.recompute not in ("none", "selective", "full"):
+        out.append(f"unknown recompute {schedule.recompute!r}; choose none, selective or full")
+    if (schedule.recompute == "full" and schedule.recompute_layers is not None
+            and schedule.recompute_layers < 0):
+        out.append(f"recompute_layers must be >= 0, got {schedule.recompute_layers}")
+    if schedule.data_parallel not in DATA_PARALLEL:
+        out.append(f"unknown data_parallel {schedule.data_parallel!r}; choose one of "
+                   f"{list(DATA_PARALLEL)}")
+    if global_batch is not None and schedule.micro_batches >= 1:
+        per_dp = global_batch // layout.dp
+        if global_batch % layout.dp:
+            out.append(f"global batch {global_batch} is not divisible by dp {layout.dp}")
+        elif per_dp % schedule.micro_batches:
+            out.append(
+                f"per-data-parallel batch {per_dp} (global {global_batch} / dp {layout.dp}) "
+                f"does not split into {schedule.micro_batches} micro-batches; choose "
+                f"micro_batches in {divisors(per_dp)}")
+    return out
 
-    v_shape = parallel.schedule in V_SCHEDULES
-    return stage_ids(pp_rank, parallel.pp, parallel.virtual_stages, v_shape)
 
-
-def last_stage_pp_rank(parallel: ParallelConfig) -> int:
-    """The pipeline rank that holds the last stage (and so computes the loss)."""
-    return 0 if parallel.schedule in V_SCHEDULES else parallel.pp - 1
+def validate_training(
+    model: ModelConfig,
+    layout: Layout,
+    schedule: TrainSchedule,
+    *,
+    world_size: int | None = None,
+    global_batch: int | None = None,
+    seq_len: int | None = None,
+) -> None:
+    """Raise one `ConfigError` listing every problem of the layout (`Layout.problems`) and of
+    the schedule on it (`train_schedule_problems`), each with the numbers and the fix."""
+    problems = layout.problems(model, world_size, seq_len)
+    problems += train_schedule_problems(layout, schedule, global_batch)
+    if problems:
+        raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
 
 
 def build_stages(
     config: ModelConfig,
-    parallel: ParallelConfig,
+    layout: Layout,
     groups: ParallelGroups,
     *,
+    schedule: TrainSchedule | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     init: bool = True,
 ) -> list[GPTModel]:
-    """This rank's model chunks (`GPTModel`s), one per local pipeline stage, in execution order.
+    """This rank's model chunks (`GPTModel`s), one per local pipeline stage, in execution order
+    (`sharding.stage_ids` of the layout's placement).
 
-    Initialization is layout-independent (`core.init`): every chunk equals the matching slice of
-    the single-process model built with the same `seed`.
+    `schedule` gives the chunks their recomputation (None: none; inference needs no schedule).
+    Initialization is layout-independent (`core.init`): every chunk equals the matching slice
+    of the single-process model built with the same `seed`.
     """
     from tessera.core.init import build_model
 
-    parallel.validate(config)
+    layout.validate(config)
     return [
-        build_model(config, parallel, groups, stage_id=s, num_stages=parallel.num_stages,
-                    device=device, dtype=dtype, seed=seed, init=init)
-        for s in local_stage_ids(parallel, groups.pp_rank)
+        build_model(config, layout, groups, schedule=schedule, stage_id=s,
+                    num_stages=layout.num_stages, device=device, dtype=dtype, seed=seed,
+                    init=init)
+        for s in stage_ids(layout, groups.pp_rank)
     ]
 
 
@@ -138,36 +239,35 @@ def pipeline_loss_fn(config: ModelConfig, groups: ParallelGroups) -> LossFn:
 
 def build_schedule(
     stages: Sequence[nn.Module],
-    parallel: ParallelConfig,
+    layout: Layout,
+    schedule: TrainSchedule,
     groups: ParallelGroups,
     loss_fn: LossFn,
 ) -> Any:
-    """Wrap `stages` (from `build_stages`) in `PipelineStage`s and build the named schedule.
+    """Wrap `stages` (from `build_stages`) in `PipelineStage`s and build the schedule named by
+    `schedule.schedule`, running `schedule.micro_batches` micro-batches per step.
 
-    Every pipeline rank must call this, with the same `parallel`. Raises `ConfigError` for a
-    layout the schedule cannot run (see `schedule_problems`).
+    Every pipeline rank must call this, with the same `layout` and `schedule`. Raises
+    `ConfigError` for a layout the schedule cannot run (see `schedule_problems`).
     """
     import torch.distributed.pipelining as pipelining
 
-    problems = schedule_problems(parallel)
-    if parallel.schedule not in SCHEDULES:
-        problems.insert(0, f"unknown schedule {parallel.schedule!r}; choose one of "
-                           f"{sorted(SCHEDULES)}")
+    problems = schedule_problems(layout, schedule)
     if problems:
         raise ConfigError("cannot build the pipeline schedule:\n  - " + "\n  - ".join(problems))
-    expected = local_stage_ids(parallel, groups.pp_rank)
+    expected = stage_ids(layout, groups.pp_rank)
     got = [m.stage_id for m in stages]
     if got != expected:
-        raise ValueError(f"pp rank {groups.pp_rank} should hold stages {expected} for schedule "
-                         f"{parallel.schedule!r}, got {got}; build them with build_stages")
+        raise ValueError(f"pp rank {groups.pp_rank} should hold stages {expected} for placement "
+                         f"{layout.placement!r}, got {got}; build them with build_stages")
     pipe_stages = [
         pipelining.PipelineStage(m, m.stage_id, m.num_stages, _device_of(m),
                                  group=groups.pp_group)
         for m in stages
     ]
-    cls = getattr(pipelining, SCHEDULES[parallel.schedule])
-    first = pipe_stages[0] if parallel.schedule in _SINGLE_STAGE else pipe_stages
-    return cls(first, n_microbatches=parallel.micro_batches, loss_fn=loss_fn)
+    cls = getattr(pipelining, SCHEDULES[schedule.schedule])
+    first = pipe_stages[0] if schedule.schedule in _SINGLE_STAGE else pipe_stages
+    return cls(first, n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -209,10 +309,10 @@ def pipeline_step(
 
 
 def broadcast_loss(
-    loss: torch.Tensor | None, parallel: ParallelConfig, groups: ParallelGroups
+    loss: torch.Tensor | None, layout: Layout, groups: ParallelGroups
 ) -> torch.Tensor:
     """The last stage's loss (from `pipeline_step`) on every rank of the pipeline group."""
-    src = last_stage_pp_rank(parallel)
+    src = last_stage_pp_rank(layout)
     if groups.pp_rank == src:
         if loss is None:
             raise ValueError(f"pp rank {src} holds the last stage and must pass its loss")

@@ -15,19 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.core.config import ParallelConfig
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.pipeline import local_stage_ids
-
-
-def stage_owners(parallel: ParallelConfig) -> list[int]:
-    """The pp rank that holds each stage, indexed by stage id."""
-    owners = [0] * parallel.num_stages
-    for p in range(parallel.pp):
-        for s in local_stage_ids(parallel, p):
-            owners[s] = p
-    return owners
+from tessera.core.parallel.sharding import stage_owners
 
 
 @torch.no_grad()
@@ -40,10 +30,10 @@ def pipeline_forward(stages: Sequence[GPTModel], groups: ParallelGroups, input_i
     passed to each stage. Layout-wise, each stage's output keeps the model's own contract.
     """
     by_id = {m.stage_id: m for m in stages}
-    parallel, config = stages[0].parallel, stages[0].config
-    owners = stage_owners(parallel)
+    layout, config = stages[0].layout, stages[0].config
+    owners = stage_owners(layout)
     B, T = input_ids.shape
-    sp = parallel.sequence_parallel and kwargs.get("cache") is None
+    sp = layout.sequence_parallel and kwargs.get("cache") is None
     hidden_shape = (T // groups.tp_size if sp else T, B, config.hidden_size)
     device, dtype = input_ids.device, next(stages[0].parameters()).dtype
     x: torch.Tensor | None = None

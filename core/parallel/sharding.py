@@ -3,7 +3,8 @@
 Every parameter has one *global* name and shape (what a checkpoint stores, independent of any
 layout) and one `ShardSpec`. Model building, checkpoint loading under any layout, the converters
 and the server all go through `shard_tensor` / `unshard_tensors` and `stage_ids` /
-`stage_layers`, so the answer to "how is this weight split?" lives here and nowhere else.
+`stage_layers` (which stages a pipeline rank holds follows the `Layout`'s placement), so the
+answer to "how is this weight split?" lives here and nowhere else.
 
 Special cases:
 - fused QKV `attention.wqkv` is `[q heads; k heads; v heads]` along dim 0; under grouped-query
@@ -16,12 +17,13 @@ Special cases:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 
-from tessera.core.config import ModelConfig
+from tessera.core.config import Layout, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tied_embeddings:
         shapes["output.weight"] = (config.vocab_size, c)
     return shapes
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Parameter count of the global model (tied embeddings counted once)."""
+    return sum(math.prod(s) for s in global_param_shapes(config).values())
 
 
 def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
@@ -184,16 +191,31 @@ def unshard_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig) 
                      dim=spec.dim)
 
 
-def stage_ids(pp_rank: int, pp_size: int, virtual_stages: int, v_shape: bool = False) -> list[int]:
-    """Pipeline stage indices held by `pp_rank`, in the order its model chunks run.
+def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
+    """Pipeline stage indices held by pipeline rank `pp_rank`, in the order its chunks run.
 
-    Looped placement (1F1B, interleaved): rank r holds stages r, r + pp, r + 2pp, ...
-    V placement (ZBV, DualPipeV; two chunks): rank r holds stages r and 2pp - 1 - r, so the
+    Placement `looped` (1F1B, interleaved): rank r holds stages r, r + pp, r + 2pp, ...
+    Placement `v` (ZBV, DualPipeV; two chunks): rank r holds stages r and 2pp - 1 - r, so the
     first and the last stage share rank 0.
     """
-    if v_shape:
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+    pp = layout.pp
+    if layout.placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(layout.virtual_stages)]
+
+
+def stage_owners(layout: Layout) -> list[int]:
+    """The pipeline rank that holds each stage, indexed by stage id."""
+    owners = [0] * layout.num_stages
+    for p in range(layout.pp):
+        for s in stage_ids(layout, p):
+            owners[s] = p
+    return owners
+
+
+def last_stage_pp_rank(layout: Layout) -> int:
+    """The pipeline rank that holds the last stage (and so computes the loss)."""
+    return stage_owners(layout)[-1]
 
 
 def stage_layers(stage_id: int, num_stages: int, num_layers: int) -> range:

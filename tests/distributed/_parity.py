@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.init import build_model
 from tessera.core.parallel.data_parallel import (
     allreduce_gradients,
@@ -31,6 +31,7 @@ from tessera.core.parallel.pipeline import (
     build_stages,
     pipeline_loss_fn,
     pipeline_step,
+    split_layout_and_schedule,
     sync_sequence_parallel_grads,
     sync_tied_embedding_grads,
 )
@@ -57,8 +58,8 @@ class Case:
                 "vocab_size": 96, "max_position_embeddings": 64}
         return ModelConfig.from_name(self.preset, **{**base, **self.model})
 
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(**self.parallel)
+    def parallel_config(self) -> tuple[Layout, TrainSchedule]:
+        return split_layout_and_schedule(self.parallel)
 
 
 def make_batch(case: Case, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,36 +91,36 @@ def spawn_cases(cases: list[Case], world_size: int, timeout: float = 240
 
 
 def _run_case(case: Case) -> dict[str, Any]:
-    config, par = case.model_config(), case.parallel_config()
-    groups = init_groups(par)
+    config, (lay, sched) = case.model_config(), case.parallel_config()
+    groups = init_groups(lay)
     ids, labels = make_batch(case, config.vocab_size)
-    per_dp = case.batch // par.dp
+    per_dp = case.batch // lay.dp
     rows = slice(groups.dp_rank * per_dp, (groups.dp_rank + 1) * per_dp)
     ids, labels = ids[rows], labels[rows]
-    if par.pp > 1:
-        models = build_stages(config, par, groups, seed=case.seed)
-        modules = wrap_data_parallel(models, par, groups)
-        schedule = build_schedule(modules, par, groups, pipeline_loss_fn(config, groups))
+    if lay.pp > 1:
+        models = build_stages(config, lay, groups, schedule=sched, seed=case.seed)
+        modules = wrap_data_parallel(models, sched, groups)
+        schedule = build_schedule(modules, lay, sched, groups, pipeline_loss_fn(config, groups))
         loss = pipeline_step(schedule, models, groups, ids, labels)
-        loss = broadcast_loss(loss, par, groups)
+        loss = broadcast_loss(loss, lay, groups)
     else:
-        models = [build_model(config, par, groups, seed=case.seed)]
-        modules = wrap_data_parallel(models, par, groups)
+        models = [build_model(config, lay, groups, schedule=sched, seed=case.seed)]
+        modules = wrap_data_parallel(models, sched, groups)
         losses = []
-        for i, lab in zip(ids.chunk(par.micro_batches), labels.chunk(par.micro_batches)):
+        for i, lab in zip(ids.chunk(sched.micro_batches), labels.chunk(sched.micro_batches)):
             losses.append(modules[0](i, labels=lab))
-            (losses[-1] / par.micro_batches).backward()
+            (losses[-1] / sched.micro_batches).backward()
         loss = torch.stack([x.detach() for x in losses]).mean()
     sync_tied_embedding_grads(models, groups)
-    if par.sequence_parallel:
+    if lay.sequence_parallel:
         sync_sequence_parallel_grads(models, groups)
-    if par.pp > 1 and par.data_parallel != "fsdp":
+    if lay.pp > 1 and sched.data_parallel != "fsdp":
         allreduce_gradients(models, groups)
     grads = _named(models, lambda p: p.grad)
     params = None
     if case.sgd_step:
         params_list = [p for m in models for p in m.parameters()]
-        if par.data_parallel == "zero1":
+        if sched.data_parallel == "zero1":
             opt = build_zero_optimizer(params_list, groups, torch.optim.SGD, lr=LR)
         else:
             opt = torch.optim.SGD(params_list, lr=LR)
@@ -145,16 +146,16 @@ def _named(models, pick) -> list[tuple[str, torch.Tensor]]:
 
 def reference(case: Case) -> dict[str, Any]:
     """Single-process loss per dp replica, gradients and (optionally) post-SGD parameters."""
-    config, par = case.model_config(), case.parallel_config()
+    config, (lay, sched) = case.model_config(), case.parallel_config()
     model = build_model(config, seed=case.seed)
     ids, labels = make_batch(case, config.vocab_size)
-    n = par.dp * par.micro_batches  # dp rank d, micro-batch m is chunk d * micro_batches + m
+    n = lay.dp * sched.micro_batches  # dp rank d, micro-batch m is chunk d * micro_batches + m
     chunk_losses = []
     for i, lab in zip(ids.chunk(n), labels.chunk(n)):
         loss = model(i, labels=lab)
         (loss / n).backward()
         chunk_losses.append(loss.detach())
-    replica = torch.stack(chunk_losses).view(par.dp, par.micro_batches).mean(dim=1)
+    replica = torch.stack(chunk_losses).view(lay.dp, sched.micro_batches).mean(dim=1)
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     params = None
     if case.sgd_step:

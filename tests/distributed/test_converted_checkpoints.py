@@ -4,7 +4,7 @@ logits of the single-process original (plain and FP8)."""
 import torch
 
 from tessera.converters.reshard import reshard_checkpoint
-from tessera.core import ModelConfig, ParallelConfig, build_model, load_checkpoint, save_checkpoint
+from tessera.core import Layout, ModelConfig, build_model, load_checkpoint, save_checkpoint
 from tessera.core.checkpoint import load_weights, read_manifest
 from tessera.core.parallel.groups import init_groups
 from tessera.core.parallel.pipeline import build_stages
@@ -16,7 +16,7 @@ IDS = torch.arange(2 * 12).reshape(2, 12) * 37 % 1003
 
 def _logits_under_layout(rank: int, world: int, path: str, tp: int, pp: int):
     manifest = read_manifest(path)
-    par = ParallelConfig(tp=tp, pp=pp, micro_batches=2 * pp)
+    par = Layout(tp=tp, pp=pp)
     groups = init_groups(par)
     stages = build_stages(manifest.model, par, groups, init=False) if pp > 1 else [
         build_model(manifest.model, par, groups, init=False)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.config import ConfigError, TrainSchedule
 from tessera.core.parallel.data_parallel import wrap_data_parallel
 from tessera.core.parallel.groups import ParallelGroups
 from tests.distributed._parity import Case, check_case, spawn_cases
@@ -28,11 +28,11 @@ def test_dp2_matches_single_process(case, dp2_results):
 
 
 def test_fsdp_refuses_split_backward_schedules():
-    par = ParallelConfig(pp=2, dp=2, virtual_stages=2, schedule="zbv", data_parallel="fsdp")
+    par = TrainSchedule(schedule="zbv", data_parallel="fsdp")
     with pytest.raises(ConfigError, match="zbv"):
         wrap_data_parallel([], par, ParallelGroups(dp_size=2, pp_size=2))
 
 
 def test_single_replica_is_left_alone():
     modules = [object()]
-    assert wrap_data_parallel(modules, ParallelConfig(), ParallelGroups()) == modules
+    assert wrap_data_parallel(modules, TrainSchedule(), ParallelGroups()) == modules

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.core.config import ModelConfig, ParallelConfig
+from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.init import build_model
 from tessera.core.parallel.groups import init_groups
 from tessera.core.parallel.pipeline import build_stages, sync_sequence_parallel_grads
@@ -36,9 +36,10 @@ def _batch(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _step(config: ModelConfig, parallel: ParallelConfig, groups=None):
+def _step(config: ModelConfig, layout: Layout, schedule: TrainSchedule | None = None,
+          groups=None):
     """Loss and local gradients (by global name) of one forward/backward with dropout on."""
-    model = build_model(config, parallel, groups, seed=SEED)
+    model = build_model(config, layout, groups, schedule=schedule, seed=SEED)
     model.train()
     tp_rank = 0 if groups is None else groups.tp_rank
     torch.manual_seed(SEED)
@@ -46,7 +47,7 @@ def _step(config: ModelConfig, parallel: ParallelConfig, groups=None):
     ids, labels = _batch(config)
     loss = model(ids, labels=labels)
     loss.backward()
-    if groups is not None and parallel.sequence_parallel:
+    if groups is not None and layout.sequence_parallel:
         sync_sequence_parallel_grads([model], groups)
     grads = {model.global_name(n): p.grad.clone() for n, p in model.named_parameters()}
     return loss.item(), grads
@@ -59,23 +60,23 @@ def _body(rank: int, world_size: int) -> dict:
     out: dict = {}
     # tp2: each rank's shards
     config = _config("llama-tiny", num_kv_heads=2)
-    tp = ParallelConfig(tp=2)
+    tp = Layout(tp=2)
     groups = init_groups(tp)
     model = build_model(config, tp, groups, seed=SEED)
     out["tp2"] = (groups.tp_rank, {n: p.detach().clone() for n, p in model.named_parameters()})
     # pp2, V placement: rank 0 holds stages 0 and 3 (with the tied output copy)
     gpt2 = _config("gpt2-tiny")
-    pp = ParallelConfig(pp=2, virtual_stages=2, schedule="zbv", micro_batches=4)
+    pp = Layout(pp=2, virtual_stages=2, placement="v")  # as schedule zbv runs it
     groups = init_groups(pp)
     stages = build_stages(gpt2, pp, groups, seed=SEED)
     out["pp2"] = [(m.stage_id, [(m.global_name(n), p.detach().clone())
                                 for n, p in m.named_parameters()]) for m in stages]
     # tp2 + sequence parallel, recompute modes, dropout on
     nemotron = _config("nemotron-tiny", num_kv_heads=2, dropout=0.1)
-    groups = init_groups(ParallelConfig(tp=2, sequence_parallel=True))
+    groups = init_groups(Layout(tp=2, sequence_parallel=True))
     out["recompute"] = {
-        mode: _step(nemotron, ParallelConfig(tp=2, sequence_parallel=True, recompute=mode),
-                    groups)
+        mode: _step(nemotron, Layout(tp=2, sequence_parallel=True),
+                    TrainSchedule(recompute=mode), groups)
         for mode in MODES
     }
     return out
@@ -114,9 +115,9 @@ def test_pp2_stages_are_slices_of_the_single_process_model(rank_results):
 @pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny", "nemotron-tiny"])
 def test_recompute_matches_none_single_process(preset):
     config = _config(preset, dropout=0.1)
-    ref_loss, ref = _step(config, ParallelConfig())
+    ref_loss, ref = _step(config, Layout())
     for mode in ("full", "selective"):
-        loss, grads = _step(config, ParallelConfig(recompute=mode))
+        loss, grads = _step(config, Layout(), TrainSchedule(recompute=mode))
         assert loss == pytest.approx(ref_loss, rel=1e-6), mode
         for name, g in grads.items():
             torch.testing.assert_close(g, ref[name], rtol=0, atol=1e-6, msg=f"{mode} {name}")
@@ -124,8 +125,8 @@ def test_recompute_matches_none_single_process(preset):
 
 def test_recompute_partial_layers_matches_none():
     config = _config("llama-tiny", dropout=0.1)
-    _, ref = _step(config, ParallelConfig())
-    _, grads = _step(config, ParallelConfig(recompute="full", recompute_layers=2))
+    _, ref = _step(config, Layout())
+    _, grads = _step(config, Layout(), TrainSchedule(recompute="full", recompute_layers=2))
     for name, g in grads.items():
         torch.testing.assert_close(g, ref[name], rtol=0, atol=1e-6, msg=name)
 

@@ -12,19 +12,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tessera.core.config import ConfigError, ModelConfig, ParallelConfig
+from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.init import build_model
 from tessera.core.parallel.groups import ParallelGroups, init_groups
 from tessera.core.parallel.pipeline import (
     broadcast_loss,
     build_schedule,
     build_stages,
-    last_stage_pp_rank,
     pipeline_loss_fn,
     pipeline_step,
     schedule_problems,
+    split_layout_and_schedule,
     sync_tied_embedding_grads,
 )
+from tessera.core.parallel.sharding import last_stage_pp_rank
 from tests.distributed._parity import Case, check_case, make_batch, spawn_cases
 from tests.distributed_helper import run_ranks
 
@@ -86,7 +87,8 @@ def _tiny(**overrides) -> ModelConfig:
      ("zbv", 2, [[0, 3], [1, 2]]), ("dualpipev", 2, [[0, 3], [1, 2]])],
 )
 def test_build_stages_places_chunks(schedule, virtual, want):
-    par = ParallelConfig(pp=2, virtual_stages=virtual, schedule=schedule, micro_batches=4)
+    par, _ = split_layout_and_schedule(dict(pp=2, virtual_stages=virtual, schedule=schedule,
+                                            micro_batches=4))
     for pp_rank, ids in enumerate(want):
         stages = build_stages(_tiny(), par, ParallelGroups(pp_rank=pp_rank, pp_size=2))
         assert [m.stage_id for m in stages] == ids
@@ -105,10 +107,10 @@ def test_build_stages_places_chunks(schedule, virtual, want):
      ({"pp": 1, "micro_batches": 2}, "pp >= 2")],
 )
 def test_schedule_problems_are_named(parallel, message):
-    par = ParallelConfig(**parallel)
-    assert any(message in p for p in schedule_problems(par))
+    lay, sched = split_layout_and_schedule(parallel)
+    assert any(message in p for p in schedule_problems(lay, sched))
     with pytest.raises(ConfigError, match="cannot build the pipeline schedule"):
-        build_schedule([], par, ParallelGroups(pp_size=par.pp), loss_fn=None)
+        build_schedule([], lay, sched, ParallelGroups(pp_size=lay.pp), loss_fn=None)
 
 
 def test_batch_must_split_into_equal_micro_batches():
@@ -133,11 +135,11 @@ def _train(rank: int, world_size: int, cases: list[Case]) -> list[tuple]:
     """SGD steps through one schedule; the broadcast losses and the final tied copies."""
     out = []
     for case in cases:
-        config, par = case.model_config(), case.parallel_config()
+        config, (par, sched) = case.model_config(), case.parallel_config()
         groups = init_groups(par)
         ids, labels = make_batch(case, config.vocab_size)
-        stages = build_stages(config, par, groups, seed=case.seed)
-        schedule = build_schedule(stages, par, groups, pipeline_loss_fn(config, groups))
+        stages = build_stages(config, par, groups, schedule=sched, seed=case.seed)
+        schedule = build_schedule(stages, par, sched, groups, pipeline_loss_fn(config, groups))
         opt = torch.optim.SGD([p for m in stages for p in m.parameters()], lr=LR)
         losses = []
         for _ in range(STEPS):
@@ -153,7 +155,7 @@ def _train(rank: int, world_size: int, cases: list[Case]) -> list[tuple]:
 
 
 def _reference_losses(case: Case) -> list[float]:
-    config, par = case.model_config(), case.parallel_config()
+    config, (_, par) = case.model_config(), case.parallel_config()
     model = build_model(config, seed=case.seed)
     ids, labels = make_batch(case, config.vocab_size)
     opt = torch.optim.SGD(model.parameters(), lr=LR)

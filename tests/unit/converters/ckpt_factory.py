@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.core import ModelConfig, build_model
+from tessera.core import Layout, ModelConfig, build_model
 from tessera.core.checkpoint import CheckpointReader, save_checkpoint, shard_file_name
 from tessera.core.parallel.sharding import (
     global_param_shapes,
@@ -36,13 +36,14 @@ def global_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {name: reader.global_tensor(name) for name in reader.names()}
 
 
-def expected_files(config: ModelConfig, tp: int, pp: int, vs: int, v_shape: bool = False
+def expected_files(config: ModelConfig, tp: int, pp: int, vs: int, placement: str = "looped"
                    ) -> dict[str, set[str]]:
     """file -> global names it must hold, derived from stage placement and split rules alone."""
     n_stages = pp * vs
     owner = {}
+    layout = Layout(tp=tp, pp=pp, virtual_stages=vs, placement=placement)
     for p in range(pp):
-        for s in stage_ids(p, pp, vs, v_shape):
+        for s in stage_ids(layout, p):
             for i in stage_layers(s, n_stages, config.num_layers):
                 owner[i] = p
             if s == 0:
@@ -59,11 +60,11 @@ def expected_files(config: ModelConfig, tp: int, pp: int, vs: int, v_shape: bool
 
 
 def assert_rank_files(path: Path, original: dict[str, torch.Tensor], config: ModelConfig,
-                      tp: int, pp: int, vs: int = 1, v_shape: bool = False) -> None:
+                      tp: int, pp: int, vs: int = 1, placement: str = "looped") -> None:
     """Each rank's file holds exactly that rank's shards, equal to `shard_tensor` of the original."""
     from safetensors import safe_open
 
-    expected = expected_files(config, tp, pp, vs, v_shape)
+    expected = expected_files(config, tp, pp, vs, placement)
     assert sorted(p.name for p in path.glob("*.safetensors")) == sorted(expected)
     for file, names in expected.items():
         t = int(file.split("-tp")[1][:2])

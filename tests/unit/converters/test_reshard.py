@@ -26,7 +26,7 @@ from tessera.core.checkpoint import (
     shard_file_name,
     stored_parameters,
 )
-from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.config import ConfigError, Layout
 from tessera.core.init import build_model
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
@@ -92,12 +92,12 @@ def test_each_target_rank_reads_only_its_own_file(family, tmp_path, monkeypatch)
     real_open = CheckpointReader._open
     monkeypatch.setattr(CheckpointReader, "_open",
                         lambda self, f: (opened.append(f), real_open(self, f))[1])
-    layout = ParallelConfig(tp=tp, pp=pp, virtual_stages=vs, schedule="interleaved-1f1b")
+    layout = Layout(tp=tp, pp=pp, virtual_stages=vs)
     for p in range(pp):
         for t in range(tp):
             groups = ParallelGroups(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp)
             chunks = [build_model(config, layout, groups, stage_id=s, num_stages=pp * vs,
-                                  init=False) for s in stage_ids(p, pp, vs)]
+                                  init=False) for s in stage_ids(layout, p)]
             opened.clear()
             load_weights(chunks, dst)
             own = {shard_file_name(t, p)}
@@ -115,9 +115,9 @@ def test_v_shape_placement_puts_first_and_last_stage_on_rank_0(tmp_path):
     src = make_checkpoint(tmp_path / "orig", config, seed=2)
     original = global_tensors(src)
     dst = tmp_path / "zbv"
-    summary = reshard_checkpoint(src, dst, tp=2, pp=2, v_shape=True, progress=False)
+    summary = reshard_checkpoint(src, dst, tp=2, pp=2, placement="v", progress=False)
     assert summary.layout == {"tp": 2, "pp": 2, "virtual_stages": 2}
-    assert_rank_files(dst, original, config, 2, 2, 2, v_shape=True)
+    assert_rank_files(dst, original, config, 2, 2, 2, placement="v")
     with safe_open(str(dst / shard_file_name(1, 0)), "pt") as fh:  # stages 0 and 3
         assert {"layers.0.attention.wqkv.weight", "layers.3.attention.wqkv.weight",
                 "tok_embeddings.weight", "norm.weight"} <= set(fh.keys())
@@ -127,7 +127,7 @@ def test_v_shape_placement_puts_first_and_last_stage_on_rank_0(tmp_path):
 
 def test_target_files_hold_what_each_rank_holds():
     config = CONFIGS["tied"]
-    files = target_files(config, ParallelConfig(tp=2, pp=2))
+    files = target_files(config, Layout(tp=2, pp=2))
     assert set(files) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     assert "tok_embeddings.weight" in files[1, 0] and "tok_embeddings.weight" not in files[1, 1]
     assert files[1, 0]["tok_embeddings.weight"] == (502, 64)  # 1003 padded to 1004, halved
@@ -136,7 +136,7 @@ def test_target_files_hold_what_each_rank_holds():
     # The tied output copy on a separate last stage is never stored (core fix: it used to be
     # listed next to the embedding, doubling the shard list of tok_embeddings.weight).
     with torch.device("meta"):
-        last = GPTModel(config, ParallelConfig(pp=2), ParallelGroups(pp_rank=1, pp_size=2), 1, 2)
+        last = GPTModel(config, Layout(pp=2), ParallelGroups(pp_rank=1, pp_size=2), 1, 2)
     assert last.output is not None and "tok_embeddings.weight" not in stored_parameters([last])
 
 

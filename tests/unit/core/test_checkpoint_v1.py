@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tessera.core.checkpoint import CheckpointReader, load_checkpoint, read_manifest
+from tessera.core.config import Layout
 from tessera.core.parallel.sharding import shard_tensor
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "checkpoint-v1"
@@ -37,7 +38,7 @@ def test_a_version_1_checkpoint_loads_to_the_recorded_logits():
 
 def test_a_version_1_checkpoint_reads_its_own_shards_and_layout():
     manifest = read_manifest(FIXTURE)
-    assert (manifest.layout.tp, manifest.layout.pp, manifest.layout.virtual_stages) == (2, 2, 1)
+    assert manifest.layout == Layout(tp=2, pp=2, virtual_stages=1, placement="looped")
     assert manifest.step == 3
     reader = CheckpointReader(FIXTURE)
     for name in reader.names():

@@ -2,70 +2,77 @@
 
 import pytest
 
-from tessera.core import ConfigError, ModelConfig, ParallelConfig
+from tessera.core import ConfigError, Layout, ModelConfig, TrainSchedule
+from tessera.core.parallel.pipeline import split_layout_and_schedule, validate_training
+from tessera.core.parallel.sharding import num_parameters
 
 
-def _error(par: ParallelConfig, model: ModelConfig, **kw) -> str:
+def _par(**fields) -> tuple[Layout, TrainSchedule]:
+    """A layout and schedule from the flat `parallel:` fields, as the CLI builds them."""
+    return split_layout_and_schedule(fields)
+
+
+def _error(par: tuple[Layout, TrainSchedule], model: ModelConfig, **kw) -> str:
     with pytest.raises(ConfigError) as info:
-        par.validate(model, **kw)
+        validate_training(model, *par, **kw)
     return str(info.value)
 
 
 def test_valid_layout_passes():
     model = ModelConfig.from_name("llama-tiny", num_layers=4)
-    ParallelConfig(tp=2, pp=2, dp=2, micro_batches=2).validate(model, world_size=8,
-                                                                global_batch=8)
+    validate_training(model, *_par(tp=2, pp=2, dp=2, micro_batches=2), world_size=8,
+                      global_batch=8)
 
 
 def test_heads_not_divisible_by_tp():
-    msg = _error(ParallelConfig(tp=3), ModelConfig.from_name("gpt2-tiny"))
+    msg = _error(_par(tp=3), ModelConfig.from_name("gpt2-tiny"))
     assert "num_heads 4 is not divisible by tp 3" in msg and "[1, 2, 4]" in msg
 
 
 def test_kv_heads_vs_tp():
-    msg = _error(ParallelConfig(tp=4), ModelConfig.from_name("llama-tiny"))  # 2 kv heads
+    msg = _error(_par(tp=4), ModelConfig.from_name("llama-tiny"))  # 2 kv heads
     assert "num_kv_heads 2 is not divisible by tp 4" in msg and "[1, 2]" in msg
 
 
 def test_layers_not_divisible_by_stages():
-    msg = _error(ParallelConfig(pp=2, virtual_stages=2, schedule="interleaved-1f1b"),
+    msg = _error(_par(pp=2, virtual_stages=2, schedule="interleaved-1f1b"),
                  ModelConfig.from_name("llama-tiny", num_layers=6))
     assert "num_layers 6 is not divisible by pp 2 x virtual_stages 2 = 4" in msg
 
 
 def test_world_size_mismatch_suggests_dp():
-    msg = _error(ParallelConfig(tp=2, pp=1, dp=1), ModelConfig.from_name("llama-tiny"),
+    msg = _error(_par(tp=2, pp=1, dp=1), ModelConfig.from_name("llama-tiny"),
                  world_size=4)
     assert "world size 4 != tp 2 x pp 1 x dp 1 = 2" in msg and "dp = 2" in msg
 
 
 def test_batch_not_divisible_into_micro_batches():
-    msg = _error(ParallelConfig(dp=2, micro_batches=3), ModelConfig.from_name("llama-tiny"),
+    msg = _error(_par(dp=2, micro_batches=3), ModelConfig.from_name("llama-tiny"),
                  global_batch=8)
     assert "per-data-parallel batch 4" in msg and "3 micro-batches" in msg
 
 
 def test_batch_not_divisible_by_dp():
     assert "global batch 7 is not divisible by dp 2" in _error(
-        ParallelConfig(dp=2), ModelConfig.from_name("llama-tiny"), global_batch=7)
+        _par(dp=2), ModelConfig.from_name("llama-tiny"), global_batch=7)
 
 
 def test_schedule_and_virtual_stage_mismatches():
     model = ModelConfig.from_name("llama-tiny", num_layers=4)
-    assert "unknown schedule 'nope'" in _error(ParallelConfig(pp=2, schedule="nope"), model)
-    assert "set virtual_stages 2" in _error(ParallelConfig(pp=2, schedule="zbv"), model)
-    assert "interleaved-1f1b" in _error(ParallelConfig(pp=2, virtual_stages=2), model)
+    assert "unknown schedule 'nope'" in _error(_par(pp=2, schedule="nope"), model)
+    assert "set virtual_stages 2" in _error(_par(pp=2, schedule="zbv"), model)
+    assert "interleaved-1f1b" in _error(_par(pp=2, virtual_stages=2), model)
 
 
 def test_sequence_parallel_needs_tp_and_divisible_sequence():
     model = ModelConfig.from_name("llama-tiny")
-    assert "needs tp > 1" in _error(ParallelConfig(sequence_parallel=True), model)
+    assert "needs tp > 1" in _error(_par(sequence_parallel=True), model)
     assert "sequence length 15 is not divisible by tp 2" in _error(
-        ParallelConfig(tp=2, sequence_parallel=True), model, seq_len=15)
+        _par(tp=2, sequence_parallel=True), model, seq_len=15)
 
 
 def test_several_problems_reported_together():
-    msg = _error(ParallelConfig(tp=3, pp=4), ModelConfig.from_name("gpt2-tiny"), world_size=5)
+    msg = _error(_par(tp=3, pp=4), ModelConfig.from_name("gpt2-tiny"), world_size=5)
     assert msg.count("\n  - ") >= 3
 
 
@@ -85,6 +92,6 @@ def test_presets_round_trip_and_real_sizes():
         config = ModelConfig.from_name(name)
         assert ModelConfig.from_dict(config.to_dict()) == config
     # Published parameter counts (GPT-2 124M counts the tied embedding once).
-    assert abs(ModelConfig.from_name("gpt2-124m").num_parameters() / 1e6 - 124.4) < 0.5
-    assert abs(ModelConfig.from_name("llama2-7b").num_parameters() / 1e9 - 6.74) < 0.01
-    assert abs(ModelConfig.from_name("llama3-8b").num_parameters() / 1e9 - 8.03) < 0.01
+    assert abs(num_parameters(ModelConfig.from_name("gpt2-124m")) / 1e6 - 124.4) < 0.5
+    assert abs(num_parameters(ModelConfig.from_name("llama2-7b")) / 1e9 - 6.74) < 0.01
+    assert abs(num_parameters(ModelConfig.from_name("llama3-8b")) / 1e9 - 8.03) < 0.01

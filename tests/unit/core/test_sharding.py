@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tessera.core import ModelConfig, ParallelConfig, build_model
+from tessera.core import Layout, ModelConfig, build_model
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     global_param_shapes,
@@ -95,9 +95,9 @@ def test_fused_gate_up_split_separately():
 
 
 def test_stage_partitions():
-    assert stage_ids(1, 4, 2) == [1, 5]
-    assert stage_ids(0, 2, 2, v_shape=True) == [0, 3]
-    assert stage_ids(1, 2, 2, v_shape=True) == [1, 2]
+    assert stage_ids(Layout(pp=4, virtual_stages=2), 1) == [1, 5]
+    assert stage_ids(Layout(pp=2, virtual_stages=2, placement="v"), 0) == [0, 3]
+    assert stage_ids(Layout(pp=2, virtual_stages=2, placement="v"), 1) == [1, 2]
     covered = [i for s in range(8) for i in stage_layers(s, 8, 16)]
     assert covered == list(range(16))
 
@@ -106,7 +106,7 @@ def test_stage_partitions():
 def test_model_parameter_shapes_follow_the_rules(family):
     config = CONFIGS[family]
     tp = 2 if family != "nemotron" else 2
-    model = build_model(config, ParallelConfig(tp=tp), ParallelGroups(tp_rank=1, tp_size=tp),
+    model = build_model(config, Layout(tp=tp), ParallelGroups(tp_rank=1, tp_size=tp),
                         init=False)
     for local_name, p in model.named_parameters():
         assert tuple(p.shape) == local_shape(model.global_name(local_name), config, tp)

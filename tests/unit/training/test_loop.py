@@ -22,11 +22,17 @@ import pytest
 import yaml
 
 from tessera.core.checkpoint import load_checkpoint
-from tessera.core.config import ParallelConfig
 from tessera.core.tokenizer import train_tokenizer
 from tessera.training import cli
 from tessera.training import loop as loop_module
-from tessera.training.config import DataConfig, LoopConfig, TrainConfig, build_parser, load_config
+from tessera.training.config import (
+    DataConfig,
+    LoopConfig,
+    ParallelSection,
+    TrainConfig,
+    build_parser,
+    load_config,
+)
 from tessera.training.loop import pretrain
 from tessera.training.state import latest_checkpoint, read_training_record
 from tests.pretrain_helper import (
@@ -109,7 +115,7 @@ def test_help_lists_every_field(capsys: pytest.CaptureFixture[str]):
         cli.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for section in (TrainConfig, DataConfig, LoopConfig, ParallelConfig):
+    for section in (TrainConfig, DataConfig, LoopConfig, ParallelSection):
         for f in dataclasses.fields(section):
             assert f"--{f.name.replace('_', '-')}" in text, f"--help does not list {f.name}"
     undocumented = [a.dest for a in build_parser()._actions if "." in a.dest and not a.help]
