@@ -39,6 +39,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         "tied_embeddings": m.tied_embeddings,
         "layout": {"tp": man.layout.tp, "pp": man.layout.pp,
                    "virtual_stages": man.layout.virtual_stages},
+        "placement": man.layout.placement,  # looped | v (version-1 manifests: looped)
         "files": files,
         "missing_files": [f for f in files if not (path / f).is_file()],
         "dtype": man.dtype,
@@ -73,7 +74,8 @@ def render(info: dict[str, Any]) -> str:
         ("", f"{'RoPE' if info['position'] == 'rope' else 'learned'} positions, "
              f"{'tied' if info['tied_embeddings'] else 'separate'} input/output embeddings"),
         ("layout", f"tensor parallel {lay['tp']} x pipeline parallel {lay['pp']}"
-                   + (f", {vs} virtual stages per pipeline rank" if vs > 1 else "") + f": {files}"),
+                   + (f", {vs} virtual stages per pipeline rank" if vs > 1 else "")
+                   + (" in a V" if info["placement"] == "v" else "") + f": {files}"),
         ("dtype", info["dtype"]),
         ("FP8", fp8),
         ("size", f"{human_bytes(info['size_bytes'])} on disk"),

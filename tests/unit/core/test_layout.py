@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tessera.converters.inspect import describe, render
 from tessera.converters.reshard import reshard_checkpoint
 from tessera.core import ConfigError, Layout, ModelConfig, TrainSchedule, build_model
 from tessera.core.checkpoint import (
@@ -96,6 +97,7 @@ def test_manifest_records_the_whole_layout(tmp_path):
     reshard_checkpoint(src, tmp_path / "v", tp=2, pp=2, placement="v", progress=False)
     assert read_manifest(tmp_path / "v").layout == Layout(tp=2, pp=2, virtual_stages=2,
                                                             placement="v")
+    assert "2 virtual stages per pipeline rank in a V" in render(describe(tmp_path / "v"))
     # Resharding the V checkpoint's tp keeps its placement; a new pp starts looped.
     reshard_checkpoint(tmp_path / "v", tmp_path / "v-tp1", tp=1, progress=False)
     assert read_manifest(tmp_path / "v-tp1").layout.placement == "v"
