@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
 from _common import record  # noqa: E402
 
 from tessera.core import ModelConfig, ParallelConfig, build_model  # noqa: E402
-from tests.distributed_helper import run_ranks  # noqa: E402
+from tessera.core.parallel.spawn import run_ranks  # noqa: E402
 
 LAYOUTS = [  # (label, ParallelConfig kwargs)
     ("tp2", dict(tp=2)),

@@ -1,8 +1,9 @@
 """`tessera generate "prompt" (--checkpoint DIR | --url URL)`: generate text locally or remotely.
 
-With `--checkpoint`, the model runs in this process. With `--url`, a running Tessera server
-generates and the tokens are printed as they arrive. Either way the prompt is printed first,
-then its continuation.
+With `--url`, a running Tessera server generates and the tokens are printed as they arrive.
+With `--checkpoint`, the model runs in this process: that code lives beside the engine
+(`tessera.serving.generate.run_local`), which clients may not import, so the root command passes
+it in as `local`. Either way the prompt is printed first, then its continuation.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `tessera generate`, both modes."""
     parser = argparse.ArgumentParser(
         prog="tessera generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Generate a continuation of PROMPT with a local checkpoint or a server.",
@@ -33,28 +36,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (local; default: saved)")
+    return parser
+
+
+def main(argv: list[str], local: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """Run `tessera generate ARGV`; `local` runs `--checkpoint` (see the module docstring)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return _remote(args) if args.url else _local(args)
-
-
-def _local(args: argparse.Namespace) -> int:
-    from tessera.core.checkpoint import CheckpointError, load_checkpoint
-    from tessera.core.generation import generate_ids
-    from tessera.core.tokenizer import load_tokenizer
-
-    try:
-        model = load_checkpoint(args.checkpoint, dtype=args.dtype)
-        tokenizer = load_tokenizer(args.checkpoint)
-        prompt = tokenizer.encode(args.prompt, bos=tokenizer.bos_id is not None)
-        ids = generate_ids(model, prompt, args.max_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id,
-                           seed=args.seed)
-    except (CheckpointError, FileNotFoundError, ValueError) as exc:
-        print(f"tessera generate: {exc}", file=sys.stderr)
-        return 2
-    ids = [i for i in ids if i != tokenizer.eos_id]
-    print(args.prompt + tokenizer.decode(ids))
-    return 0
+    if args.url:
+        return _remote(args)
+    if local is None:
+        parser.error("--checkpoint generates in this process, through `tessera generate` "
+                     "(tessera.serving.generate); this entry point only talks to a server (--url)")
+    return local(args)
 
 
 def _remote(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helper import run_ranks
+from tessera.core.parallel.spawn import run_ranks
 
 
 def _all_reduce(rank: int, world_size: int, n: int) -> dict:
