@@ -17,25 +17,33 @@ from collections.abc import Callable
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `tessera generate`, both modes."""
     parser = argparse.ArgumentParser(
-        prog="tessera generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="tessera generate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate a continuation of PROMPT with a local checkpoint or a server.",
         epilog='examples:\n  tessera generate "Return the" --checkpoint '
                "runs/demo/checkpoints/step-00000300 --max-tokens 40 --temperature 0.8\n"
                '  tessera generate "Return the" --url http://127.0.0.1:8000 --model demo:qa')
     parser.add_argument("prompt", help="text to continue")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--checkpoint", help="Tessera checkpoint directory (generate locally)")
+    where.add_argument("--checkpoint", metavar="DIR",
+                       help="Tessera checkpoint directory (generate in this process)")
     where.add_argument("--url", help="a running Tessera server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
+    # The key itself never appears in --help: the default names the variable it comes from.
+    parser.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"), metavar="KEY",
                         help="server API key (default: $TESSERA_API_KEY)")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", default=None, metavar="NAME",
                         help="server model, BASE or BASE:TASK (default: the server's base model)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k best (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (local; default: saved)")
+    parser.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                        help="tokens to generate at most (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="sampling temperature, 0 = greedy (default: 0)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+                        help="sample from the k best, 0 = all (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="nucleus sampling mass (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="seed for reproducible sampling (default: none)")
+    parser.add_argument("--dtype", default=None,
+                        help="with --checkpoint: fp32 | bf16 | fp16 (default: the checkpoint's)")
     return parser
 
 

@@ -22,6 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "tune": ("tessera.tuning.cli:main", "prompt tuning / p-tuning on a frozen model"),
     "serve": ("tessera.serving.cli:main", "run the HTTP text-generation server"),
     "generate": ("tessera.__main__:generate", "generate text from a server or a local checkpoint"),
+    "models": ("tessera.core.presets:main", "list the model presets with their sizes"),
 }
 
 
