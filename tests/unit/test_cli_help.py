@@ -135,3 +135,15 @@ def test_convert_shard_size_default_is_the_exporters():
     from tessera.converters.hf_io import DEFAULT_SHARD_SIZE as EXPORT_DEFAULT
 
     assert parse_size(DEFAULT_SHARD_SIZE) == EXPORT_DEFAULT
+
+
+def test_generate_dispatches_local_and_remote(tmp_path, capsys):
+    """--checkpoint runs beside the engine (through the root command), never inside clients."""
+    from tessera.clients.cli import main as client_main
+
+    assert main(["generate", "x", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "tessera generate:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        client_main(["x", "--checkpoint", str(tmp_path)])  # no local generator handed in
+    assert exit_info.value.code == 2
+    assert "tessera.serving.generate" in capsys.readouterr().err
