@@ -9,7 +9,9 @@
     assert run_ranks(_body, 2, 8) == [rank0_result, rank1_result]
 
 A failing rank's traceback is raised in the caller as a RuntimeError; a run that outlives `timeout`
-is killed and raised as a TimeoutError naming the ranks that had not finished. Spawning costs about
+is killed and raised as a TimeoutError naming the ranks that had not finished. `timeout` counts
+from the moment every rank has joined the process group, so a busy machine's slow start (spawning,
+importing torch) does not eat it; joining has its own bound, `startup_timeout`. Spawning costs about
 a second per rank, so put several checks in one body rather than one body per check.
 """
 
@@ -40,6 +42,7 @@ def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tu
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=GLOO_TIMEOUT
         )
+        results.put((rank, None, None))  # joined: the parent's `timeout` starts when all have
         report = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:
         report = (rank, False, traceback.format_exc())
@@ -58,6 +61,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 120,
     env: dict[str, str] | None = None,
+    startup_timeout: float = 180,
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank.
 
@@ -78,25 +82,35 @@ def run_ranks(
                 for p in procs:
                     p.start()  # pickles fn and args: a lambda fails here, clearly
                     started.append(p)
-            return _collect(procs, results, timeout)
+            return _collect(procs, results, timeout, startup_timeout)
         finally:
             for p in started:
                 p.kill()  # no-op for ranks that have exited
                 p.join()
 
 
-def _collect(procs: list, results, timeout: float) -> list[Any]:
+def _collect(procs: list, results, timeout: float, startup_timeout: float) -> list[Any]:
     done: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    joined: set[int] = set()
+    start_by = time.monotonic() + startup_timeout
+    deadline = None  # set once every rank has joined
     while len(done) < len(procs):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            pending = [r for r in range(len(procs)) if r not in done]
+        now = time.monotonic()
+        pending = [r for r in range(len(procs)) if r not in done]
+        if deadline is None and now >= start_by:
+            late = [r for r in range(len(procs)) if r not in joined]
+            raise TimeoutError(f"ranks {late} did not start within {startup_timeout} s")
+        if deadline is not None and now >= deadline:
             raise TimeoutError(f"ranks {pending} did not finish within {timeout} s")
         try:
-            rank, ok, payload = results.get(timeout=min(left, 0.5))
+            rank, ok, payload = results.get(timeout=0.5)
         except queue.Empty:
             _raise_if_dead(procs, done)
+            continue
+        if ok is None:
+            joined.add(rank)
+            if len(joined) == len(procs):
+                deadline = time.monotonic() + timeout
             continue
         if not ok:
             # A rank that died (e.g. killed) makes its peers fail at their next collective;
