@@ -9,8 +9,19 @@ TORCH = torch==2.13.0
 install:
 	$(PYTHON) -m pip install $(TORCH) -e ".[test]"
 
+# lint-imports checks the import contracts in pyproject.toml. It finds a package's modules by
+# walking its folder, and ours are mapped from top-level folders (package-dir), so it reads a
+# tree of links laid out as installed: build/import-tree/tessera/{__init__.py,core,...}.
+IMPORT_TREE = build/import-tree
+SUBPACKAGES = core training tuning converters serving clients
+
 lint:
 	$(PYTHON) -m ruff check .
+	rm -rf $(IMPORT_TREE) && mkdir -p $(IMPORT_TREE)/tessera
+	ln -s $(CURDIR)/tessera/*.py $(IMPORT_TREE)/tessera/
+	for d in $(SUBPACKAGES); do ln -s $(CURDIR)/$$d $(IMPORT_TREE)/tessera/$$d; done
+	$(PYTHON) -c 'import os; os.chdir("$(IMPORT_TREE)"); from importlinter.cli \
+	import lint_imports_command as lint; lint(["--config", "$(CURDIR)/pyproject.toml", "--no-cache"])'
 
 # Exit code 5 means pytest collected nothing: a broken tree, never a pass.
 test: install lint

@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
 from _common import record  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.parallel.pipeline import split_layout_and_schedule  # noqa: E402
-from tests.distributed_helper import run_ranks  # noqa: E402
+from tessera.core.parallel.spawn import run_ranks  # noqa: E402
 
 LAYOUTS = [  # (label, Layout and TrainSchedule fields)
     ("tp2", dict(tp=2)),

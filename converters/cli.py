@@ -16,8 +16,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera.converters.hf_io import DEFAULT_SHARD_SIZE, export_hf, import_hf
-from tessera.core.checkpoint import read_manifest
+from tessera.core.help import HelpFormatter
+
+# The conversions (and torch) are imported when they run, so `--help` is instant.
 
 EXAMPLES = """\
 examples:
@@ -34,6 +35,7 @@ and an existing one is replaced only with --overwrite.
 """
 
 LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "fp8")
+DEFAULT_SHARD_SIZE = "5GB"  # transformers' own default (converters.hf_io.DEFAULT_SHARD_SIZE)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tessera convert",
         description="Convert checkpoints: import a Hugging Face model into a Tessera checkpoint, "
         "or export a Tessera checkpoint as a Hugging Face model directory.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES, formatter_class=HelpFormatter)
     io = parser.add_argument_group("input and output")
     io.add_argument("--input", required=True, type=Path, metavar="DIR",
                     help="the directory to convert (HF model dir or Tessera checkpoint)")
@@ -67,13 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
                            help="--input is a Hugging Face model directory")
     direction.add_argument("--to", dest="to_format", choices=("hf",),
                            help="write --output as a Hugging Face model directory")
-    hf.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, metavar="SIZE",
-                    help="with --to hf: largest weights file, e.g. 2GB (default: 5GB)")
+    hf.add_argument("--shard-size", type=parse_size, default=parse_size(DEFAULT_SHARD_SIZE),
+                    metavar="SIZE",
+                    help=f"with --to hf: largest weights file, e.g. 2GB (default: {DEFAULT_SHARD_SIZE})")
     layout = parser.add_argument_group("target layout (resharding and FP8)")
-    layout.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size")
-    layout.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel size")
+    layout.add_argument("--tp", type=int, metavar="N",
+                        help="tensor-parallel size (default: the input's)")
+    layout.add_argument("--pp", type=int, metavar="N",
+                        help="pipeline-parallel size (default: the input's)")
     layout.add_argument("--virtual-stages", type=int, metavar="N",
-                        help="model chunks per pipeline rank")
+                        help="model chunks per pipeline rank (default: the input's)")
     layout.add_argument("--fp8", nargs="?", const="tensor", choices=("tensor", "channel"),
                         help="store linear weights as FP8 e4m3 with per-tensor (default) or "
                         "per-channel scales")
@@ -116,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tessera convert: error: say what to convert: --from hf or --to hf",
               file=sys.stderr)
         return 2
+    from tessera.converters.hf_io import export_hf, import_hf
+    from tessera.core.checkpoint import read_manifest
+
     start = time.perf_counter()
     try:
         if args.from_format == "hf":

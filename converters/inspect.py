@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tessera.converters.reshard import human_bytes, human_count
-from tessera.core.checkpoint import CheckpointError, read_manifest
-from tessera.core.parallel.sharding import num_parameters
+# The checkpoint readers (and torch) are imported when they run, so `--help` is instant.
 
 
 def describe(path: str | Path) -> dict[str, Any]:
     """The facts `inspect` prints, as plain JSON-able data."""
+    from tessera.core.checkpoint import read_manifest
+    from tessera.core.parallel.sharding import num_parameters
+
     path = Path(path)
     man = read_manifest(path)
     m = man.model
@@ -52,6 +53,8 @@ def describe(path: str | Path) -> dict[str, Any]:
 
 def render(info: dict[str, Any]) -> str:
     """`describe`'s facts as a short aligned text block."""
+    from tessera.converters.reshard import human_bytes, human_count
+
     preset = f'preset "{info["preset"]}"' if info["preset"] != "custom" else "no preset (custom)"
     heads = f"{info['num_heads']} attention heads"
     if info["num_kv_heads"] != info["num_heads"]:
@@ -96,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         info = describe(args.checkpoint)
-    except (CheckpointError, ValueError, KeyError) as exc:
+    except (ValueError, KeyError) as exc:  # CheckpointError is a ValueError
         print(f"tessera inspect: error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=2) if args.json else render(info))

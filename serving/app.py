@@ -27,13 +27,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tessera import __version__
 from tessera.serving import megatron_api, openai_api, triton_api
 from tessera.serving.errors import install_error_handlers
 from tessera.serving.openai_api import ChatTemplate
 from tessera.serving.security import GuardMiddleware
 from tessera.serving.service import Limits, Service
 from tessera.serving.types import Engine
+from tessera.serving.version import SERVER_VERSION
 
 operations = APIRouter(tags=["operations"])
 
@@ -83,7 +83,7 @@ def create_app(
         raise ValueError("max_concurrency and max_body_bytes must be positive")
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
                     max_concurrency=max_concurrency, request_timeout_s=request_timeout_s)
-    app = FastAPI(title=f"Tessera: {model_name}", version=__version__, redoc_url=None,
+    app = FastAPI(title=f"Tessera: {model_name}", version=SERVER_VERSION, redoc_url=None,
                   description="OpenAI, KServe v2 / Triton and Megatron-LM text generation.")
     app.state.service = Service(engine, model_name, limits)
     app.state.chat_template = ChatTemplate(chat_template)  # a broken template fails here

@@ -14,6 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
+from tessera.core.help import HelpFormatter
+
 _EPILOG = """examples:
   tessera serve --checkpoint runs/demo/checkpoints/step-00000300
   tessera serve --checkpoint CKPT --tp 2 --nproc-per-node 2 --dtype bf16
@@ -23,13 +25,14 @@ _EPILOG = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tessera serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="tessera serve", formatter_class=HelpFormatter,
         description="Serve a checkpoint over HTTP (OpenAI, KServe v2 / Triton, Megatron /api).",
         epilog=_EPILOG)
-    p.add_argument("--checkpoint", required=True, help="Tessera checkpoint directory (any layout)")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="Tessera checkpoint directory (any layout)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="int8: weight-only int8 matrices with bf16 activations, for faster "
                         "CPU decoding (implies --dtype bf16; see core/quantize.py)")
@@ -39,12 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "after 10-60 s of compiling at start; keeps a second, prepacked copy "
                         "of the weights; one process only, not with --quantize int8 "
                         "(see serving/compiled.py)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=int, default=8000, help="port")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="start this many local ranks (tp x pp) through torch.distributed.run")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start this many local ranks (tp x pp) through torch.distributed.run "
+                        "(default: this process only)")
     p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
     p.add_argument("--max-queue", type=int, default=128,
                    help="requests waiting for a slot before new ones get 503")
@@ -81,7 +85,9 @@ def main(argv: list[str]) -> int:
             print(f"tessera serve: tp {args.tp} x pp {args.pp} does not match --nproc-per-node "
                   f"{args.nproc_per_node}", file=sys.stderr)
             return 2
-        return _launch(argv, args.nproc_per_node)
+        from tessera.core.parallel.launch import launch_local_ranks
+
+        return launch_local_ranks("serve", argv, args.nproc_per_node)
     try:
         engine = _start(args)
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as exc:
@@ -161,32 +167,6 @@ def _run_http(engine, args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 1 if failed or not server.started else 0
-
-
-def _launch(argv: list[str], nproc: int) -> int:
-    """Re-run this command under torch's own launcher with `nproc` local ranks."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc-per-node":
-            skip = True
-        elif not a.startswith("--nproc-per-node="):
-            rest.append(a)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "tessera", "serve", *rest])
-    except ChildFailedError as exc:  # the ranks have printed their own errors
-        rank, failure = exc.get_first_failure()
-        print(f"tessera serve: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
-    except SignalException as exc:  # SIGTERM/SIGINT: the launcher has stopped the ranks
-        return 128 + int(exc.sigval)
-    return 0
 
 
 def stored_chat_template(checkpoint: str) -> str | None:

@@ -23,7 +23,6 @@ Any checkpoint serves under any layout: the stages are built empty for the servi
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
@@ -37,6 +36,7 @@ from tessera.core.checkpoint import dtype_from_name, load_weights, read_manifest
 from tessera.core.config import ConfigError, Layout
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
+from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages
 from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
@@ -57,14 +57,8 @@ def init_serving(tp: int = 1, pp: int = 1,
 
     With more than one rank and tp = pp = 1, tp takes the whole world. Collective.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        device = torch.device(device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_TIMEOUT)
-    if dist.is_initialized():
-        world = dist.get_world_size()
+    init_distributed(torch.device(device), timeout=_TIMEOUT)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if tp * pp == 1 and world > 1:
         tp = world
     if tp * pp != world:

@@ -24,7 +24,6 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tessera import __version__
 from tessera.serving import schemas as S
 from tessera.serving.errors import ApiError, body_doc, decode_json, validate
 from tessera.serving.security import read_body
@@ -40,6 +39,7 @@ from tessera.serving.service import (
 )
 from tessera.serving.triton_codec import decode_request, encode_response
 from tessera.serving.types import GenerationRequest, SamplingParams
+from tessera.serving.version import SERVER_VERSION
 
 router = APIRouter(tags=["KServe v2 / Triton"])
 
@@ -107,7 +107,7 @@ def _both(path: str, **kwargs: Any):
 
 @router.get("/v2")
 async def server_metadata() -> dict:
-    return {"name": "tessera", "version": __version__, "extensions": EXTENSIONS}
+    return {"name": "tessera", "version": SERVER_VERSION, "extensions": EXTENSIONS}
 
 
 @router.get("/v2/health/live")

@@ -21,8 +21,25 @@ VERBS: dict[str, tuple[str, str]] = {
     "inspect": ("tessera.converters.inspect:main", "describe a checkpoint in plain words"),
     "tune": ("tessera.tuning.cli:main", "prompt tuning / p-tuning on a frozen model"),
     "serve": ("tessera.serving.cli:main", "run the HTTP text-generation server"),
-    "generate": ("tessera.clients.cli:main", "generate text from a server or a local checkpoint"),
+    "generate": ("tessera.__main__:generate", "generate text from a server or a local checkpoint"),
+    "models": ("tessera.core.presets:main", "list the model presets with their sizes"),
 }
+
+
+def generate(argv: list[str]) -> int:
+    """`tessera generate`: the client runs `--url`; `--checkpoint` runs beside the engine.
+
+    Clients may not import serving (nor serving clients), so the one place that knows both is
+    this root command, which hands the local mode to the client's parser.
+    """
+    from tessera.clients.cli import main as generate_main
+
+    def local(args):  # imported only when generating locally: --url never loads torch
+        from tessera.serving.generate import run_local
+
+        return run_local(args)
+
+    return generate_main(argv, local=local)
 
 
 def _usage() -> str:

@@ -1,6 +1,7 @@
 """`tessera pretrain`: parse the config, hand over to torchrun when asked, run the loop.
 
-With no arguments it runs the built-in demo (see `training.demo`).
+With no arguments it runs the built-in demo (see `training.demo`). `--help` and
+`--list-models` import no torch: everything heavy is imported once the config parses.
 """
 
 from __future__ import annotations
@@ -9,13 +10,9 @@ import copy
 import os
 import sys
 
-import torch.distributed as dist
-
-from tessera.core.checkpoint import CheckpointError
-from tessera.core.config import ConfigError
-
 
 def main(argv: list[str]) -> int:
+    from tessera.core.config import ConfigError
     from tessera.training.config import load_config
 
     try:
@@ -23,11 +20,21 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"tessera pretrain: {exc}", file=sys.stderr)
         return 2
+    if args.list_models:
+        from tessera.core.presets import presets_table
+
+        print(presets_table())
+        return 0
+    import torch.distributed as dist
+
+    from tessera.core.checkpoint import CheckpointError
+
     demo = args.demo or not cfg.data.data
     explicit = set(_given_flags(argv))
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
     try:
         if args.nproc_per_node and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            from tessera.core.parallel.launch import launch_local_ranks
             from tessera.training.demo import apply_demo_defaults
             from tessera.training.loop import check_config
 
@@ -35,7 +42,7 @@ def main(argv: list[str]) -> int:
             if demo:
                 apply_demo_defaults(checked, explicit)
             check_config(checked, args.nproc_per_node)  # before starting any rank
-            return launch_ranks(argv, args.nproc_per_node)
+            return launch_local_ranks("pretrain", argv, args.nproc_per_node)
         if demo:
             from tessera.training.demo import run_demo
 
@@ -57,29 +64,3 @@ def main(argv: list[str]) -> int:
 
 def _given_flags(argv: list[str]) -> list[str]:
     return [a.lstrip("-").split("=")[0].split(".")[-1].replace("-", "_") for a in argv if a.startswith("--")]
-
-
-def launch_ranks(argv: list[str], nproc: int, verb: str = "pretrain") -> int:
-    """Re-run `tessera VERB ARGV` under torch's own launcher with `nproc` local ranks."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc-per-node":
-            skip = True
-            continue
-        if a.startswith("--nproc-per-node="):
-            continue
-        rest.append(a)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "tessera", verb, *rest])
-    except ChildFailedError as exc:  # the ranks have printed their own errors
-        rank, failure = exc.get_first_failure()
-        print(f"tessera {verb}: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
-    return 0

@@ -26,6 +26,7 @@ from tessera.core.config import (
     Recompute,
     TrainSchedule,
 )
+from tessera.core.help import HelpFormatter, with_default
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -156,7 +157,7 @@ def _str2bool(text: str) -> bool:
 
 def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=prog, formatter_class=HelpFormatter,
         description="Pretrain a GPT-style model. With no arguments: the built-in demo (a corpus "
         "from the Python standard library's docstrings, a tokenizer, a small Llama on CPU, then "
         "a sample generation). Fields come from --config YAML, then flags; a flag can be bare "
@@ -164,30 +165,42 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
         epilog="examples:\n  tessera pretrain --config run.yaml --lr 1e-3 --steps 500\n"
         "  tessera pretrain --data corpus_text --tokenizer tok.model --model llama-tiny\n"
         "  tessera pretrain --nproc-per-node 4 --tp 2 --pp 2   # the demo on 4 CPU ranks\n"
-        "  torchrun --nproc-per-node 8 -m tessera pretrain --config run.yaml --tp 2 --pp 2")
-    parser.add_argument("--config", help="YAML file with any of the fields below")
-    parser.add_argument("--model", help="model preset name (e.g. llama-tiny, gpt2-small)")
+        "  torchrun --nproc-per-node 8 -m tessera pretrain --config run.yaml --tp 2 --pp 2\n"
+        "  tessera pretrain --list-models")
+    parser.add_argument("--config", metavar="FILE", help="YAML file with any of the fields below")
+    parser.add_argument("--model", metavar="NAME",
+                        help="model preset name, e.g. llama-tiny, gpt2-small; see --list-models "
+                        "(default: llama-demo)")
     parser.add_argument("--model-overrides", metavar="K=V", nargs="+", default=[],
                         help="ModelConfig fields, e.g. num_layers=8 hidden_size=256")
-    parser.add_argument("--nproc-per-node", type=int, default=0,
-                        help="start this many local ranks with torch's launcher (torchrun)")
+    parser.add_argument("--list-models", action="store_true",
+                        help="print the model presets with their sizes and exit")
+    parser.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                        help="start this many local ranks with torch's launcher (torchrun) "
+                        "(default: 0, this process only)")
     parser.add_argument("--demo", action="store_true", help="run the built-in demo")
-    add_section_flags(parser, SECTIONS)
+    add_section_flags(parser, SECTIONS, PretrainConfig())
     return parser
 
 
-def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]) -> None:
+def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type],
+                      defaults: Any = None) -> None:
     """One flag per field of each section's dataclass, bare (`--lr`) and dotted (`--train.lr`).
 
     Values land in `args` as `SECTION.FIELD` only when given (`section_values` merges them).
+    `--help` lists the bare flag with the field's default, taken from `defaults` (an object with
+    one attribute per section, e.g. `PretrainConfig()`) or else from the dataclass; the dotted
+    and underscore spellings work but are not listed again.
     """
     for section, owner in sections.items():
         group = parser.add_argument_group(section)
+        values = getattr(defaults, section, None) or owner()
         for f in dataclasses.fields(owner):
             typ = _type_of(f, owner)
             help_ = f.metadata.get("help") or _PARALLEL_HELP.get(f.name, "")
+            metavar = {int: "N", float: "X"}.get(typ, f.name.upper())
             kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
-                                  "help": help_}
+                                  "metavar": metavar}
             if typ is bool:
                 kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
             elif f.metadata.get("nargs"):
@@ -195,11 +208,13 @@ def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]
             elif typ in (int, float, str):
                 kw["type"] = typ
             elif f.name == "recompute_layers":
-                kw["type"] = int
+                kw.update(type=int, metavar="N")
             names = [f"--{f.name.replace('_', '-')}", f"--{section}.{f.name}"]
             if "_" in f.name:
                 names.append(f"--{f.name}")
-            group.add_argument(*names, **kw)
+            group.add_argument(names[0], help=with_default(help_, getattr(values, f.name)), **kw)
+            for alias in names[1:]:
+                group.add_argument(alias, help=argparse.SUPPRESS, **kw)
 
 
 def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:

@@ -92,7 +92,8 @@ def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
 def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
     from tessera.core.parallel.groups import resolve_device
-    from tessera.training.loop import check_output, init_distributed, pretrain
+    from tessera.core.parallel.launch import init_distributed
+    from tessera.training.loop import check_output, pretrain
 
     apply_demo_defaults(cfg, explicit)
     check_output(cfg.loop.output)  # before preparing data there

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from tessera.core.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
 from tessera.core.parallel.data_parallel import allreduce_gradients
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
+from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
 from tessera.training.config import PretrainConfig
@@ -54,15 +53,6 @@ class Job:
     device: torch.device
     autocast_dtype: torch.dtype | None
     scaler: Any  # torch.amp.GradScaler for fp16, else None
-
-
-def init_distributed(device: torch.device) -> None:
-    """Join the torchrun world if launched by it (env WORLD_SIZE > 1)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:

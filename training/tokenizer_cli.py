@@ -13,8 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tessera.core.tokenizer import train_tokenizer
-from tessera.training.preprocess import iter_documents
+# sentencepiece and the readers are imported when training starts, so `--help` is instant.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +70,8 @@ class _Skips:
 
 
 def _texts(files: Sequence[str], json_key: str, skips: _Skips) -> Iterator[str]:
+    from tessera.training.preprocess import iter_documents
+
     for name in files:
         yield from iter_documents(name, json_key, skips)
 
@@ -81,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"tessera tokenizer: error: input file not found: {missing[0]}", file=sys.stderr)
         return 1
+    from tessera.core.tokenizer import train_tokenizer
+
     skips = _Skips()
     try:
         tokenizer = train_tokenizer(

@@ -12,19 +12,23 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
-
-from tessera.core.checkpoint import CheckpointError
-from tessera.core.config import ConfigError
-
 
 def main(argv: list[str]) -> int:
+    from tessera.core.config import ConfigError
     from tessera.tuning.config import load_config
+
+    try:
+        cfg, args = load_config(argv)  # `--help` exits here, before torch is imported
+    except (ConfigError, FileNotFoundError, FileExistsError, PermissionError) as exc:
+        print(f"tessera tune: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    from tessera.core.checkpoint import CheckpointError
     from tessera.tuning.prompt_table import PromptTableError
 
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
     try:
-        cfg, args = load_config(argv)
         if args.import_peft:
             return _import(cfg, args, argv)
         if args.export and args.prompts:
@@ -34,12 +38,12 @@ def main(argv: list[str]) -> int:
             print("PEFT adapters: " + ", ".join(str(d) for d in dirs))
             return 0
         if args.nproc_per_node and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            from tessera.training.cli import launch_ranks
+            from tessera.core.parallel.launch import launch_local_ranks
             from tessera.tuning.loop import prepare_inputs
 
             if not args.evaluate:
                 prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)  # fail early
-            return launch_ranks(argv, args.nproc_per_node, verb="tune")
+            return launch_local_ranks("tune", argv, args.nproc_per_node)
         if args.evaluate:
             from tessera.tuning.loop import evaluate_table
 
@@ -61,6 +65,7 @@ def main(argv: list[str]) -> int:
 
 
 def _import(cfg, args, argv: list[str]) -> int:
+    from tessera.core.config import ConfigError
     from tessera.tuning.peft_format import import_peft
 
     given_output = any(a.split("=")[0] in ("--output", "--loop.output") for a in argv)

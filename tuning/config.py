@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera.core.config import ConfigError, ModelConfig
+from tessera.core.help import HelpFormatter
 from tessera.training.config import (
     LoopConfig,
     ParallelSection,
@@ -30,7 +31,9 @@ from tessera.training.config import (
     read_yaml,
     section_values,
 )
-from tessera.tuning.data import TaskSpec, task_specs_from_yaml
+
+if TYPE_CHECKING:  # the task data module imports torch; --help should not
+    from tessera.tuning.data import TaskSpec
 
 METHODS = ("prompt-tuning", "p-tuning")
 ENCODERS = ("mlp", "lstm")
@@ -103,7 +106,7 @@ class TuneRunConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tessera tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="tessera tune", formatter_class=HelpFormatter,
         description="Prompt tuning / p-tuning of a frozen model: learn a few virtual token "
         "embeddings per task, written as a prompt table (prompts.safetensors + prompts.json) "
         "that the server loads. Fields come from --config YAML, then flags; a flag can be bare "
@@ -115,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         "  tessera tune --export peft --prompts runs/tune --output adapters/\n"
         "  tessera tune --import-peft ADAPTER --checkpoint BASE --task NAME --output DIR\n"
         "  tessera tune --nproc-per-node 4 --tp 2 --pp 2 --config tune.yaml")
-    parser.add_argument("--config", help="YAML file with any of the fields below, and `tasks:`")
-    parser.add_argument("--nproc-per-node", type=int, default=0,
-                        help="start this many local ranks with torch's launcher (torchrun)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML file with any of the fields below, and `tasks:`")
+    parser.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                        help="start this many local ranks with torch's launcher (torchrun) "
+                        "(default: 0, this process only)")
     modes = parser.add_argument_group("other modes")
     modes.add_argument("--evaluate", action="store_true",
                        help="report answer loss and exact match of --prompts on --data; no "
@@ -132,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--checkpoint (needs --task and --output)")
     modes.add_argument("--task", help="with --import-peft: the task name; with --export: only "
                                       "this task")
-    add_section_flags(parser, SECTIONS)
+    add_section_flags(parser, SECTIONS, TuneRunConfig())
     return parser
 
 
@@ -144,6 +149,8 @@ def load_config(argv: list[str]) -> tuple[TuneRunConfig, argparse.Namespace]:
     config = TuneRunConfig()
     for section, values in section_values(raw, args, SECTIONS, args.config).items():
         setattr(config, section, dataclasses.replace(getattr(config, section), **values))
+    from tessera.tuning.data import task_specs_from_yaml
+
     config.tasks = task_specs_from_yaml(tasks_raw, args.config)
     config.validate()
     return config, args

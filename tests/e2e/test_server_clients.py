@@ -24,8 +24,8 @@ import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
+from tessera.__main__ import generate as generate_cli
 from tessera.clients import AsyncClient, Client, TesseraError
-from tessera.clients.cli import main as generate_cli
 
 from .conftest import API_KEY, ROOT, free_port
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helper import run_ranks
+from tessera.core.parallel.spawn import run_ranks
 
 
 def _all_reduce(rank: int, world_size: int, n: int) -> dict:
@@ -62,3 +62,10 @@ def test_hang_is_killed_after_timeout_naming_the_unfinished_ranks():
 def test_rank_that_dies_without_reporting_is_an_error():
     with pytest.raises(RuntimeError, match="rank 1 died with exit code 3"):
         run_ranks(_die_on_rank_1, 2, timeout=60)
+
+
+def test_ranks_that_cannot_start_in_time_are_named():
+    # Spawning a rank and importing torch takes well over a second; the run's own `timeout`
+    # only starts once every rank has joined the group.
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not start within 0.5 s"):
+        run_ranks(_all_reduce, 2, 4, timeout=60, startup_timeout=0.5)

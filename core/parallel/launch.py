@@ -1,0 +1,81 @@
+"""Joining a torchrun world, and the `--nproc-per-node` hand-over to torch's own launcher.
+
+Every verb that runs on many ranks (`tessera pretrain`, `tune`, `serve`) does the same two
+things: with `--nproc-per-node N` in a single process, re-run itself under
+`torch.distributed.run --standalone` (`launch_local_ranks`); as a rank of a torchrun world, join
+it (`init_distributed`). Both live here once.
+
+Exit codes of `launch_local_ranks` follow the shell's convention, so a scheduler can tell a
+preemption from a failure and requeue: 0 done; a failing rank's own code; 128 + the signal
+number (130 SIGINT, 143 SIGTERM) when the launcher was signalled, after torch's launcher has
+forwarded the signal to the ranks and they have stopped (the training loops save first).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# How long torch's launcher waits for signalled ranks before it kills them (its default, 30 s,
+# can cut short the checkpoint a stopping rank is writing). Set the variable to override it.
+SHUTDOWN_TIMEOUT_S = 120
+
+
+def init_distributed(device: torch.device,
+                     timeout: timedelta = timedelta(minutes=10)) -> bool:
+    """Join the torchrun world if this process was launched into one (env WORLD_SIZE > 1).
+
+    Uses NCCL for a CUDA `device` (made this process's current device first: its index, or
+    LOCAL_RANK when it has none) and gloo otherwise; `timeout` bounds each collective. Joining
+    twice is a no-op, and so is a single process. Returns whether a process group is up.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(index)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    return dist.is_initialized()
+
+
+def strip_nproc_flag(argv: list[str]) -> list[str]:
+    """`argv` without `--nproc-per-node N` / `--nproc-per-node=N` (what the ranks re-run)."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            rest.append(arg)
+    return rest
+
+
+def launch_local_ranks(verb: str, argv: list[str], nproc: int) -> int:
+    """Re-run `tessera VERB ARGV` on `nproc` local ranks under torch's launcher; the exit code.
+
+    Blocks until every rank has ended. Returns 0, the first failing rank's exit code (its
+    traceback is already printed by the rank), or 128 + signal number when this process was
+    signalled (see the module docstring); never raises for those.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "tessera", verb,
+                  *strip_nproc_flag(argv)])
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"tessera {verb}: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:  # the launcher has stopped the ranks (they saw it too)
+        code = 128 + int(exc.sigval)
+        print(f"tessera {verb}: stopped by {exc.sigval.name}; exit code {code}", file=sys.stderr)
+        return code
+    return 0
