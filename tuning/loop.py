@@ -31,6 +31,7 @@ from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, measure_peak_tflops
+from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.tuning import checkpoint as ckpt
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.data import (
@@ -44,7 +45,12 @@ from tessera.tuning.data import (
     step_indices,
 )
 from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
-from tessera.tuning.prompt_table import base_fingerprint, write_prompt_table
+from tessera.tuning.prompt_table import (
+    MANIFEST_FILE,
+    TABLE_FILE,
+    base_fingerprint,
+    write_prompt_table,
+)
 from tessera.tuning.prompts import (
     VirtualPrompts,
     attach_prompts,
@@ -186,6 +192,10 @@ def _shared_fingerprint(checkpoint: str) -> str:
 def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     """Run (or resume) prompt tuning as configured; returns the run summary on every rank."""
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
+    # After the inputs are checked (a bad input must not cost the old run), before any write;
+    # the fingerprint's broadcast below keeps rank 0 from writing until every rank has looked.
+    claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite,
+                  files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft"))
     t = setup(cfg, inputs)
     loop = cfg.loop
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
