@@ -48,7 +48,9 @@ class TrainConfig:
     device: str = opt("auto", "auto | cpu | cuda")
     compile: bool = opt(False, "torch.compile each model chunk (costs 10-30 s once; on this "
                                "project's CPU bench bf16 steps ran ~1.4x faster)")
-    peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU (0: estimate on start)")
+    peak_tflops: str = opt("auto", "peak TFLOP/s per device that MFU is reported against: a "
+                                   "number, auto (the datasheet peak of a known CUDA GPU; else "
+                                   "MFU is n/a) or measure (a matmul timed at start-up)")
 
 
 @dataclass

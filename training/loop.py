@@ -33,8 +33,9 @@ from tessera.core.parallel.data_parallel import allreduce_gradients
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
+from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
-from tessera.training.metrics import MetricsLogger, measure_peak_tflops
+from tessera.training.metrics import MetricsLogger, resolve_peak
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
 from tessera.training.run_dir import claim_run_dir
 from tessera.training.state import (
@@ -269,7 +270,11 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         start = load_training_checkpoint(resume_from, job.stages, job.optimizer)["step"]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = model_flops_per_token(cfg.model, t.seq_len)
-    peak = t.peak_tflops or measure_peak_tflops(job.device, job.autocast_dtype)
+    compute = job.autocast_dtype or (torch.bfloat16 if t.precision == "bf16-pure" else None)
+    peak, peak_source = resolve_peak(t.peak_tflops, job.device, compute)
+    if rank0:
+        print(run_banner(cfg, job.groups, train_ds, job.device, t.precision, peak, peak_source,
+                         start_step=start), flush=True)
     log = MetricsLogger(cfg.loop, enabled=rank0, total=t.steps, initial=start,
                         resumed_from=resume_from)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -308,7 +313,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 break
     valid = evaluate_loss(job, valid_ds, eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=stopped,
-                         checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak)
+                         checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak,
+                         peak_source=peak_source)
     return summary
 
 
