@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import torch
 
@@ -39,3 +41,6 @@ def test_rerun_is_refused_and_overwrite_equals_a_fresh_run(base, data, tmp_path,
              .splitlines()]
     assert [s for s in steps if s is not None] == [1, 2, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-00000003"]
+    # The prompt table is as readable as any file the run opened itself (not safetensors' 0600).
+    assert stat.S_IMODE(os.stat(run / "prompts.safetensors").st_mode) == \
+        stat.S_IMODE(os.stat(run / "metrics.jsonl").st_mode)
