@@ -6,7 +6,7 @@
       data         0.01 epochs of the training split of data/corpus (51,596 tokens in 588 documents)
       precision    fp32 on cpu
       MFU against  n/a (no known peak for cpu; pass --peak-tflops N, or --peak-tflops measure ...)
-      logs         from global rank 0 of 1; the other ranks print only errors
+      logs         from global rank 0 of 1; the other ranks print only warnings and errors
 
 It reads the config, the process groups and the training dataset; it computes nothing heavy.
 """
@@ -68,7 +68,8 @@ def run_banner(cfg: Any, groups: ParallelGroups, train_ds: Any, device: Any, pre
         rows += [("data", d) for d in data]
     rows += [("precision", f"{precision} on {device}"),
              ("MFU against", describe_peak(peak, peak_source)),
-             ("logs", f"from global rank 0 of {world}; the other ranks print only errors")]
+             ("logs", f"from global rank 0 of {world}; the other ranks print only warnings "
+                      "and errors")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(lines + [f"  {k:<{width}}  {v}" for k, v in rows])
 
