@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tessera.converters.safetensors_stream import (
     SafetensorsFile,
@@ -74,6 +73,7 @@ from tessera.core.parallel.sharding import (
     stage_ids,
     unshard_scales,
 )
+from tessera.core.progress import progress_iter
 
 FP8 = torch.float8_e4m3fn
 # Rows of a tensor moved per step (of the widest dtype involved): peak memory is a few of these.
@@ -357,7 +357,7 @@ def _write_files(reader: StreamingReader, plan: _Plan, tmp: Path, progress: bool
                                               metadata={"format": "pt"})
         shapes, scratch = global_param_shapes(config), _Scratch()
         order = [n for n in shapes if n in holders]  # as save_checkpoint
-        for name in tqdm(order, desc="reshard", unit="tensor", disable=not progress):
+        for name in progress_iter(order, "reshard", unit="tensor", enabled=progress):
             targets = [(t, writers[t, p], plan.files[t, p][name]) for t, p in sorted(holders[name])]
             _stream_tensor(reader, name, shapes[name], dtypes[name], granularity, targets,
                            plan.layout.tp, config, scratch)

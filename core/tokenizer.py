@@ -29,6 +29,8 @@ from typing import Any
 
 import sentencepiece as spm
 
+from tessera.core.files import make_readable
+
 PathLike = str | os.PathLike[str]
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # read as one JSON object per line
@@ -247,6 +249,7 @@ def _write_atomic(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        make_readable(tmp, fd)  # mkstemp's 0600 would hide the tokenizer from other users
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, target)

@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tessera serve", formatter_class=HelpFormatter,
         description="Serve a checkpoint over HTTP (OpenAI, KServe v2 / Triton, Megatron /api).",
         epilog=_EPILOG)
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="Tessera checkpoint directory (any layout)")
+    env_checkpoint = os.environ.get("TESSERA_CHECKPOINT")
+    p.add_argument("--checkpoint", required=not env_checkpoint, default=env_checkpoint,
+                   help="Tessera checkpoint directory (any layout; default: $TESSERA_CHECKPOINT)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "after 10-60 s of compiling at start; keeps a second, prepacked copy "
                         "of the weights; one process only, not with --quantize int8 "
                         "(see serving/compiled.py)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    # From the environment too, so a container image can listen on all interfaces by default
+    # and keep doing so when its command is overridden.
+    p.add_argument("--host", default=os.environ.get("TESSERA_HOST", "127.0.0.1"),
+                   help="bind address (default: $TESSERA_HOST, else 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
@@ -79,6 +83,12 @@ def main(argv: list[str]) -> int:
     from tessera.core.checkpoint import CheckpointError
     from tessera.core.config import ConfigError
 
+    from_env = args.checkpoint == os.environ.get("TESSERA_CHECKPOINT")
+    if from_env and not Path(args.checkpoint).exists():  # e.g. the Docker image, nothing mounted
+        print(f"tessera serve: no checkpoint at {args.checkpoint} ($TESSERA_CHECKPOINT): mount "
+              "one there (docker run -p 8000:8000 -v \"$PWD/CKPT:/models/ckpt:ro\" IMAGE) or "
+              "pass --checkpoint DIR", file=sys.stderr)
+        return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.nproc_per_node and world == 1:
         if args.tp * args.pp not in (1, args.nproc_per_node):

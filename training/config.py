@@ -56,7 +56,9 @@ class TrainConfig:
     device: str = opt("auto", "auto | cpu | cuda")
     compile: bool = opt(False, "torch.compile each model chunk (costs 10-30 s once; on this "
                                "project's CPU bench bf16 steps ran ~1.4x faster)")
-    peak_tflops: float = opt(0.0, "peak TFLOP/s per device for MFU (0: estimate on start)")
+    peak_tflops: str = opt("auto", "peak TFLOP/s per device that MFU is reported against: a "
+                                   "number, auto (the datasheet peak of a known CUDA GPU; else "
+                                   "MFU is n/a) or measure (a matmul timed at start-up)")
 
 
 @dataclass
@@ -77,6 +79,8 @@ class LoopConfig:
     save_interval: int = opt(100, "checkpoint every N steps (0: only at the end)")
     keep_last: int = opt(2, "checkpoints to keep (older ones are deleted)")
     resume: bool = opt(False, "continue from the latest complete checkpoint in output/")
+    overwrite: bool = opt(False, "delete the run already in output/ (checkpoints, metrics) and "
+                                 "start over; without it or --resume such a directory is refused")
     progress: bool = opt(True, "show a progress bar")
     tensorboard: bool = opt(True, "write TensorBoard events when tensorboard is installed")
 
@@ -118,9 +122,14 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    # The ModelConfig fields the user set (YAML `model:` mapping, --model-overrides), as opposed
+    # to the preset's defaults: the vocabulary follows the tokenizer unless vocab_size is here.
+    model_fields_set: frozenset[str] = field(default_factory=frozenset)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["model_fields_set"]  # how the config was written, not what it is
+        return out
 
 
 _PARALLEL_HELP = {
@@ -225,7 +234,8 @@ def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     model_spec = raw.pop("model", None)
     for section, values in section_values(raw, args, SECTIONS, args.config).items():
         setattr(config, section, dataclasses.replace(getattr(config, section), **values))
-    config.model = _model_from(model_spec, args.model, args.model_overrides)
+    config.model, config.model_fields_set = _model_from(model_spec, args.model,
+                                                        args.model_overrides)
     return config, args
 
 
@@ -305,7 +315,11 @@ def _coerce(where: str, value: Any, typ: Any) -> Any:
     return converted
 
 
-def _model_from(spec: Any, preset: str | None, overrides: list[str]) -> ModelConfig:
+def _model_from(spec: Any, preset: str | None, overrides: list[str]
+                ) -> tuple[ModelConfig, frozenset[str]]:
+    """The model preset with the YAML `model:` fields and `--model-overrides` applied, and the
+    names of the fields so set (a preset's own values are not "set": `vocab_size` then follows
+    the tokenizer)."""
     fields: dict[str, Any] = {}
     name = "llama-demo"
     if isinstance(spec, str):
@@ -328,4 +342,4 @@ def _model_from(spec: Any, preset: str | None, overrides: list[str]) -> ModelCon
             raise ConfigError(f"unknown model field {key!r}; the fields are "
                               f"{', '.join(f.name for f in dataclasses.fields(ModelConfig))}")
         fields[key] = _coerce(f"model.{key}", value, hints[key])
-    return ModelConfig.from_name(name, **fields)
+    return ModelConfig.from_name(name, **fields), frozenset(fields)

@@ -85,6 +85,9 @@ def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
         cfg.loop.eval_interval = 100
     if "save_interval" not in explicit:
         cfg.loop.save_interval = 100
+    if "output" not in explicit and not ({"resume", "overwrite"} & explicit):
+        # The demo's own directory: running `make demo` again starts it over (its data stays).
+        cfg.loop.overwrite = True
     if cfg.parallel.pp > 1 and "micro_batches" not in explicit:
         cfg.parallel.micro_batches = 2 * cfg.parallel.layout().num_stages
 

@@ -4,6 +4,15 @@ Text files (.txt / .jsonl, optionally .gz) are tokenized with the checkpoint's o
 packed into windows of `--seq-len` tokens with an EOS between documents; indexed datasets
 (`PREFIX` of `PREFIX.bin/.idx`) are read as they are. Every token after the first of each window
 is scored once; the result is the mean cross-entropy and its exponential.
+
+Of an indexed dataset only one split of its documents is scored (`--split`), cut exactly as
+`tessera pretrain` cut it: by the checkpoint's own `split` ratios when it is a training
+checkpoint, else by `--split-ratios`. The default is the test split: pretraining neither trained
+on it nor watched its loss (that is the valid split), so it is the one honest held-out number.
+Text files are not pretraining's data and are scored whole.
+
+Documents are read one at a time and scoring stops after `--max-windows`, so a large dataset
+costs only what is scored.
 """
 
 from __future__ import annotations
@@ -13,35 +22,58 @@ import gzip
 import json
 import math
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from tessera.core.checkpoint import CheckpointError, load_checkpoint
+from tessera.core.checkpoint import CheckpointError, load_checkpoint, read_manifest
+
+SPLITS = ("train", "valid", "test", "all")
+DEFAULT_RATIOS = "98,1,1"  # `tessera pretrain --split`'s default
+_BLOCK = 1 << 20  # characters of a text file read at a time
 
 
-def _documents(path: Path, json_key: str):
+def _documents(path: Path, json_key: str) -> Iterator[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as fh:
         if ".jsonl" in path.suffixes:
             for line in fh:
                 if line.strip():
                     yield json.loads(line)[json_key]
-        else:
-            yield from (d for d in fh.read().split("\n\n") if d.strip())
+        else:  # documents are separated by a blank line; read in blocks, split as they come
+            rest = ""
+            for block in iter(lambda: fh.read(_BLOCK), ""):
+                *docs, rest = (rest + block).split("\n\n")
+                yield from (d for d in docs if d.strip())
+            if rest.strip():
+                yield rest
 
 
-def token_stream(sources: list[str], checkpoint: Path, json_key: str) -> torch.Tensor:
-    """All tokens of `sources` as one 1-D tensor (indexed datasets or tokenized text)."""
+def training_split_ratios(checkpoint: str | Path) -> str | None:
+    """The `split` ratios the run that wrote `checkpoint` used, or None (not a training one)."""
+    record = read_manifest(checkpoint).extra.get("training") or {}
+    return ((record.get("config") or {}).get("data") or {}).get("split")
+
+
+def document_tokens(sources: list[str], checkpoint: Path, json_key: str, split: str = "all",
+                    ratios: str = DEFAULT_RATIOS) -> Iterator[np.ndarray]:
+    """The documents of `sources`, one token array each, read lazily: of indexed datasets only
+    the documents of `split` under `ratios`, tokenized text (with EOS after each) whole."""
     from tessera.core.tokenizer import load_tokenizer
+    from tessera.training.gpt_dataset import SPLIT_NAMES, split_ranges
     from tessera.training.indexed_dataset import IndexedDataset
 
-    pieces: list[torch.Tensor] = []
     tokenizer = None
     for src in sources:
         if Path(src + ".idx").is_file():
             ds = IndexedDataset(src)
-            pieces += [torch.from_numpy(ds[i].astype("int64")) for i in range(len(ds))]
+            start, end = 0, len(ds)
+            if split != "all":
+                start, end = split_ranges(ratios, len(ds))[SPLIT_NAMES.index(split)]
+            for i in range(start, end):
+                yield ds[i]
             continue
         path = Path(src)
         if not path.is_file():
@@ -49,29 +81,61 @@ def token_stream(sources: list[str], checkpoint: Path, json_key: str) -> torch.T
                                     f"({src}.bin/.idx)")
         tokenizer = tokenizer or load_tokenizer(checkpoint)
         for doc in _documents(path, json_key):
-            pieces.append(torch.tensor(tokenizer.encode(doc) + [tokenizer.eod_id]))
-    if not pieces:
-        raise ValueError("no tokens to evaluate on")
-    return torch.cat(pieces)
+            yield np.asarray(tokenizer.encode(doc) + [tokenizer.eod_id], dtype=np.int64)
+
+
+def windows(documents: Iterable[np.ndarray], seq_len: int,
+            max_windows: int | None = None) -> Iterator[torch.Tensor]:
+    """Consecutive windows of `seq_len + 1` tokens over the concatenated documents; window i
+    starts at token `i * seq_len`, so neighbours share one token and each token after the first
+    is a target once. Only the tokens of the window being cut are held."""
+    pending: list[np.ndarray] = []
+    held, made = 0, 0
+    for doc in documents:
+        pending.append(doc)
+        held += len(doc)
+        if held < seq_len + 1:
+            continue
+        flat, start = np.concatenate(pending), 0
+        while len(flat) - start >= seq_len + 1:
+            if max_windows and made >= max_windows:
+                return
+            yield torch.from_numpy(flat[start:start + seq_len + 1].astype(np.int64))
+            made, start = made + 1, start + seq_len
+        pending, held = [flat[start:]], len(flat) - start
+        if max_windows and made >= max_windows:
+            return
 
 
 @torch.no_grad()
-def evaluate(model, tokens: torch.Tensor, seq_len: int, batch: int = 8,
+def evaluate(model, tokens: torch.Tensor | Iterable[np.ndarray], seq_len: int, batch: int = 8,
              max_windows: int | None = None) -> dict[str, float]:
-    """Mean loss and perplexity over non-overlapping windows of `seq_len + 1` tokens."""
-    n = (len(tokens) - 1) // seq_len
-    if max_windows:
-        n = min(n, max_windows)
-    if n == 0:
-        raise ValueError(f"only {len(tokens)} tokens: need more than seq_len {seq_len}")
-    windows = torch.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
+    """Mean loss and perplexity over non-overlapping windows of `seq_len + 1` tokens.
+
+    `tokens` is one 1-D tensor, or documents (token arrays) read as they are needed.
+    """
+    docs = [tokens.numpy()] if isinstance(tokens, torch.Tensor) else tokens
     total, count = 0.0, 0
-    for chunk in windows.split(batch):
-        loss = model(chunk[:, :-1], chunk[:, 1:])
-        total += float(loss) * chunk.shape[0] * seq_len
-        count += chunk.shape[0] * seq_len
+    chunk: list[torch.Tensor] = []
+    for window in _then_none(windows(docs, seq_len, max_windows)):
+        if window is not None:
+            chunk.append(window)
+        if chunk and (len(chunk) == batch or window is None):
+            stacked = torch.stack(chunk)
+            loss = model(stacked[:, :-1], stacked[:, 1:])
+            total += float(loss) * stacked.shape[0] * seq_len
+            count += stacked.shape[0] * seq_len
+            chunk = []
+    if count == 0:
+        raise ValueError(f"fewer than {seq_len + 1} tokens to evaluate on: need more than "
+                         f"seq_len {seq_len} (lower --seq-len, or choose another --split)")
     mean = total / count
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": count}
+
+
+def _then_none(items: Iterable[torch.Tensor]) -> Iterator[torch.Tensor | None]:
+    yield from items
+    yield None  # the end: score the last, partial batch
 
 
 def main(argv: list[str]) -> int:
@@ -83,6 +147,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True, help="Tessera checkpoint directory")
     parser.add_argument("--data", nargs="+", required=True,
                         help="indexed dataset prefixes and/or .txt/.jsonl(.gz) files")
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="documents of indexed datasets to score, cut as pretraining cut "
+                        "them: test (held out from training and from its validation), valid, "
+                        "train, or all; text files are scored whole")
+    parser.add_argument("--split-ratios", default=None,
+                        help="train,valid,test ratios for --split (default: the checkpoint's "
+                        f"training run's, else {DEFAULT_RATIOS})")
     parser.add_argument("--seq-len", type=int, default=0,
                         help="window length (0: the model's max positions, at most 1024)")
     parser.add_argument("--batch", type=int, default=8, help="windows per forward pass")
@@ -94,14 +165,17 @@ def main(argv: list[str]) -> int:
     try:
         model = load_checkpoint(args.checkpoint, dtype=args.dtype)
         seq_len = args.seq_len or min(model.config.max_position_embeddings, 1024)
-        tokens = token_stream(args.data, Path(args.checkpoint), args.json_key)
-        result = evaluate(model, tokens, seq_len, args.batch, args.max_windows or None)
+        ratios = args.split_ratios or training_split_ratios(args.checkpoint) or DEFAULT_RATIOS
+        docs = document_tokens(args.data, Path(args.checkpoint), args.json_key, args.split,
+                               ratios)
+        result = evaluate(model, docs, seq_len, args.batch, args.max_windows or None)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"tessera evaluate: {exc}", file=sys.stderr)
         return 2
+    result.update(split=args.split, split_ratios=ratios)
     if args.json:
         print(json.dumps(result))
     else:
         print(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
-              f"{result['tokens']:,} tokens scored")
+              f"{result['tokens']:,} tokens scored | split {args.split} (ratios {ratios})")
     return 0

@@ -10,6 +10,7 @@ over the global batch on every rank. SIGTERM / Ctrl-C finish the current step, s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import tempfile
@@ -31,9 +32,11 @@ from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_de
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
+from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
-from tessera.training.metrics import MetricsLogger, measure_peak_tflops
+from tessera.training.metrics import MetricsLogger, resolve_peak
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
+from tessera.training.run_dir import claim_run_dir
 from tessera.training.state import (
     latest_checkpoint,
     load_training_checkpoint,
@@ -246,7 +249,10 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     # Inputs and output first: a bad path fails in a second, not after the model is built.
     _check_data(cfg)
     check_output(cfg.loop.output)
+    claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite)
     job = setup(cfg)
+    if dist.is_initialized():
+        dist.barrier()  # every rank has looked at the output directory before rank 0 writes there
     t = cfg.train
     eval_batches = cfg.loop.eval_batches
     train_ds, valid_ds = _datasets(cfg)
@@ -256,7 +262,11 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         start = load_training_checkpoint(resume_from, job.stages, job.optimizer)["step"]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = model_flops_per_token(cfg.model, t.seq_len)
-    peak = t.peak_tflops or measure_peak_tflops(job.device, job.autocast_dtype)
+    compute = job.autocast_dtype or (torch.bfloat16 if t.precision == "bf16-pure" else None)
+    peak, peak_source = resolve_peak(t.peak_tflops, job.device, compute)
+    if rank0:
+        print(run_banner(cfg, job.groups, train_ds, job.device, t.precision, peak, peak_source,
+                         start_step=start), flush=True)
     log = MetricsLogger(cfg.loop, enabled=rank0, total=t.steps, initial=start,
                         resumed_from=resume_from)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -295,7 +305,8 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 break
     valid = evaluate_loss(job, valid_ds, eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=stopped,
-                         checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak)
+                         checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak,
+                         peak_source=peak_source)
     return summary
 
 
@@ -312,7 +323,9 @@ def check_output(output: str) -> None:
 
 
 def _check_data(cfg: PretrainConfig) -> None:
-    """The data must open, fit the model's vocabulary, and match the tokenizer if one is given."""
+    """The data must open and match the tokenizer if one is given; the model's vocabulary
+    follows the tokenizer (or, without one, the vocabulary the data was made with) unless the
+    user set `vocab_size`, and then the two must agree."""
     from tessera.core.tokenizer import load_tokenizer
     from tessera.training.gpt_dataset import parse_data_args
     from tessera.training.indexed_dataset import IndexedDataset
@@ -322,14 +335,25 @@ def _check_data(cfg: PretrainConfig) -> None:
                           "or run `tessera pretrain` with no arguments for the demo")
     with _as_config_error():
         tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        sizes = {}
         for _, prefix in parse_data_args(cfg.data.data):
             indexed = IndexedDataset(prefix)
-            if indexed.vocab_size > cfg.model.vocab_size:
-                raise ConfigError(f"{prefix} was tokenized with a vocabulary of {indexed.vocab_size} "
-                                  f"but the model's vocab_size is {cfg.model.vocab_size}; set "
-                                  f"--model-overrides vocab_size={indexed.vocab_size}")
             if tokenizer is not None:
                 indexed.check_vocab(tokenizer)
+            sizes[prefix] = indexed.vocab_size
+    if tokenizer is not None:
+        vocab, source = tokenizer.vocab_size, f"the tokenizer {cfg.data.tokenizer}"
+    else:
+        source, vocab = max(sizes.items(), key=lambda item: item[1])
+        source = f"the data {source}"
+    if "vocab_size" not in cfg.model_fields_set:
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab)
+    # Without a tokenizer a larger vocabulary than the data's stays allowed (as it always was).
+    elif cfg.model.vocab_size < vocab or (tokenizer is not None and cfg.model.vocab_size != vocab):
+        raise ConfigError(f"the model's vocab_size is set to {cfg.model.vocab_size} but {source} "
+                          f"has a vocabulary of {vocab}: set vocab_size={vocab}, or leave "
+                          "vocab_size out of --model-overrides and the YAML model section so "
+                          "that it follows")
 
 
 def _datasets(cfg: PretrainConfig) -> tuple[Any, Any]:

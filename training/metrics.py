@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
+
+from tessera.core.config import ConfigError
+from tessera.core.progress import Progress
 
 
 def measure_peak_tflops(device: torch.device | str, dtype: torch.dtype | None = None,
@@ -36,6 +39,72 @@ def measure_peak_tflops(device: torch.device | str, dtype: torch.dtype | None = 
     return best
 
 
+# Dense (no sparsity) datasheet peaks in TFLOP/s per GPU, by the name CUDA reports:
+# (16-bit tensor cores, TF32 tensor cores, plain fp32). A key matches whole words of the name
+# ("NVIDIA A100-SXM4-80GB" holds A100, "NVIDIA A10G" does not hold A10); the first match wins,
+# so the more specific names come first.
+CUDA_PEAKS: dict[str, tuple[float, float, float]] = {
+    "H100 PCIe": (756.0, 378.0, 51.2),
+    "H100 NVL": (835.0, 418.0, 60.0),
+    "H100": (989.4, 494.7, 66.9),  # SXM ("NVIDIA H100 80GB HBM3")
+    "GH200": (989.4, 494.7, 66.9),
+    "H200": (989.4, 494.7, 66.9),
+    "A100": (312.0, 156.0, 19.5),
+    "L40S": (362.0, 183.0, 91.6),
+    "L4": (121.0, 60.0, 30.3),
+    "A10": (125.0, 62.5, 31.2),
+    "V100": (125.0, 0.0, 15.7),  # 16-bit is fp16 only
+    "T4": (65.0, 0.0, 8.1),
+}
+
+
+def known_peak_tflops(device_name: str, dtype: torch.dtype | None, tf32: bool = False
+                      ) -> float | None:
+    """The datasheet dense peak of a CUDA device for matmuls in `dtype` (None: fp32), or None
+    when the device is not in `CUDA_PEAKS`. fp32 matmuls count at the TF32 rate when `tf32`."""
+    words = " " + " ".join(re.split(r"[\s\-_]+", device_name)) + " "
+    for key, (half, tf32_peak, fp32) in CUDA_PEAKS.items():
+        if f" {key} " in words:
+            if dtype in (torch.bfloat16, torch.float16):
+                return half
+            return tf32_peak if tf32 and tf32_peak else fp32
+    return None
+
+
+def resolve_peak(spec: str | float, device: torch.device, dtype: torch.dtype | None
+                 ) -> tuple[float | None, str]:
+    """The per-device peak TFLOP/s that MFU is reported against, and where it comes from.
+
+    `spec` is `--peak-tflops`: a number (the user's), "measure" (a matmul timed now, which
+    reads low on a busy machine), or "auto": the datasheet peak of a known CUDA device for the
+    run's compute dtype, else None (MFU is then reported as n/a rather than against a guess).
+    """
+    text = str(spec).strip().lower()
+    if text not in ("auto", "measure", ""):
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"--peak-tflops expects a number, auto or measure; got {spec!r}"
+                              ) from None
+        if value > 0:
+            return value, "--peak-tflops"
+        if value < 0:
+            raise ConfigError(f"--peak-tflops must be positive, got {spec!r}")
+        text = "auto"  # 0 meant "work it out" before auto existed
+    if text == "measure":
+        return measure_peak_tflops(device, dtype), f"measured at start-up on {device.type}"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        peak = known_peak_tflops(name, dtype, tf32)
+        if peak is not None:
+            kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32" if tf32
+                                                                         else "fp32")
+            return peak, f"{name} {kind} datasheet (dense)"
+        return None, f"{name} is not in the table of known peaks"
+    return None, f"no known peak for {device.type}"
+
+
 class MetricsLogger:
     """Progress, JSONL metrics, optional TensorBoard and the final summary of one run."""
 
@@ -55,9 +124,8 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(out / "tensorboard"))
             except (ImportError, ModuleNotFoundError):
                 self.tb = None
-        if loop_cfg.progress:
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step",
-                            dynamic_ncols=True, leave=False)
+        if loop_cfg.progress:  # a bar on a terminal, a plain line now and then in a log
+            self.bar = Progress(desc, total=total, initial=initial, unit="step")
         if resumed_from is not None:
             self.write(f"resumed from {resumed_from} at step {initial}")
 
@@ -79,12 +147,11 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, float) and math.isfinite(value):
                     self.tb.add_scalar(f"train/{key}", value, step)
         if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}")
+            self.bar.update(1, loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}")
         if step % self.cfg.log_interval == 0 or "valid_loss" in m or step == self.initial + 1:
             line = (f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
                     f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_s']:,.0f} tok/s | "
-                    f"{m['tflops']:.3f} TFLOP/s | MFU {100 * m['mfu']:.1f}% | "
+                    f"{m['tflops']:.3f} TFLOP/s | MFU {_percent(m['mfu'])} | "
                     f"mem {m['memory_gb']:.2f} GB")
             if "valid_loss" in m:
                 line += f" | valid loss {m['valid_loss']:.4f} ppl {math.exp(m['valid_loss']):.1f}"
@@ -94,9 +161,11 @@ class MetricsLogger:
         self.write(f"saved checkpoint {path} (step {step})")
 
     def finish(self, *, losses: list[float], valid_loss: float, stopped: bool,
-               checkpoint: Path | None, peak_tflops: float,
+               checkpoint: Path | None, peak_tflops: float | None, peak_source: str = "",
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Print the summary table; `extra` (e.g. per-task results) joins the JSONL summary."""
+        """Print the summary table; `extra` (e.g. per-task results) joins the JSONL summary.
+        `peak_tflops` (None: unknown) is what MFU was measured against, `peak_source` where it
+        came from (see `resolve_peak`)."""
         elapsed = time.perf_counter() - self.start_time
         summary = {
             "steps": self.initial + len(losses), "first_loss": losses[0] if losses else None,
@@ -104,7 +173,7 @@ class MetricsLogger:
             "valid_ppl": math.exp(valid_loss) if math.isfinite(valid_loss) else None,
             "seconds": elapsed, "stopped_early": stopped,
             "checkpoint": str(checkpoint) if checkpoint else None,
-            "peak_tflops": peak_tflops, **(extra or {}),
+            "peak_tflops": peak_tflops, "peak_source": peak_source, **(extra or {}),
         }
         if not self.enabled:
             return summary
@@ -120,12 +189,24 @@ class MetricsLogger:
                                          f"{_fmt(summary['final_loss'])}"),
                 ("valid loss / ppl", f"{_fmt(valid_loss)} / {_fmt(summary['valid_ppl'])}"),
                 ("wall time", f"{elapsed:.1f} s"),
-                ("matmul peak used for MFU", f"{peak_tflops:.3f} TFLOP/s"),
+                ("MFU measured against", describe_peak(peak_tflops, peak_source)),
                 ("stopped early (signal)", "yes" if stopped else "no"),
                 ("checkpoint", summary["checkpoint"] or "-")]
         width = max(len(k) for k, _ in rows)
         print("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)
         return summary
+
+
+def describe_peak(peak: float | None, source: str) -> str:
+    """'989.4 TFLOP/s per device (NVIDIA H100 ... datasheet)', or why MFU is n/a."""
+    if peak is None:
+        return (f"n/a ({source}; pass --peak-tflops N, or --peak-tflops measure to time a "
+                "matmul)" if source else "n/a")
+    return f"{peak:,.3g} TFLOP/s per device ({source})" if source else f"{peak:,.3g} TFLOP/s"
+
+
+def _percent(value: float) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:.1f}%"
 
 
 def _fmt(value: Any) -> str:

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
-from tqdm import tqdm
 
+from tessera.core.progress import Progress
 from tessera.core.tokenizer import JSONL_SUFFIXES, Tokenizer, load_tokenizer
 from tessera.training.indexed_dataset import IndexedDatasetWriter
 
@@ -232,15 +232,14 @@ def preprocess(
     report = _SkipReporter(strict, stats)
     docs = (doc for path in paths for doc in iter_documents(path, json_key, report))
     start = time.perf_counter()
-    bar = tqdm(unit=" docs", desc="preprocess", disable=None if progress else True)
+    bar = Progress("preprocess", unit="docs", enabled=progress)
     with bar, IndexedDatasetWriter(output_prefix, tok.vocab_size) as writer:
         encoded = _encoded(_chunks(docs), _ChunkEncoder(tok, append_eod), workers)
         for n_docs, (tokens, lengths) in encoded:
             keep = lengths > 0
             stats.empty += int((~keep).sum())
             writer.add_documents(tokens, lengths[keep])
-            bar.update(n_docs)
-            bar.set_postfix(tokens=writer.num_tokens, refresh=False)
+            bar.update(n_docs, tokens=f"{writer.num_tokens:,}")
         stats.documents, stats.tokens = writer.num_docs, writer.num_tokens
     stats.seconds = time.perf_counter() - start
     return stats

@@ -30,7 +30,8 @@ from tessera.core.model import model_flops_per_token
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
-from tessera.training.metrics import MetricsLogger, measure_peak_tflops
+from tessera.training.metrics import MetricsLogger, resolve_peak
+from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.tuning import checkpoint as ckpt
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.data import (
@@ -44,7 +45,12 @@ from tessera.tuning.data import (
     step_indices,
 )
 from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
-from tessera.tuning.prompt_table import base_fingerprint, write_prompt_table
+from tessera.tuning.prompt_table import (
+    MANIFEST_FILE,
+    TABLE_FILE,
+    base_fingerprint,
+    write_prompt_table,
+)
 from tessera.tuning.prompts import (
     VirtualPrompts,
     attach_prompts,
@@ -186,6 +192,10 @@ def _shared_fingerprint(checkpoint: str) -> str:
 def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     """Run (or resume) prompt tuning as configured; returns the run summary on every rank."""
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
+    # After the inputs are checked (a bad input must not cost the old run), before any write;
+    # the fingerprint's broadcast below keeps rank 0 from writing until every rank has looked.
+    claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite,
+                  files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft"))
     t = setup(cfg, inputs)
     loop = cfg.loop
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
@@ -201,17 +211,19 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
             if n:
                 print(f"tune: truncated {n} training examples of task {task!r} (field "
                       f"{inputs.specs[task].truncate_field!r}) to fit {inputs.seq_len} tokens")
-    peak = cfg.train.peak_tflops or measure_peak_tflops(t.job.device, t.job.autocast_dtype)
+    compute = t.job.autocast_dtype or (torch.bfloat16 if cfg.train.precision == "bf16-pure"
+                                       else None)
+    peak, peak_source = resolve_peak(cfg.train.peak_tflops, t.job.device, compute)
     log = MetricsLogger(loop, enabled=_rank0(), total=cfg.train.steps, initial=start,
                         resumed_from=resumed, desc="tune")
     before = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid and start == 0 else None
     losses = _train(t, inputs, log, start, meta, peak)
     after = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid else None
-    return _finish(t, inputs, log, losses, before, after, peak, export_peft)
+    return _finish(t, inputs, log, losses, before, after, (peak, peak_source), export_peft)
 
 
 def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict[str, Any],
-           peak: float) -> list[float]:
+           peak: float | None) -> list[float]:
     """Steps `start..steps`: one optimizer step each, periodic validation and checkpoints."""
     tr, loop, out = t.cfg.train, t.cfg.loop, Path(t.cfg.loop.output)
     # Frozen weights need no weight gradients: about 4N FLOPs per token instead of 6N.
@@ -252,7 +264,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
 
 
 def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
-            before: dict | None, after: dict | None, peak: float, export: bool) -> dict[str, Any]:
+            before: dict | None, after: dict | None, peak: tuple[float | None, str],
+            export: bool) -> dict[str, Any]:
     """Write the prompt table (rank 0), print the per-task table, return the summary."""
     cfg, out = t.cfg, Path(t.cfg.loop.output)
     tables = t.prompts.tables() if t.prompts is not None else {}
@@ -282,7 +295,8 @@ def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
         rows.append(row)
     valid = mean_metrics(after)["loss"] if after else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=False,
-                         checkpoint=ckpt.latest_tuning_checkpoint(out), peak_tflops=peak,
+                         checkpoint=ckpt.latest_tuning_checkpoint(out), peak_tflops=peak[0],
+                         peak_source=peak[1],
                          extra={"tasks": _finite(rows), "prompts": str(out)})
     if _rank0():
         print("\n" + format_task_table(rows) + f"\n\nprompt table: {out}", flush=True)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tessera.core.checkpoint import atomic_directory, read_manifest
+from tessera.core.files import save_safetensors
 from tessera.tuning.data import TaskSpec
 from tessera.tuning.prompt_table import PromptTableError, read_prompt_table, write_prompt_table
 
@@ -56,7 +56,7 @@ def export_peft(table_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             }
             (tmp / name).mkdir()
             (tmp / name / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            save_file({KEY: table}, str(tmp / name / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            save_safetensors({KEY: table}, str(tmp / name / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return [Path(out_dir) / name for name in names]
 
 

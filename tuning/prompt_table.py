@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tessera.core.checkpoint import CheckpointReader, read_manifest
+from tessera.core.files import save_safetensors
 
 FORMAT = "tessera-prompts"
 FORMAT_VERSION = 1
@@ -104,7 +104,7 @@ def write_prompt_table(directory: str | os.PathLike, tables: dict[str, torch.Ten
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().float().cpu().contiguous() for name, t in tables.items()}
     _replace(directory, TABLE_FILE,
-             lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+             lambda tmp: save_safetensors(tensors, str(tmp), metadata={"format": "pt"}))
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "method": method,
         "base_checkpoint": str(Path(base_checkpoint).resolve()),
