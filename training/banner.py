@@ -16,15 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tessera.core.config import ModelConfig
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.sharding import global_param_shapes
+from tessera.core.parallel.sharding import num_parameters
 from tessera.training.metrics import describe_peak
-
-
-def parameter_count(config: ModelConfig) -> int:
-    """Parameters of the whole (unsharded) model, each tied weight counted once."""
-    return sum(math.prod(shape) for shape in global_param_shapes(config).values())
 
 
 def split_epochs(dataset: Any, seq_len: int) -> list[tuple[str, float, int, int]]:
@@ -48,7 +42,7 @@ def run_banner(cfg: Any, groups: ParallelGroups, train_ds: Any, device: Any, pre
     world = groups.tp_size * groups.pp_size * groups.dp_size
     name = m.name if getattr(m, "name", "") else "model"
     lines = [f"tessera {verb}: {name}, {m.num_layers} layers, hidden {m.hidden_size}, vocab "
-             f"{m.vocab_size}: {_si(parameter_count(m))} parameters"]
+             f"{m.vocab_size}: {_si(num_parameters(m))} parameters"]
     layout = (f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size} = {world} "
               f"rank{'s' if world > 1 else ''} (sequence parallel "
               f"{'on' if par.sequence_parallel else 'off'})")

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from tessera.core.config import ConfigError, ParallelConfig
+from tessera.core.config import ConfigError, Layout
 from tessera.core.init import build_model
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.training.config import load_config
@@ -37,7 +37,7 @@ def test_banner_states_the_run(tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     banner = out[:out.index("step      1")]
 
-    model = build_model(cfg.model, ParallelConfig(), ParallelGroups(), device=torch.device("cpu"))
+    model = build_model(cfg.model, Layout(), ParallelGroups(), device=torch.device("cpu"))
     params = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     assert f"vocab 320: {params / 1e3:.2f}K parameters" in banner, banner
     assert "tp 1 x pp 1 x dp 1 = 1 rank" in banner and "2 micro-batches" in banner
