@@ -213,10 +213,13 @@ def _layout_problems(
             f"num_heads {model.num_heads} is not divisible by tp {par.tp}; use a tp that "
             f"divides it (e.g. {_divisors(model.num_heads)})"
         )
-    if model.num_kv_heads % par.tp:
+    kv = model.num_kv_heads
+    if kv % par.tp and par.tp % kv:
+        fits = [t for t in _divisors(model.num_heads) if kv % t == 0 or t % kv == 0]
         out.append(
-            f"num_kv_heads {model.num_kv_heads} is not divisible by tp {par.tp}; each rank "
-            f"needs whole kv heads, so use tp in {_divisors(model.num_kv_heads)}"
+            f"num_kv_heads {kv} and tp {par.tp}: tp must divide num_kv_heads (each rank holds "
+            f"whole kv heads) or be a multiple of it (each kv head replicated on tp / "
+            f"num_kv_heads ranks); use tp in {fits}"
         )
     if model.ffn_hidden_size % par.tp:
         out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {par.tp}")

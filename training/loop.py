@@ -32,6 +32,7 @@ from tessera.core.parallel.data_parallel import allreduce_gradients
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
+from tessera.core.parallel.sharding import kv_replicas
 from tessera.training.config import PretrainConfig
 from tessera.training.metrics import MetricsLogger, measure_peak_tflops
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
@@ -98,7 +99,7 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
     init_distributed(device)
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     par = cfg.parallel
-    groups = init_groups(par)
+    groups = init_groups(par, kv_replicas=kv_replicas(cfg.model, par.tp))
     torch.manual_seed(cfg.train.seed)
     tracker.seed(cfg.train.seed, groups.tp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
@@ -164,6 +165,7 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> to
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
             loss += mb_loss.detach().float()
     pipeline.sync_sequence_parallel_grads(job.stages, g)
+    pipeline.sync_kv_replica_grads(job.stages, g)
     pipeline.sync_tied_embedding_grads(job.stages, g)
     allreduce_gradients(job.stages, g)
     if g.dp_group is not None:
