@@ -300,7 +300,10 @@ def sync_kv_replica_grads(stages: Sequence[GPTModel], groups: ParallelGroups) ->
             "kv_replicas=sharding.kv_replicas(model_config, tp))")
     grads = _local_grads([p for p, _, _ in pieces])
     if any(g.shape != p.shape for g, (p, _, _) in zip(grads, pieces)):
-        raise NotImplementedError("replicated kv heads with FSDP-sharded gradients")
+        raise NotImplementedError(
+            f"num_kv_heads {config.num_kv_heads} < tp {groups.tp_size} replicates kv heads, "
+            "whose gradients cannot yet be summed when FSDP shards them; use data_parallel "
+            "ddp or zero1, or a tp that divides num_kv_heads")
     rows = [g[a:b] for g, (_, a, b) in zip(grads, pieces)]
     flat = torch.cat([r.reshape(-1) for r in rows])
     dist.all_reduce(flat, group=groups.kv_replica_group)
