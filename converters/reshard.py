@@ -64,13 +64,14 @@ from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     global_param_shapes,
-    local_shape,
     num_parameters,
     shard_columns,
     shard_row_ranges,
     shard_scale,
     shard_spec,
     stage_ids,
+    stored_shape,
+    stored_shard,
     unshard_scales,
 )
 from tessera.core.progress import progress_iter
@@ -179,8 +180,9 @@ class StreamingReader(CheckpointReader):
         """Open every file and check every tensor's presence and shape, before any work."""
         config = self.manifest.model
         for name, files in self.manifest.weight_map.items():
-            want = local_shape(name, config, len(files))  # replicated: the global shape
-            for file in files:
+            for rank, file in enumerate(files):
+                # The rank's stored form; replicated: the global shape.
+                want = stored_shape(name, config, rank, len(files))
                 handle = self._open(file)
                 if name not in handle.keys():
                     raise CheckpointError(f"{self.path / file} lacks tensor {name!r} (see weight_map)")
@@ -216,7 +218,9 @@ def target_files(config: ModelConfig, layout: Layout
     Built from meta-device model chunks, so the names and shapes are those the model's ranks
     hold and `save_checkpoint` stores, except that replicated tensors (norms, row-parallel
     biases, position embeddings) go into every tp rank's file, not only tp rank 0's: then
-    each rank reads only its own file. Every tp rank holds the same names and local shapes.
+    each rank reads only its own file. Every tp rank holds the same names; the shapes are the
+    stored ones (`sharding.stored_shape`): under kv-head replication a kv head is written once,
+    by the first rank of its replica group, and the other ranks of the group read it there.
     Pipeline ranks hold the stages of the layout's placement (`sharding.stage_ids`).
     """
     out: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
@@ -226,8 +230,9 @@ def target_files(config: ModelConfig, layout: Layout
         g = ParallelGroups(tp_rank=0, tp_size=layout.tp, pp_rank=p, pp_size=layout.pp)
         with torch.device("meta"):
             chunks = [GPTModel(config, layout, g, s, n_stages) for s in stages]
-        shapes = {n: tuple(v.shape) for n, v in stored_parameters(chunks).items()}
-        out.update({(t, p): shapes for t in range(layout.tp)})
+        names = list(stored_parameters(chunks))
+        out.update({(t, p): {n: stored_shape(n, config, t, layout.tp) for n in names}
+                    for t in range(layout.tp)})
     return out
 
 
@@ -409,8 +414,8 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     cols = shape[1] if len(shape) == 2 else 1
     tp_src = len(files)
 
-    def layout(tp_rank: int, tp_size: int):
-        return (shard_row_ranges(name, config, tp_rank, tp_size, rows),
+    def layout(tp_rank: int, tp_size: int):  # of the stored form, on both sides
+        return (shard_row_ranges(name, config, tp_rank, tp_size, rows, stored=True),
                 shard_columns(name, config, tp_rank, tp_size, cols) if len(shape) == 2 else None)
 
     sources = [(f, *layout(r, tp_src)) for r, f in enumerate(files)]
@@ -471,7 +476,8 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     else:  # stored FP8: the bytes went through unchanged, and so do the scales
         scale = unshard_scales(name, [reader.read(f, name + ".scale") for f in files], config)
     for t, writer, *_ in outs:
-        writer.write(name + ".scale", shard_scale(name, scale, config, t, tp))
+        part = stored_shard(name, shard_scale(name, scale, config, t, tp), config, t, tp)
+        writer.write(name + ".scale", part.contiguous())
 
 
 def _write_piece(writer: SafetensorsWriter, name: str, row: int, kept: tuple[int, ...],

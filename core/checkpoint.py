@@ -11,8 +11,11 @@ Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
 - `model-tp{t}-pp{p}.safetensors`: the tensors of tp rank t, pipeline rank p, under their global
   names. Rank (t, p) of the same layout reads only its own file; any other layout reads the shards
   it needs and re-slices them with `sharding`, so every checkpoint loads under every layout,
-  bit-exactly. An FP8 weight (see `core.fp8`) keeps its fp32 scale `NAME.scale` next to each
-  shard, in the same file. Files are opened lazily (memory-mapped); no pickle anywhere.
+  bit-exactly. Under kv-head replication (tp > num_kv_heads) each file holds its rank's
+  `sharding.stored_shard`: a kv head is stored once, by the first rank of its replica group, and
+  the other ranks of the group read it from there. An FP8 weight (see `core.fp8`) keeps its fp32
+  scale `NAME.scale` next to each shard, in the same file. Files are opened lazily
+  (memory-mapped); no pickle anywhere.
 
 Every writer (`save_checkpoint`, the converters) builds its manifest with `build_manifest` and
 writes it with `write_manifest`. Format version 2 records the whole layout; version 1 (before
@@ -41,7 +44,14 @@ from safetensors.torch import save_file
 
 from tessera.core.config import ConfigError, Layout, ModelConfig
 from tessera.core.model import GPTModel
-from tessera.core.parallel.sharding import global_param_shapes, shard_spec, shard_tensor, unshard_tensors
+from tessera.core.parallel.sharding import (
+    global_param_shapes,
+    shard_spec,
+    shard_tensor,
+    stored_shard,
+    stored_sources,
+    unshard_tensors,
+)
 
 FORMAT = "tessera-checkpoint"
 FORMAT_VERSION = 2
@@ -220,9 +230,14 @@ class CheckpointReader:
 
     def shard(self, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
         """The tensor `name` for tp rank `tp_rank` of `tp_size`, read from as few files as can be."""
-        files = self.manifest.weight_map[name]
+        files, config = self.manifest.weight_map[name], self.manifest.model
         if len(files) == tp_size and tp_size == self.manifest.layout.tp:
-            return self._dequantized(files[tp_rank], name)
+            sources = stored_sources(name, config, tp_rank, tp_size)
+            if sources is None:
+                return self._dequantized(files[tp_rank], name)
+            # A replicated kv head: stored by the first rank of its replica group.
+            return torch.cat([self._dequantized(files[src], name).narrow(0, start, rows)
+                              for src, start, rows in sources])
         return shard_tensor(name, self.global_tensor(name), self.manifest.model, tp_rank, tp_size)
 
 
@@ -264,9 +279,11 @@ def stored_parameters(models: list[GPTModel]) -> dict[str, torch.nn.Parameter]:
 
 def write_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str]]:
     """Write this rank's shard file into `directory`; return its part of the weight map."""
-    g = models[0].groups
+    g, config = models[0].groups, models[0].config
     file = shard_file_name(g.tp_rank, g.pp_rank)
-    keep = {n: p.detach().to("cpu").contiguous() for n, p in stored_parameters(models).items()}
+    # A replicated kv head is stored by the first rank of its replica group only.
+    keep = {n: stored_shard(n, p.detach(), config, g.tp_rank, g.tp_size).to("cpu").contiguous()
+            for n, p in stored_parameters(models).items()}
     save_file(keep, str(directory / file), metadata={"format": "pt"})
     return {n: [file] for n in keep}
 

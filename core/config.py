@@ -272,10 +272,14 @@ def _layout_problems(
 
 
 def _kv_head_problems(model: ModelConfig, tp: int) -> list[str]:
-    """Each tp rank needs whole kv heads (kv-head replication over tp is not implemented)."""
-    if model.num_kv_heads % tp:
-        return [f"num_kv_heads {model.num_kv_heads} is not divisible by tp {tp}; each rank "
-                f"needs whole kv heads, so use tp in {divisors(model.num_kv_heads)}"]
+    """tp must divide num_kv_heads (each rank holds whole kv heads) or be a multiple of it
+    (each kv head replicated on tp / num_kv_heads ranks, `sharding.kv_replicas`)."""
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        fits = [t for t in divisors(model.num_heads) if kv % t == 0 or t % kv == 0]
+        return [f"num_kv_heads {kv} and tp {tp}: tp must divide num_kv_heads (each rank holds "
+                f"whole kv heads) or be a multiple of it (each kv head replicated on tp / "
+                f"num_kv_heads ranks); use tp in {fits}"]
     return []
 
 

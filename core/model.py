@@ -32,7 +32,7 @@ from tessera.core.parallel.layers import (
 )
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
-from tessera.core.parallel.sharding import local_shape, stage_layers
+from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
 
 
 class Norm(nn.Module):
@@ -82,7 +82,8 @@ class Attention(nn.Module):
         super().__init__()
         tp = groups.tp_size
         self.layer, self.head_dim = layer, config.head_dim
-        self.n_heads, self.n_kv = config.num_heads // tp, config.num_kv_heads // tp
+        # tp > num_kv_heads: one kv head per rank, replicated (see sharding).
+        self.n_heads, self.n_kv = config.num_heads // tp, local_kv_heads(config, tp)
         self.dropout, self.selective_recompute = config.dropout, selective_recompute
         qkv_rows = local_shape(f"layers.{layer}.attention.wqkv.weight", config, tp)[0]
         self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.bias,

@@ -28,6 +28,7 @@ from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
+from tessera.core.parallel.sharding import local_kv_heads
 from tessera.serving.compiled import CompiledDecode
 from tessera.tuning.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 
@@ -70,7 +71,7 @@ class ModelRunner:
         self.max_seq = max_seq or self.config.max_position_embeddings
         c, tp = self.config, self.groups.tp_size
         layer_ids = [i for m in self.stages for i in m.layer_ids]
-        self.cache = KVCache(layer_ids, max_batch, self.max_seq, c.num_kv_heads // tp, c.head_dim,
+        self.cache = KVCache(layer_ids, max_batch, self.max_seq, local_kv_heads(c, tp), c.head_dim,
                              self.dtype, self.device)
         self.tasks = {n: int(tasks[n].shape[0]) for n in task_names(tasks)}
         self.hook: VirtualPrompts | None = None

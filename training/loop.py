@@ -32,6 +32,7 @@ from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_de
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
+from tessera.core.parallel.sharding import kv_replicas
 from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
 from tessera.training.metrics import MetricsLogger, resolve_peak
@@ -92,7 +93,7 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
     init_distributed(device)
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     layout, schedule = cfg.parallel.layout(), cfg.parallel.train_schedule()
-    groups = init_groups(layout)
+    groups = init_groups(layout, kv_replicas=kv_replicas(cfg.model, layout.tp))
     torch.manual_seed(cfg.train.seed)
     tracker.seed(cfg.train.seed, groups.tp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
@@ -159,6 +160,7 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> to
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
             loss += mb_loss.detach().float()
     pipeline.sync_sequence_parallel_grads(job.stages, g)
+    pipeline.sync_kv_replica_grads(job.stages, g)
     pipeline.sync_tied_embedding_grads(job.stages, g)
     allreduce_gradients(job.stages, g)
     if g.dp_group is not None:

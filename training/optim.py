@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.model import GPTModel
-from tessera.core.parallel.sharding import shard_spec
+from tessera.core.parallel.sharding import shard_spec, stored_shard
 from tessera.training.config import TrainConfig
 
 
@@ -79,7 +79,9 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
             replicated = shard_spec(name, model.config).dim is None
             if replicated and g.tp_rank != 0:
                 continue
-            counted.append(p.grad.detach())
+            # A replicated kv head counts once, on the first rank of its replica group.
+            counted.append(stored_shard(name, p.grad.detach(), model.config, g.tp_rank,
+                                        g.tp_size))
     # One multi-tensor kernel per dtype instead of a norm per parameter.
     local = (torch.nn.utils.get_total_norm(counted, foreach=True).float() if counted
              else torch.zeros((), dtype=torch.float32, device=device))

@@ -35,6 +35,10 @@ class ParallelGroups:
     embedding_group: dist.ProcessGroup | None = None
     # Global ranks of this rank's pipeline peers, by pp rank (for point-to-point sends).
     pp_ranks: tuple[int, ...] = (0,)
+    # The tp ranks holding the same replicated kv head (tp > num_kv_heads, see sharding): the
+    # gradients of its rows are summed over this group. None: no replication.
+    kv_replica_group: dist.ProcessGroup | None = None
+    kv_replicas: int = 1  # size of that group
 
     @property
     def is_first_pp(self) -> bool:
@@ -50,9 +54,12 @@ def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: Layout) -> int:
     return (pp_rank * par.dp + dp_rank) * par.tp + tp_rank
 
 
-def init_groups(par: Layout) -> ParallelGroups:
+def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
     """Build every group of the layout. Collective: all ranks must call it, in the same order.
 
+    `kv_replicas` (`sharding.kv_replicas(model, tp)`): how many consecutive tp ranks share
+    each kv head; above 1 it builds the replica groups whose kv gradients are summed (training
+    needs them; `pipeline.sync_kv_replica_grads` refuses to run without).
     Without an initialized process group this returns the single-process `ParallelGroups()`.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -88,12 +95,20 @@ def init_groups(par: Layout) -> ParallelGroups:
         for t in range(par.tp):
             make("pp", [rank_of(t, d, p, par) for p in range(par.pp)])
             make("embedding", sorted({rank_of(t, d, 0, par), rank_of(t, d, par.pp - 1, par)}))
+    if kv_replicas > 1:
+        if par.tp % kv_replicas:
+            raise ValueError(f"kv_replicas {kv_replicas} does not divide tp {par.tp}")
+        for p in range(par.pp):
+            for d in range(par.dp):
+                for first in range(0, par.tp, kv_replicas):
+                    make("kv", [rank_of(t, d, p, par) for t in range(first, first + kv_replicas)])
     return ParallelGroups(
         tp_rank=tp_rank, tp_size=par.tp, tp_group=mine.get("tp"),
         pp_rank=pp_rank, pp_size=par.pp, pp_group=mine.get("pp"),
         dp_rank=dp_rank, dp_size=par.dp, dp_group=mine.get("dp"),
         embedding_group=mine.get("embedding"),
         pp_ranks=tuple(rank_of(tp_rank, dp_rank, p, par) for p in range(par.pp)),
+        kv_replica_group=mine.get("kv"), kv_replicas=max(1, kv_replicas),
     )
 
 

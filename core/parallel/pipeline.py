@@ -19,8 +19,9 @@ are never gathered over tp. The schedule divides gradients by the number of micr
 (`scale_grads=True`), so the loss function returns each micro-batch's mean.
 
 After the step, and before the optimizer, call `sync_tied_embedding_grads` (tied embeddings
-split over stages), `sync_sequence_parallel_grads` (under sequence parallelism) and, with data
-parallelism, `data_parallel.allreduce_gradients`.
+split over stages), `sync_sequence_parallel_grads` (under sequence parallelism),
+`sync_kv_replica_grads` (kv heads replicated over tp ranks) and, with data parallelism,
+`data_parallel.allreduce_gradients`.
 
 `torch.distributed.pipelining` is imported lazily: it costs over a second, and config
 validation imports this module for the schedule names.
@@ -368,6 +369,46 @@ def sync_sequence_parallel_grads(modules: Sequence[nn.Module], groups: ParallelG
     dist.all_reduce(flat, group=groups.tp_group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
+
+
+def sync_kv_replica_grads(stages: Sequence[GPTModel], groups: ParallelGroups) -> None:
+    """Sum the gradients of replicated kv heads over their replica group.
+
+    When tp exceeds `num_kv_heads`, each kv head (its rows of `attention.wqkv`, see
+    `sharding.replica_rows`) lives on `tp / num_kv_heads` ranks, and each computes only the
+    part of its gradient that flows from its own query heads; the sum is the true gradient, so
+    every replica takes the same update and stays equal. A no-op without replication; frozen
+    parameters are skipped. Needs `init_groups(..., kv_replicas=...)`.
+    """
+    from tessera.core.parallel.sharding import replica_rows
+
+    if not stages or groups.tp_size == 1:
+        return
+    config = stages[0].config
+    pieces = []
+    for m in stages:
+        for local_name, p in m.named_parameters():
+            rows = replica_rows(m.global_name(local_name), config, groups.tp_size)
+            if rows and p.requires_grad:
+                pieces += [(p, a, b) for a, b in rows]
+    if not pieces:
+        return
+    if groups.kv_replica_group is None:
+        raise RuntimeError(
+            f"num_kv_heads {config.num_kv_heads} < tp {groups.tp_size}: kv heads are replicated "
+            "but the groups have no kv replica group; build them with init_groups(parallel, "
+            "kv_replicas=sharding.kv_replicas(model_config, tp))")
+    grads = _local_grads([p for p, _, _ in pieces])
+    if any(g.shape != p.shape for g, (p, _, _) in zip(grads, pieces)):
+        raise NotImplementedError(
+            f"num_kv_heads {config.num_kv_heads} < tp {groups.tp_size} replicates kv heads, "
+            "whose gradients cannot yet be summed when FSDP shards them; use data_parallel "
+            "ddp or zero1, or a tp that divides num_kv_heads")
+    rows = [g[a:b] for g, (_, a, b) in zip(grads, pieces)]
+    flat = torch.cat([r.reshape(-1) for r in rows])
+    dist.all_reduce(flat, group=groups.kv_replica_group)
+    for r, part in zip(rows, flat.split([r.numel() for r in rows])):
+        r.copy_(part.view_as(r))
 
 
 def _local_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:

@@ -10,6 +10,14 @@ Special cases:
 - fused QKV `attention.wqkv` is `[q heads; k heads; v heads]` along dim 0; under grouped-query
   attention the three blocks differ in size, and each is split separately so a rank holds its
   own query heads next to its own kv heads;
+- kv-head replication (as in Megatron): when tp exceeds `num_kv_heads` (tp a multiple of it),
+  tp rank r holds query heads `[r H/tp, (r+1) H/tp)` and the one kv head they use,
+  `r // (tp / num_kv_heads)`, so each kv head lives on `tp / num_kv_heads` consecutive ranks
+  (its *replica group*). The model holds the full local shard on every rank (`shard_tensor`,
+  `local_shape`); a checkpoint stores each kv head once, by the first rank of its replica group
+  (`stored_shard`, `stored_shape`, `shard_row_ranges(stored=True)`), and `unshard_tensors`
+  accepts either form. Gradients of the replicated rows (`replica_rows`) are partial on each
+  replica and must be summed over the group (`pipeline.sync_kv_replica_grads`);
 - fused SwiGLU `feed_forward.w1` is `[gate; up]` along dim 0, each half split separately;
 - the vocabulary (token embedding and output projection) is padded with zero rows up to a
   multiple of the tp size before splitting; padding never reaches a checkpoint or a caller.
@@ -33,6 +41,9 @@ class ShardSpec:
     dim: int | None
     parts: tuple[int, ...] | None = None  # sizes of fused blocks, each split on its own
     vocab: bool = False  # rows are vocabulary entries: pad to a multiple of tp first
+    # Attention heads in each part: a part with fewer heads than tp ranks is not split but
+    # replicated, each head on tp / heads consecutive ranks (None: split in even chunks).
+    heads: tuple[int | None, ...] | None = None
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -89,8 +100,8 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     local = m.group(2) if m else name
     hd = config.head_dim
     if local.startswith("attention.wqkv."):
-        q, kv = config.num_heads * hd, config.num_kv_heads * hd
-        return ShardSpec(dim=0, parts=(q, kv, kv))
+        nh, nkv = config.num_heads, config.num_kv_heads
+        return ShardSpec(dim=0, parts=(nh * hd, nkv * hd, nkv * hd), heads=(nh, nkv, nkv))
     if local.startswith("feed_forward.w1."):
         f = config.ffn_hidden_size
         return ShardSpec(dim=0, parts=(f, f) if config.gated else None)
@@ -100,11 +111,61 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     return ShardSpec(dim=None)
 
 
+def kv_replicas(config: ModelConfig, tp_size: int) -> int:
+    """How many tp ranks hold each kv head: `tp / num_kv_heads` when tp exceeds it, else 1."""
+    return max(1, tp_size // config.num_kv_heads)
+
+
+def local_kv_heads(config: ModelConfig, tp_size: int) -> int:
+    """The kv heads one tp rank holds (and its KV cache stores): at least one, replicated."""
+    return max(1, config.num_kv_heads // tp_size)
+
+
+def _part_bounds(size: int, heads: int | None, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """`[start, stop)` within a fused part of `size` rows that `tp_rank` holds."""
+    if heads is not None and tp_size > heads:  # fewer heads than ranks: one whole head each
+        per_head, head = size // heads, tp_rank // (tp_size // heads)
+        return head * per_head, (head + 1) * per_head
+    return _chunk_bounds(size, tp_rank, tp_size)
+
+
+def _part_owned(heads: int | None, tp_rank: int, tp_size: int) -> bool:
+    """Whether `tp_rank` stores its piece of a part: False for the later ranks of a replica
+    group, whose piece is a copy of the first rank's."""
+    return heads is None or tp_size <= heads or tp_rank % (tp_size // heads) == 0
+
+
+def _pieces(spec: ShardSpec, tp_rank: int, tp_size: int) -> list[tuple[int, int, bool]]:
+    """Per fused part, in order: the global `[start, stop)` rank `tp_rank` holds along
+    `spec.dim`, and whether it owns (stores) them."""
+    out, start = [], 0
+    heads = spec.heads or (None,) * len(spec.parts)
+    for size, h in zip(spec.parts, heads, strict=True):
+        lo, hi = _part_bounds(size, h, tp_rank, tp_size)
+        out.append((start + lo, start + hi, _part_owned(h, tp_rank, tp_size)))
+        start += size
+    return out
+
+
 def local_shape(name: str, config: ModelConfig, tp_size: int) -> tuple[int, ...]:
-    """The shape one tensor-parallel rank holds for the global parameter `name`."""
+    """The shape one tensor-parallel rank holds for the global parameter `name` (the same on
+    every rank, replicated kv heads included)."""
+    return stored_shape(name, config, 0, tp_size, stored=False)
+
+
+def stored_shape(name: str, config: ModelConfig, tp_rank: int, tp_size: int,
+                 stored: bool = True) -> tuple[int, ...]:
+    """The shape of what tp rank `tp_rank` stores of `name` in a checkpoint: its local shape,
+    less the kv rows that an earlier rank of its replica group stores (`stored_shard`).
+    With `stored=False`, the local shape the model holds."""
     shape = list(global_param_shapes(config)[name])
     spec = shard_spec(name, config)
-    if spec.dim is not None:
+    if spec.dim is None:
+        return tuple(shape)
+    if spec.parts:
+        shape[spec.dim] = sum(hi - lo for lo, hi, owned in _pieces(spec, tp_rank, tp_size)
+                              if owned or not stored)
+    else:
         size = padded_vocab_size(shape[0], tp_size) if spec.vocab else shape[spec.dim]
         shape[spec.dim] = size // tp_size
     return tuple(shape)
@@ -125,9 +186,61 @@ def shard_tensor(
             pad = full.new_zeros((rows - max(stop - start, 0), *full.shape[1:]))
             piece = torch.cat([piece, pad]) if stop > start else pad
         return piece
-    blocks = full.split(list(spec.parts), dim=spec.dim) if spec.parts else (full,)
-    pieces = [b.chunk(tp_size, dim=spec.dim)[tp_rank] for b in blocks]
+    if not spec.parts:
+        return full.chunk(tp_size, dim=spec.dim)[tp_rank]
+    pieces = [full.narrow(spec.dim, lo, hi - lo) for lo, hi, _ in _pieces(spec, tp_rank, tp_size)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
+
+
+def stored_shard(name: str, local: torch.Tensor, config: ModelConfig, tp_rank: int,
+                 tp_size: int) -> torch.Tensor:
+    """What tp rank `tp_rank` stores of its local shard `local` (a parameter, a gradient or a
+    per-channel FP8 scale of `name`): all of it, except the replicated kv rows when an earlier
+    rank of its replica group stores them. So a checkpoint holds every kv head once; gradient
+    norms count each once."""
+    spec = shard_spec(name, config)
+    if not spec.parts or local.dim() == 0:
+        return local
+    pieces, offset = [], 0
+    for lo, hi, owned in _pieces(spec, tp_rank, tp_size):
+        if owned:
+            pieces.append(local.narrow(spec.dim, offset, hi - lo))
+        offset += hi - lo
+    if len(pieces) == len(spec.parts):
+        return local
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
+
+
+def stored_sources(name: str, config: ModelConfig, tp_rank: int, tp_size: int
+                   ) -> list[tuple[int, int, int]] | None:
+    """Where rank `tp_rank`'s local shard lies in the stored shards of the same layout, as
+    `(source tp rank, first row in its stored shard, rows)` per fused part along dim 0, in
+    order; None when the rank's stored shard is its whole local shard. A replicated kv head is
+    read from the first rank of its replica group."""
+    spec = shard_spec(name, config)
+    if not spec.parts or all(owned for *_, owned in _pieces(spec, tp_rank, tp_size)):
+        return None
+    out = []
+    for p, (lo, hi, owned) in enumerate(_pieces(spec, tp_rank, tp_size)):
+        src = tp_rank if owned else tp_rank - tp_rank % (tp_size // spec.heads[p])
+        start = sum(b - a for a, b, keep in _pieces(spec, src, tp_size)[:p] if keep)
+        out.append((src, start, hi - lo))
+    return out
+
+
+def replica_rows(name: str, config: ModelConfig, tp_size: int) -> list[tuple[int, int]]:
+    """Local rows `[start, stop)` of `name` that are replicated kv heads (the same rows on every
+    rank; empty without replication). Each replica computes a partial gradient for them, from
+    its own query heads: the gradients must be summed over the replica group."""
+    spec = shard_spec(name, config)
+    if not spec.parts or not spec.heads:
+        return []
+    out, offset = [], 0
+    for (lo, hi, _), h in zip(_pieces(spec, 0, tp_size), spec.heads, strict=True):
+        if h is not None and tp_size > h:
+            out.append((offset, offset + hi - lo))
+        offset += hi - lo
+    return out
 
 
 def _chunk_bounds(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -137,7 +250,7 @@ def _chunk_bounds(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 
 def shard_row_ranges(name: str, config: ModelConfig, tp_rank: int, tp_size: int,
-                     rows: int | None = None) -> list[tuple[int, int, int]]:
+                     rows: int | None = None, stored: bool = False) -> list[tuple[int, int, int]]:
     """Which global rows this rank holds, as `(global_start, global_stop, local_start)`.
 
     The row-range form of `shard_tensor` (tested against it), for streaming a tensor in row
@@ -146,6 +259,8 @@ def shard_row_ranges(name: str, config: ModelConfig, tp_rank: int, tp_size: int,
     keeps every row; a row-split one (`dim=0`) keeps one slice per fused block, in order; local
     rows no range covers are the vocabulary's zero padding. `rows` is the global row count
     (default: from `global_param_shapes`, or pass it for an FP8 scale of the weight `name`).
+    With `stored=True`, the rows of the stored form (`stored_shard`), without replicated kv
+    rows that an earlier rank of the replica group stores.
     """
     if rows is None:
         rows = global_param_shapes(config)[name][0]
@@ -156,13 +271,14 @@ def shard_row_ranges(name: str, config: ModelConfig, tp_rank: int, tp_size: int,
         per_rank = padded_vocab_size(rows, tp_size) // tp_size
         start, stop = tp_rank * per_rank, min((tp_rank + 1) * per_rank, rows)
         return [(start, stop, 0)] if stop > start else []
-    out, block_start, local = [], 0, 0
-    for size in spec.parts or (rows,):
-        lo, hi = _chunk_bounds(size, tp_rank, tp_size)
-        if hi > lo:
-            out.append((block_start + lo, block_start + hi, local))
+    if not spec.parts:
+        lo, hi = _chunk_bounds(rows, tp_rank, tp_size)
+        return [(lo, hi, 0)] if hi > lo else []
+    out, local = [], 0
+    for lo, hi, owned in _pieces(spec, tp_rank, tp_size):
+        if hi > lo and (owned or not stored):
+            out.append((lo, hi, local))
             local += hi - lo
-        block_start += size
     return out
 
 
@@ -176,7 +292,11 @@ def shard_columns(name: str, config: ModelConfig, tp_rank: int, tp_size: int, co
 
 
 def unshard_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """The global tensor from the tensor-parallel shards of every rank, in rank order."""
+    """The global tensor from the tensor-parallel shards of every rank, in rank order.
+
+    Each shard may be the local form (`shard_tensor`) or the stored form (`stored_shard`);
+    a replicated kv head is taken from the first rank of its replica group.
+    """
     spec = shard_spec(name, config)
     tp_size = len(shards)
     if spec.dim is None:
@@ -185,10 +305,19 @@ def unshard_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig) 
         return torch.cat(shards, dim=0)[: config.vocab_size]
     if not spec.parts:
         return torch.cat(shards, dim=spec.dim)
-    per_rank = [s // tp_size for s in spec.parts]
-    split = [s.split(per_rank, dim=spec.dim) for s in shards]
-    return torch.cat([split[r][p] for p in range(len(spec.parts)) for r in range(tp_size)],
-                     dim=spec.dim)
+    located = []  # per rank: per part, (offset in the shard, rows) or None when not there
+    for r, shard in enumerate(shards):
+        pieces = _pieces(spec, r, tp_size)
+        local_form = shard.shape[spec.dim] == sum(hi - lo for lo, hi, _ in pieces)
+        where, offset = [], 0
+        for lo, hi, owned in pieces:
+            held = owned or local_form
+            where.append((offset, hi - lo) if owned else None)
+            offset += hi - lo if held else 0
+        located.append(where)
+    return torch.cat([shards[r].narrow(spec.dim, *located[r][p])
+                      for p in range(len(spec.parts)) for r in range(tp_size)
+                      if located[r][p] is not None], dim=spec.dim)
 
 
 def stage_ids(layout: Layout, pp_rank: int) -> list[int]:

@@ -32,10 +32,11 @@ from tessera.core.parallel.pipeline import (
     pipeline_loss_fn,
     pipeline_step,
     split_layout_and_schedule,
+    sync_kv_replica_grads,
     sync_sequence_parallel_grads,
     sync_tied_embedding_grads,
 )
-from tessera.core.parallel.sharding import global_param_shapes, unshard_tensors
+from tessera.core.parallel.sharding import global_param_shapes, kv_replicas, unshard_tensors
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 1e-4
@@ -92,7 +93,7 @@ def spawn_cases(cases: list[Case], world_size: int, timeout: float = 240
 
 def _run_case(case: Case) -> dict[str, Any]:
     config, (lay, sched) = case.model_config(), case.parallel_config()
-    groups = init_groups(lay)
+    groups = init_groups(lay, kv_replicas=kv_replicas(config, lay.tp))
     ids, labels = make_batch(case, config.vocab_size)
     per_dp = case.batch // lay.dp
     rows = slice(groups.dp_rank * per_dp, (groups.dp_rank + 1) * per_dp)
@@ -114,6 +115,7 @@ def _run_case(case: Case) -> dict[str, Any]:
     sync_tied_embedding_grads(models, groups)
     if lay.sequence_parallel:
         sync_sequence_parallel_grads(models, groups)
+    sync_kv_replica_grads(models, groups)
     if lay.pp > 1 and sched.data_parallel != "fsdp":
         allreduce_gradients(models, groups)
     grads = _named(models, lambda p: p.grad)

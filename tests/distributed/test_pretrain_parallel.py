@@ -7,13 +7,15 @@ its own job against the single-process reference runs made here.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from tessera.core.checkpoint import read_manifest
+from tessera.core.checkpoint import CheckpointReader, read_manifest
 from tessera.training.config import load_config
 from tessera.training.loop import pretrain
 from tessera.training.state import latest_checkpoint
@@ -77,6 +79,7 @@ LAYOUTS = {  # job name -> flags; every job runs on the same 4 ranks
     "tp2pp2-gpt2": ("--tp", "2", "--pp", "2", *GPT2),
     "tp2dp2": ("--tp", "2", "--dp", "2"),
     "resume-tp2pp2": ("--tp", "2", "--pp", "2", "--resume"),
+    "tp4": ("--tp", "4"),  # llama-tiny has 2 kv heads: each is replicated on 2 tp ranks
 }
 
 
@@ -100,6 +103,33 @@ def test_parallel_loss_curve_matches_single_process(parallel, reference, layout,
     manifest = read_manifest(latest_checkpoint(parallel[layout]))
     assert (manifest.layout.tp, manifest.layout.pp) == ((2, 2) if "pp2" in layout else (2, 1))
     assert manifest.extra["training"]["world_size"] == 4
+
+
+def test_tp4_replicating_kv_heads_matches_single_process(parallel, reference):
+    """tp 4 over 2 kv heads: the loss curve and the clipped global gradient norm (each kv head
+    counted once) of one process, and a checkpoint that stores each kv head once."""
+    got, want = read_losses(parallel["tp4"]), read_losses(reference["llama"])
+    _assert_close_curves(got, want, range(1, STEPS + 1))
+    got, want = _grad_norms(parallel["tp4"]), _grad_norms(reference["llama"])
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert all(abs(got[s] - want[s]) <= RTOL * want[s] for s in got), (got, want)
+    path = latest_checkpoint(parallel["tp4"])
+    manifest = read_manifest(path)
+    assert (manifest.layout.tp, manifest.model.num_kv_heads) == (4, 2)
+    reader = CheckpointReader(path)
+    single = CheckpointReader(latest_checkpoint(reference["llama"]))
+    name = "layers.0.attention.wqkv.weight"
+    stored = sum(reader._get(f, name).nbytes for f in manifest.weight_map[name])
+    assert stored == single.global_tensor(name).nbytes  # each kv head once
+    for name in reader.names():
+        torch.testing.assert_close(reader.global_tensor(name), single.global_tensor(name),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def _grad_norms(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh]
+    return {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
 
 
 def test_one_process_checkpoint_resumes_under_tp2_pp2(parallel, reference):

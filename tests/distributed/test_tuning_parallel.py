@@ -1,7 +1,8 @@
-"""Prompt tuning on gloo ranks: tp2 x pp2 and tp2 x dp2 (sequence parallel) give the single-process
-run's losses, prompt table and validation metrics; the base stays bit-identical on every rank;
-only prompt parameters get gradients, identical over tp (and over dp after averaging); and
-`tessera tune --nproc-per-node 2` launches its own ranks.
+"""Prompt tuning on gloo ranks: tp2 x pp2, tp2 x dp2 (sequence parallel) and tp4 (kv heads
+replicated over tp ranks) give the single-process run's losses, prompt table and validation
+metrics; the base stays bit-identical on every rank; only prompt parameters get gradients,
+identical over tp (and over dp after averaging); and `tessera tune --nproc-per-node 2` launches
+its own ranks.
 
 One spawn of 4 ranks runs both layouts in turn; the references run here, in one process.
 """
@@ -31,7 +32,9 @@ from tests.unit.tuning.tuning_helper import corpus, task_examples, tune_argv, wr
 LAYOUTS = {
     "tp2pp2": ("--tp", "2", "--pp", "2", "--micro-batches", "2"),
     "tp2dp2": ("--tp", "2", "--dp", "2", "--sequence-parallel", "true"),
+    "tp4": ("--tp", "4"),  # llama-tiny's 2 kv heads, each replicated on 2 tp ranks
 }
+RAN = {"tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 2), "tp4": (4, 1, 1)}  # (tp, pp, dp) of each job
 RTOL = 1e-4
 
 
@@ -116,7 +119,7 @@ def test_layouts_match_one_process_and_keep_the_base(setting, reference):
                 assert abs(got["after"][task]["loss"] - metrics["loss"]) <= 1e-4 * metrics["loss"]
         ran = json.loads((root / name / "checkpoints" / "step-00000004" / "state.json")
                          .read_text())["config"]["parallel"]
-        assert (ran["tp"], ran["pp"], ran["dp"]) == ((2, 2, 1) if name == "tp2pp2" else (2, 1, 2))
+        assert (ran["tp"], ran["pp"], ran["dp"]) == RAN[name]
         _, table = read_prompt_table(root / name)
         for task in want:
             torch.testing.assert_close(table[task], want[task], rtol=1e-4, atol=1e-5)

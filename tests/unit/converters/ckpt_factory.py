@@ -14,6 +14,7 @@ from tessera.core.parallel.sharding import (
     shard_tensor,
     stage_ids,
     stage_layers,
+    stored_shard,
 )
 
 CONFIGS = {
@@ -61,7 +62,8 @@ def expected_files(config: ModelConfig, tp: int, pp: int, vs: int, placement: st
 
 def assert_rank_files(path: Path, original: dict[str, torch.Tensor], config: ModelConfig,
                       tp: int, pp: int, vs: int = 1, placement: str = "looped") -> None:
-    """Each rank's file holds exactly that rank's shards, equal to `shard_tensor` of the original."""
+    """Each rank's file holds exactly that rank's shards, equal to `shard_tensor` of the original
+    (in their stored form: a replicated kv head only in the first file of its replica group)."""
     from safetensors import safe_open
 
     expected = expected_files(config, tp, pp, vs, placement)
@@ -72,5 +74,6 @@ def assert_rank_files(path: Path, original: dict[str, torch.Tensor], config: Mod
             stored = {k for k in fh.keys() if not k.endswith(".scale")}
             assert stored == names, file
             for name in names:
-                want = shard_tensor(name, original[name], config, t, tp)
+                want = stored_shard(name, shard_tensor(name, original[name], config, t, tp),
+                                    config, t, tp)
                 assert torch.equal(fh.get_tensor(name), want), (file, name)

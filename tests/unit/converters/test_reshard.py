@@ -188,7 +188,8 @@ def test_foreign_format_version_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tp": 3}, "num_heads 8 is not divisible by tp 3"),
-    ({"tp": 8}, "num_kv_heads 4 is not divisible by tp 8"),
+    # tp 8 replicates the 4 kv heads; tp 6 neither divides nor is a multiple of them.
+    ({"tp": 6}, "num_kv_heads 4 and tp 6: tp must divide num_kv_heads"),
     ({"pp": 3}, "num_layers 4 is not divisible by pp 3"),
     ({"pp": 2, "virtual_stages": 4}, "num_layers 4 is not divisible by pp 2 x virtual_stages 4"),
     ({"tp": 0}, "tp must be >= 1"),

@@ -30,8 +30,13 @@ def test_heads_not_divisible_by_tp():
 
 
 def test_kv_heads_vs_tp():
-    msg = _error(_par(tp=4), ModelConfig.from_name("llama-tiny"))  # 2 kv heads
-    assert "num_kv_heads 2 is not divisible by tp 4" in msg and "[1, 2]" in msg
+    # tp a multiple of num_kv_heads replicates each kv head; tp dividing it splits them.
+    for tp in (1, 2, 4):
+        Layout(tp=tp).validate(ModelConfig.from_name("llama-tiny"))  # 2 kv heads
+    model = ModelConfig(hidden_size=48, num_heads=12, num_kv_heads=4, ffn_hidden_size=48)
+    msg = _error(_par(tp=6), model)  # neither divides the other
+    assert "num_kv_heads 4 and tp 6: tp must divide num_kv_heads" in msg
+    assert "or be a multiple of it" in msg and "[1, 2, 4, 12]" in msg
 
 
 def test_layers_not_divisible_by_stages():
