@@ -97,13 +97,20 @@ def test_mode_comes_from_the_environment_and_is_checked(monkeypatch):
 
 
 @pytest.fixture
-def broken_compiler(monkeypatch):
-    """Inductor's C++ compiler missing, and no cached kernels to hide it."""
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+def broken_compiler():
+    """Inductor's C++ compiler missing, and no cached kernels to hide it.
+
+    Through inductor's own `config.patch`, not `monkeypatch.setattr`: torch config modules keep
+    their values outside `__dict__`, so pytest >= 9.2 finds no old value to put back and undoes the
+    patch with `delattr`, which hides the option for the rest of the process.
+    """
+    config = torch._inductor.config
+    before = (config.cpp.cxx, config.fx_graph_cache)
     torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+    with config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
+        yield
+    torch._dynamo.reset()  # drop what was traced against the broken compiler
+    assert (config.cpp.cxx, config.fx_graph_cache) == before, "inductor config not restored"
 
 
 def test_auto_falls_back_to_eager_with_one_warning(broken_compiler, caplog):
