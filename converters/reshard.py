@@ -59,7 +59,7 @@ from tessera.core.checkpoint import (
     stored_parameters,
 )
 from tessera.core.config import ModelConfig, ParallelConfig
-from tessera.core.fp8 import is_fp8_weight, quantize, weight_amax
+from tessera.core.fp8 import quantize, weight_amax
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
@@ -72,6 +72,7 @@ from tessera.core.parallel.sharding import (
     stage_ids,
     unshard_scales,
 )
+from tessera.core.parallel.weight_format import quantizable
 
 FP8 = torch.float8_e4m3fn
 # Rows of a tensor moved per step (of the widest dtype involved): peak memory is a few of these.
@@ -271,9 +272,9 @@ def reshard_checkpoint(
 
     Unset sizes keep the source's (`virtual_stages` becomes 1 when `pp` changes, 2 with
     `v_shape`, the placement of the ZBV / DualPipeV schedules). `dtype` casts the
-    higher-precision tensors. `fp8` stores the linear-layer weights (`core.fp8.is_fp8_weight`) as
-    float8_e4m3fn with fp32 scales `NAME.scale` next to them in the same files, per tensor or,
-    with `fp8_per_channel`, per output channel; an FP8 source stays FP8, bit-exactly.
+    higher-precision tensors. `fp8` stores the linear-layer weights (`weight_format.quantizable`)
+    as float8_e4m3fn with fp32 scales `NAME.scale` next to them in the same files, per tensor
+    or, with `fp8_per_channel`, per output channel; an FP8 source stays FP8, bit-exactly.
 
     Raises `ConfigError` for a layout the model cannot take, `CheckpointError` for a damaged or
     foreign source, `FileExistsError` if `dst` exists and not `overwrite`; in every case, and
@@ -316,7 +317,7 @@ def reshard_checkpoint(
 
 def _out_dtype(reader: StreamingReader, plan: _Plan, name: str) -> torch.dtype:
     stored = reader.stored_dtype(name)
-    if stored == FP8 or (plan.quantize and is_fp8_weight(name)):
+    if stored == FP8 or (plan.quantize and quantizable(name)):
         return FP8
     if plan.dtype is not None and stored.is_floating_point:
         return plan.dtype
