@@ -59,7 +59,7 @@ from tessera.core.checkpoint import (
     write_manifest,
 )
 from tessera.core.config import Layout, ModelConfig
-from tessera.core.fp8 import is_fp8_weight, quantize, weight_amax
+from tessera.core.fp8 import quantize, weight_amax
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
@@ -74,6 +74,7 @@ from tessera.core.parallel.sharding import (
     stored_shard,
     unshard_scales,
 )
+from tessera.core.parallel.weight_format import quantizable
 from tessera.core.progress import progress_iter
 
 FP8 = torch.float8_e4m3fn
@@ -287,7 +288,7 @@ def reshard_checkpoint(
     Unset sizes keep the source's (`virtual_stages` becomes 1 when `pp` changes, 2 with
     `placement="v"`, the placement of the ZBV / DualPipeV schedules; see `target_layout`; the
     manifest records the whole target layout). `dtype` casts the
-    higher-precision tensors. `fp8` stores the linear-layer weights (`core.fp8.is_fp8_weight`) as
+    higher-precision tensors. `fp8` stores the linear-layer weights (`weight_format.quantizable`) as
     float8_e4m3fn with fp32 scales `NAME.scale` next to them in the same files, per tensor or,
     with `fp8_per_channel`, per output channel; an FP8 source stays FP8, bit-exactly.
 
@@ -334,7 +335,7 @@ def reshard_checkpoint(
 
 def _out_dtype(reader: StreamingReader, plan: _Plan, name: str) -> torch.dtype:
     stored = reader.stored_dtype(name)
-    if stored == FP8 or (plan.quantize and is_fp8_weight(name)):
+    if stored == FP8 or (plan.quantize and quantizable(name)):
         return FP8
     if plan.dtype is not None and stored.is_floating_point:
         return plan.dtype

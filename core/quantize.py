@@ -11,11 +11,11 @@ Quantization is symmetric per output row: `scale = max|w_row| / 127`, `q = round
 Under tensor parallelism each rank quantizes its own shard, so a row-parallel weight gets one
 scale per row of each shard: every partial sum is still exact to its own scales.
 
-What is quantized: the matrices of every layer (fused QKV, output projection, MLP), and the
-output layer when it is not tied to the embedding (a tied table must stay a lookup table).
-Embeddings, norms and biases keep the model's dtype. Activations run in bf16 (the CPU kernel
-takes bf16 activations; it is 10x slower with fp32 ones). The parallel layers call
-`weight.linear(x, bias)` on any weight that is not a tensor.
+What is quantized: the weights `weight_format.quantizable` names, the same as FP8 and
+Transformer Engine: the matrices of every block (fused QKV, attention output, MLP). The output
+layer, embeddings, norms and biases keep the model's dtype. Activations run in bf16 (the CPU
+kernel takes bf16 activations; it is 10x slower with fp32 ones). A quantized layer is a
+`ParallelLinear` in the `Int8` weight format, which does its tensor-parallel communication.
 """
 
 from __future__ import annotations
@@ -24,60 +24,70 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.core.parallel.layers import quantizable_linears
+from tessera.core.parallel.weight_format import Dense, WeightFormat
 
 QUANTIZE_CHOICES = ("none", "int8")
 KERNEL_MAX_ROWS = 24  # rows (tokens) above which dequantizing is faster than the int8 kernel
 
 
-class Int8Weight(nn.Module):
-    """An int8 matrix `(out, in)` with per-row scales, standing in for a linear's `weight`."""
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q, scale)` for an `(out, in)` weight: int8 `q`, one `scale_dtype` scale per row."""
+    w = weight.detach().float()
+    exact = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(scale_dtype).tiny)
+    # Quantize with the scale as stored, rounded up so no |w| maps past 127: then every
+    # weight is within half a step of its int8 value.
+    scale = exact.to(scale_dtype)
+    low = scale.float() < exact
+    scale[low] = torch.nextafter(scale[low], torch.full_like(scale[low], float("inf")))
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
 
-    def __init__(self, weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-        w = weight.detach().float()
-        exact = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(scale_dtype).tiny)
-        # Quantize with the scale as stored, rounded up so no |w| maps past 127: then every
-        # weight is within half a step of its int8 value.
-        scale = exact.to(scale_dtype)
-        low = scale.float() < exact
-        scale[low] = torch.nextafter(scale[low], torch.full_like(scale[low], float("inf")))
-        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scale", scale)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.qweight.shape
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """The weight `q * scale` (per row) in `dtype`."""
+    return (q.to(torch.float32) * scale.float()[:, None]).to(dtype)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.to(torch.float32) * self.scale.float()[:, None]).to(dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ W^T (+ bias)` in `x.dtype`, for `x (..., in)`."""
-        flat = x.reshape(-1, x.shape[-1])
-        # torch 2.13's CPU kernel reads past the rows when in_features % 16 != 0 (a crash, or
-        # NaNs): those shapes take the dequantized path. Its cost also grows with the rows (on
-        # the 2-core machine: 43 us for 1 row, 316 us for 16, of a 512x3072 weight, against
-        # ~420 us to dequantize and multiply in bf16), so many rows dequantize too.
-        if flat.device.type == "cpu" and flat.dtype == self.scale.dtype \
-                and flat.shape[-1] % 16 == 0 and flat.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scale)
-        else:
-            y = F.linear(flat, self.dequantize(flat.dtype))
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T (+ bias)` in `x.dtype` for `x (..., in)` and the int8 weight `(q, scale)`."""
+    flat = x.reshape(-1, x.shape[-1])
+    # torch 2.13's CPU kernel reads past the rows when in_features % 16 != 0 (a crash, or
+    # NaNs): those shapes take the dequantized path. Its cost also grows with the rows (on
+    # the 2-core machine: 43 us for 1 row, 316 us for 16, of a 512x3072 weight, against
+    # ~420 us to dequantize and multiply in bf16), so many rows dequantize too.
+    if flat.device.type == "cpu" and flat.dtype == scale.dtype \
+            and flat.shape[-1] % 16 == 0 and flat.shape[0] <= KERNEL_MAX_ROWS:
+        y = torch._weight_int8pack_mm(flat.contiguous(), q, scale)
+    else:
+        y = F.linear(flat, dequantize_int8(q, scale, flat.dtype))
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
+class Int8(WeightFormat):
+    """Weight-only int8: `layer.weight` holds int8 `q (out, in_local)`, `layer.scale` its
+    per-row scales (`int8_linear`)."""
+
+    name = "int8"
+
+    def linear(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        return int8_linear(x, layer.weight, layer.scale, bias)
+
+
+INT8 = Int8()
 
 
 def quantize_int8_(model: nn.Module) -> nn.Module:
-    """Replace, in place, the weights described in the module doc by `Int8Weight`s; returns
-    `model`, ready for inference only (the int8 weights have no gradients)."""
-    for module in list(model.modules()):
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
-                and isinstance(module.weight, nn.Parameter):
-            quantized = Int8Weight(module.weight)
-            del module.weight  # a Parameter slot cannot hold a module
-            module.weight = quantized
+    """Quantize, in place, every dense linear `quantizable` names to int8; returns `model`,
+    ready for inference only (the int8 weights have no gradients)."""
+    for _, layer in quantizable_linears(model):
+        if isinstance(layer.format, Dense):
+            layer.set_format(INT8, *quantize_int8(layer.weight))
     return model
 
 

@@ -1,10 +1,11 @@
-"""Optional Transformer Engine backend: swap the parallel linears for `te.pytorch.Linear`.
+"""Optional Transformer Engine backend: swap the block linears for `te.pytorch.Linear`.
 
 Used only on CUDA when `transformer_engine` imports (`pip install --no-build-isolation
 "tessera[te]"`); nothing requires it. TE's `Linear` takes the same explicit tp group, the same
 column/row split and the same sequence-parallel flag, and names its tensors `weight` and `bias`
 with the same local shapes, so checkpoints, the sharding rules and the optimizer see exactly the
-parameters of the plain-PyTorch backend; the swap copies them into the TE modules.
+parameters of the plain-PyTorch backend; the swap copies them into the TE modules. Which layers
+are swapped is the rule every low-precision path shares, `weight_format.quantizable`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.core.parallel.layers import quantizable_linears
+from tessera.core.parallel.weight_format import Dense
 
 
 def transformer_engine_available(device: torch.device | str) -> bool:
@@ -28,22 +30,26 @@ def transformer_engine_available(device: torch.device | str) -> bool:
 
 @torch.no_grad()
 def apply_transformer_engine(model: nn.Module) -> int:
-    """Replace every Column/RowParallelLinear of `model` by a TE Linear; return how many."""
+    """Replace every linear `quantizable` names (the block linears, dense) by a TE Linear with
+    the same parameters; return how many.
+
+    The output projection stays a plain layer: its product reads the weight directly (it may be
+    the tied embedding), so a TE module there would only hold the tensor.
+    """
     import transformer_engine.pytorch as te
 
-    swaps = []
-    for parent in model.modules():
-        for child_name, child in parent.named_children():
-            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-                swaps.append((parent, child_name, child))
-    for parent, child_name, old in swaps:
-        column = isinstance(old, ColumnParallelLinear)
+    swaps = quantizable_linears(model)
+    for name, old in swaps:
+        if not isinstance(old.format, Dense):
+            raise ValueError(f"{name} holds {old.format!r} weights; Transformer Engine takes "
+                             "dense ones (apply it before quantizing)")
+        column = old.parallel == "column"
         tp_size = 1 if old.tp_group is None else torch.distributed.get_world_size(old.tp_group)
         out_local, in_local = old.weight.shape
         new = te.Linear(
             in_local * (1 if column else tp_size), out_local * (tp_size if column else 1),
             bias=old.bias is not None, tp_group=old.tp_group, tp_size=tp_size,
-            parallel_mode="column" if column else "row",
+            parallel_mode=old.parallel,
             sequence_parallel=old.sequence_parallel, params_dtype=old.weight.dtype,
             device=old.weight.device)
         new.weight.copy_(old.weight)
@@ -52,5 +58,6 @@ def apply_transformer_engine(model: nn.Module) -> int:
             if getattr(old.bias, "sequence_parallel", False):
                 new.bias.sequence_parallel = True
         new.tp_group, new.sequence_parallel = old.tp_group, old.sequence_parallel
-        setattr(parent, child_name, new)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return len(swaps)

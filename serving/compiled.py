@@ -35,7 +35,8 @@ import torch
 
 from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
-from tessera.core.quantize import Int8Weight
+from tessera.core.parallel.layers import ParallelLinear
+from tessera.core.quantize import Int8
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class CompiledDecode:
         if model.training:
             raise ValueError("a compiled decode step freezes the weights: call model.eval() "
                              "first (dropout would be compiled in)")
-        if any(isinstance(m, Int8Weight) for m in model.modules()):
+        if any(isinstance(m, ParallelLinear) and isinstance(m.format, Int8)
+               for m in model.modules()):
             raise ValueError("int8 weights and a compiled decode step do not combine yet (the "
                              "int8 kernel's row limit would need a graph of its own): use "
                              "--quantize int8 or --compile, not both")

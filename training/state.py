@@ -93,8 +93,7 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
                         moments[f"{key}/{name}"] = state[key].detach().cpu().contiguous()
             save_file(moments, str(tmp / "training" / f"optim-{shard_file_name(g.tp_rank, g.pp_rank)}"))
         rng = {"cpu": torch.get_rng_state()}
-        if tracker.get_state() is not None:
-            rng["tracker"] = tracker.get_state()
+        rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         save_file(rng, str(tmp / "training" / f"rng-rank{_global_rank():05d}.safetensors"))
@@ -147,8 +146,7 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
     if same_layout and rng_file.is_file():
         rng = load_file(str(rng_file))
         torch.set_rng_state(rng["cpu"])
-        if "tracker" in rng:
-            tracker.set_state(rng["tracker"])
+        tracker.load_state_tensors(rng, "tracker")
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return record

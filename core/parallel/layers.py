@@ -1,5 +1,6 @@
-"""Tensor-parallel building blocks: column/row parallel linears, the vocabulary-parallel
-embedding, and the vocabulary-parallel cross-entropy.
+"""Tensor-parallel building blocks: the column/row parallel linear (one class, its product
+delegated to a weight format), the vocabulary-parallel embedding, and the vocabulary-parallel
+cross-entropy.
 
 Layers are created with *local* shapes (see `sharding.local_shape`) and take the tp group
 explicitly; with `tp_group=None` each is a plain layer. Activations are `(T, B, C)`.
@@ -20,62 +21,114 @@ from tessera.core.parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+from tessera.core.parallel.weight_format import DENSE, WeightFormat, quantizable
 
 
-class ColumnParallelLinear(nn.Module):
-    """`y = x W^T + b` with W split by rows (output features) over the tp group.
+class ParallelLinear(nn.Module):
+    """`y = x W^T + b`, tensor-parallel by `parallel` ("column" or "row"), the product done by
+    the layer's weight format (`format`, see `weight_format.py`; dense when built).
 
-    The input is replicated (or, under sequence parallelism, sequence-sharded and gathered
-    here); the output stays split along its last dimension.
+    The communication is written here once, for every format:
+    - column: W split by rows (output features). The input is replicated (or, under sequence
+      parallelism, sequence-sharded and all-gathered here); the output stays split along its
+      last dimension, with the bias split the same way.
+    - row: W split by columns (input features). Partial sums are all-reduced (under sequence
+      parallelism, reduce-scattered along the sequence); the bias is replicated and added once,
+      after the reduction.
+    With `tp_group=None` either is a plain linear layer.
     """
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, parallel: str,
+                 tp_group: Group, sequence_parallel: bool = False):
+        super().__init__()
+        if parallel not in ("column", "row"):
+            raise ValueError(f"parallel must be 'column' or 'row', got {parallel!r}")
+        self.weight = nn.Parameter(torch.empty(out_local, in_local))
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        self.parallel, self.tp_group, self.sequence_parallel = parallel, tp_group, sequence_parallel
+        self.format: WeightFormat = DENSE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "column":
+            return self.format.linear(self, _column_input(x, self.tp_group,
+                                                          self.sequence_parallel), self.bias)
+        y = _row_output(self.format.linear(self, x, None), self.tp_group, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def set_format(self, fmt: WeightFormat, weight: torch.Tensor,
+                   scale: torch.Tensor | None = None) -> None:
+        """Hold `weight` (this rank's shard, as `fmt` stores it) and its `scale`, multiplied by
+        `fmt` from now on. For inference: the weight becomes a buffer and the bias (kept in the
+        model's dtype) stops taking gradients."""
+        if weight.shape != self.weight.shape:
+            raise ValueError(f"a {fmt.name} weight of shape {tuple(weight.shape)} cannot replace "
+                             f"one of shape {tuple(self.weight.shape)}")
+        del self.weight  # a parameter slot cannot hold a buffer
+        self.register_buffer("weight", weight)
+        if scale is not None:
+            self.register_buffer("scale", scale)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.format = fmt
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return (f"in_local={inp}, out_local={out}, bias={self.bias is not None}, "
+                f"parallel={self.parallel}, format={self.format!r}")
+
+
+class ColumnParallelLinear(ParallelLinear):
+    """A column-parallel `ParallelLinear`: `in_features` whole, `out_local` of them per rank."""
 
     def __init__(self, in_features: int, out_local: int, bias: bool, tp_group: Group,
                  sequence_parallel: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_local, in_features))
-        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        super().__init__(in_features, out_local, bias, "column", tp_group, sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
-                                      self.sequence_parallel)
+
+class RowParallelLinear(ParallelLinear):
+    """A row-parallel `ParallelLinear`: `in_local` input features per rank, outputs whole."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, tp_group: Group,
+                 sequence_parallel: bool = False):
+        super().__init__(in_local, out_features, bias, "row", tp_group, sequence_parallel)
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # its gradient is partial per sequence chunk
+
+
+def _column_input(x: torch.Tensor, tp_group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a column-parallel product: all-gather the sequence (SP) or copy (identity)."""
+    return gather_from_sequence(x, tp_group) if sequence_parallel else copy_to_tp(x, tp_group)
+
+
+def _row_output(y: torch.Tensor, tp_group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Leave a row-parallel product: reduce-scatter along the sequence (SP) or all-reduce."""
+    return (reduce_scatter_to_sequence(y, tp_group) if sequence_parallel
+            else reduce_from_tp(y, tp_group))
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            tp_group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """The column-parallel product for a weight held elsewhere (e.g. a tied embedding)."""
-    x = gather_from_sequence(x, tp_group) if sequence_parallel else copy_to_tp(x, tp_group)
-    return _product(x, weight, bias)
+    """The column-parallel product for a dense weight held elsewhere (the output projection,
+    which may be the tied embedding table)."""
+    return F.linear(_column_input(x, tp_group, sequence_parallel), weight, bias)
 
 
-def _product(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # A quantized weight (`core.quantize.Int8Weight`, serving only) brings its own product.
-    if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    return weight.linear(x, bias)
+def plain_linear(linear: nn.Linear) -> ColumnParallelLinear:
+    """A single-rank `ParallelLinear` sharing `linear`'s weight and bias (to give a plain
+    `nn.Linear` a weight format)."""
+    layer = ColumnParallelLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                                 None)
+    layer.weight = linear.weight
+    layer.bias = linear.bias
+    return layer
 
 
-class RowParallelLinear(nn.Module):
-    """`y = x W^T + b` with W split by columns (input features); partial sums are reduced here.
-
-    Under sequence parallelism the reduction is a reduce-scatter along the sequence. The bias
-    is replicated and added once, after the reduction.
-    """
-
-    def __init__(self, in_local: int, out_features: int, bias: bool, tp_group: Group,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_local))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True  # its gradient is partial per sequence chunk
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _product(x, self.weight)
-        y = (reduce_scatter_to_sequence(y, self.tp_group) if self.sequence_parallel
-             else reduce_from_tp(y, self.tp_group))
-        return y if self.bias is None else y + self.bias
+def quantizable_linears(model: nn.Module) -> list[tuple[str, ParallelLinear]]:
+    """`(module name, layer)` of every linear of `model` whose weight `quantizable` names, in
+    module order: the layers FP8, int8 and Transformer Engine convert."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, ParallelLinear) and quantizable(f"{name}.weight")]
 
 
 class VocabParallelEmbedding(nn.Module):

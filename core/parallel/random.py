@@ -1,16 +1,19 @@
 """A model-parallel random stream so dropout is right under tensor and sequence parallelism.
 
 Activations that are replicated over the tp group (hidden states without SP) must drop the same
-elements on every tp rank, so they use the default generator, seeded identically on those ranks.
-Activations that differ per tp rank (attention heads, sequence chunks under SP) must drop
-independent elements, so they run inside `tracker.fork()`, which swaps in a generator seeded
-with `seed + offset + tp_rank`. Recomputation restores the tracked state (see `recompute`).
+elements on every tp rank, so they use the default generators, seeded identically on those
+ranks. Activations that differ per tp rank (attention heads, sequence chunks under SP) must drop
+independent elements, so they run inside `tracker.fork()`, which swaps in generator states
+seeded with `seed + offset + tp_rank`: one for the CPU and, once the process uses CUDA, one for
+its current CUDA device (dropout on a CUDA tensor draws from that device's generator, so forking
+the CPU one alone would give every tp rank the same CUDA masks). Recomputation restores the
+tracked states (see `recompute`); training checkpoints save them (`state_tensors`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,54 +22,109 @@ import torch.utils.checkpoint
 _TP_SEED_OFFSET = 2718
 
 
+def _fork_devices() -> list[torch.device]:
+    """The devices whose default generator `fork` swaps: the CPU, and the current CUDA device
+    once this process has initialized CUDA (never initializing it here)."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    return devices
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index]
+
+
+def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
+    """The state of a fresh generator of `device`'s kind seeded with `seed`."""
+    return torch.Generator(device=device).manual_seed(seed).get_state()
+
+
 class ModelParallelRNG:
-    """The tp-rank-specific random stream of one process, forked into around dropout calls."""
+    """The tp-rank-specific random streams of one process (one per device), forked into around
+    dropout calls."""
 
     def __init__(self) -> None:
-        self._state: torch.Tensor | None = None
+        self._seed: int | None = None
+        self._states: dict[str, torch.Tensor] = {}  # device name ("cpu", "cuda:0") -> state
 
     def seed(self, seed: int, tp_rank: int) -> None:
-        gen = torch.Generator().manual_seed(seed + _TP_SEED_OFFSET + tp_rank)
-        self._state = gen.get_state()
+        """Restart every stream from `seed` for this tp rank (a device first used later gets
+        its state from the same seed then)."""
+        self._seed = seed + _TP_SEED_OFFSET + tp_rank
+        self._states = {}
+        for device in _fork_devices():
+            self._state(device)
 
-    def get_state(self) -> torch.Tensor | None:
-        return None if self._state is None else self._state.clone()
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Copies of the tracked states by device name; empty before `seed` or a `fork`."""
+        return {device: state.clone() for device, state in self._states.items()}
 
-    def set_state(self, state: torch.Tensor | None) -> None:
-        self._state = state
+    def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Replace the tracked states (devices absent from `states` restart from the seed)."""
+        self._states = dict(states)
+
+    def state_tensors(self, prefix: str = "tracker") -> dict[str, torch.Tensor]:
+        """The states as flat tensor-file entries: `prefix` for the CPU (the key training
+        checkpoints have always used) and `prefix.cuda:N` for a CUDA device."""
+        return {prefix if device == "cpu" else f"{prefix}.{device}": state
+                for device, state in self.get_states().items()}
+
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor],
+                           prefix: str = "tracker") -> None:
+        """Restore the states `state_tensors` wrote (other entries of `tensors` are ignored);
+        devices it has no entry for keep their current state."""
+        for key, state in tensors.items():
+            if key == prefix:
+                self._states["cpu"] = state.clone()
+            elif key.startswith(prefix + "."):
+                self._states[key[len(prefix) + 1:]] = state.clone()
+
+    def _state(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._states:
+            if self._seed is None:
+                self._seed = _TP_SEED_OFFSET  # never seeded: as `seed(0, 0)`
+            self._states[key] = _seeded_state(device, self._seed)
+        return self._states[key]
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
-        """Run the body with the tracked CPU RNG state, then restore the default one."""
-        if self._state is None:
-            self.seed(0, 0)
-        default = torch.get_rng_state()
-        torch.set_rng_state(self._state)
+        """Run the body with the tracked states in the default generators of the CPU and the
+        current CUDA device (if in use), then put the default states back."""
+        devices = _fork_devices()
+        generators = [_default_generator(d) for d in devices]
+        defaults = [g.get_state() for g in generators]
+        for device, gen in zip(devices, generators, strict=True):
+            gen.set_state(self._state(device))
         try:
             yield
         finally:
-            self._state = torch.get_rng_state()
-            torch.set_rng_state(default)
+            for device, gen, default in zip(devices, generators, defaults, strict=True):
+                self._states[str(device)] = gen.get_state()
+                gen.set_state(default)
 
 
-# One stream per process, like the default generator it complements.
+# One stream per process, like the default generators it complements.
 tracker = ModelParallelRNG()
 
 
 def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     """`torch.utils.checkpoint` that also replays the model-parallel RNG on recomputation."""
-    saved = tracker.get_state()
+    saved = tracker.get_states()
     calls = [0]
 
     def run(*inner: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
             return fn(*inner)
-        current = tracker.get_state()
-        tracker.set_state(saved)
+        current = tracker.get_states()
+        tracker.set_states(saved)
         try:
             return fn(*inner)
         finally:
-            tracker.set_state(current)
+            tracker.set_states(current)
 
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)

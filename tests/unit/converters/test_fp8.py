@@ -19,19 +19,21 @@ from tessera.core.checkpoint import (
     save_checkpoint,
 )
 from tessera.core.fp8 import (
-    Fp8Linear,
+    Fp8,
     convert_to_fp8_linear,
     dequantize,
-    is_fp8_weight,
     quantize,
     scaled_mm_linear,
+    to_fp8_,
 )
+from tessera.core.parallel.layers import plain_linear
 from tessera.core.parallel.sharding import (
     shard_scale,
     shard_tensor,
     unshard_scales,
     unshard_tensors,
 )
+from tessera.core.parallel.weight_format import Dense, quantizable
 
 from .ckpt_factory import CONFIGS, make_checkpoint
 
@@ -68,9 +70,9 @@ def test_quantize_round_trip_and_edge_cases():
         assert (back - w).norm() / w.norm() < 0.05
     q, scale = quantize(torch.tensor([[1.0, -2.0]]), amax=torch.tensor(1.0))  # saturates, no inf
     assert q.float().tolist() == [[448.0, -448.0]]
-    assert is_fp8_weight("layers.3.attention.wqkv.weight")
-    assert is_fp8_weight("layers.0.feed_forward.w2.weight")
-    assert not any(is_fp8_weight(n) for n in ["output.weight", "tok_embeddings.weight",
+    assert quantizable("layers.3.attention.wqkv.weight")
+    assert quantizable("layers.0.feed_forward.w2.weight")
+    assert not any(quantizable(n) for n in ["output.weight", "tok_embeddings.weight",
                                               "layers.0.attention.wqkv.bias", "layers.1.ffn_norm.weight"])
 
 
@@ -90,7 +92,7 @@ def test_fp8_checkpoint_layout_and_manifest(orig, tmp_path, granularity):
                 assert t.dtype == torch.float32
                 assert t.shape == ((weight.shape[0], 1) if granularity == "channel" else ())
             else:
-                assert t.dtype == (FP8 if is_fp8_weight(name) else torch.float32), name
+                assert t.dtype == (FP8 if quantizable(name) else torch.float32), name
         if granularity == "channel":  # row-parallel wo: rows whole on every rank, so is the scale
             wo = fh.get_tensor("layers.0.attention.wo.weight.scale")
             assert wo.shape == (64, 1)
@@ -228,10 +230,10 @@ def test_convert_to_fp8_linear_matches_the_fp8_checkpoint(orig, tmp_path, granul
     fp8 = reshard_checkpoint(orig, tmp_path / "fp8", fp8=True, fp8_per_channel=per_channel,
                              progress=False).destination
     model = convert_to_fp8_linear(load_checkpoint(orig), per_channel)
-    swapped = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    swapped = {n for n, m in model.named_modules() if isinstance(getattr(m, "format", None), Fp8)}
     assert swapped == {f"layers.{i}.{m}" for i in range(4) for m in
                        ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2")}
-    assert not isinstance(model.output, Fp8Linear)
+    assert isinstance(model.output.format, Dense)
     stored = raw_globals(fp8)
     for name in swapped:
         layer = model.get_submodule(name)
@@ -253,8 +255,9 @@ def test_scaled_mm_on_cpu_matches_the_dequantized_product(granularity):
     per_channel = GRANULARITY[granularity]
     layer = torch.nn.Linear(96, 48, bias=True)
     x = torch.randn(3, 5, 96)
-    fast = Fp8Linear.from_linear(layer, per_channel, use_scaled_mm=True)
-    slow = Fp8Linear(fast.weight, fast.scale, layer.bias, use_scaled_mm=False)
+    fast = to_fp8_(plain_linear(layer), per_channel, use_scaled_mm=True)
+    slow = plain_linear(layer)
+    slow.set_format(Fp8(use_scaled_mm=False), fast.weight, fast.scale)
     want = F.linear(x, dequantize(fast.weight, fast.scale), layer.bias)
     assert torch.equal(slow(x), want)
     got = fast(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tessera.core import ModelConfig, build_model, save_checkpoint
-from tessera.core.quantize import Int8Weight
+from tessera.core.quantize import Int8
 from tessera.serving.bridge import run_beside
 from tessera.serving.engine import LLMEngine
 from tessera.serving.types import GenerationRequest, SamplingParams
@@ -20,7 +20,8 @@ def test_int8_engine_matches_the_quantized_full_forward(tmp_path):
     engine = LLMEngine.from_checkpoint(path, dtype="bf16", quantize_with="int8", max_batch=2,
                                        background=False)
     model = engine.executor.runner.stages[0]
-    assert sum(isinstance(m, Int8Weight) for m in model.modules()) == 4 * config.num_layers + 1
+    int8 = [m for m in model.modules() if isinstance(getattr(m, "format", None), Int8)]
+    assert len(int8) == 4 * config.num_layers and all(m.weight.dtype == torch.int8 for m in int8)
     prompt = torch.randint(3, config.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
     request = GenerationRequest("r", prompt.tolist(),
                                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

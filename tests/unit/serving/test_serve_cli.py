@@ -80,7 +80,7 @@ def test_serve_reports_a_missing_checkpoint(tmp_path, capsys):
 
 
 def test_serve_quantize_int8_loads_int8_weights(checkpoint, monkeypatch):
-    from tessera.core.quantize import Int8Weight
+    from tessera.core.quantize import Int8
 
     seen = {}
     app_module = types.ModuleType("tessera.serving.app")
@@ -89,7 +89,7 @@ def test_serve_quantize_int8_loads_int8_weights(checkpoint, monkeypatch):
 
     def run(server):
         model = seen["engine"].executor.runner.stages[0]
-        seen["int8"] = sum(isinstance(m, Int8Weight) for m in model.modules())
+        seen["int8"] = sum(isinstance(getattr(m, "format", None), Int8) for m in model.modules())
         seen["dtype"] = seen["engine"].executor.runner.dtype
         server.started = True
 
