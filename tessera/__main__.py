@@ -14,7 +14,7 @@ from tessera import __version__
 # verb -> ("module:function", one-line help). The function receives argv after the verb.
 VERBS: dict[str, tuple[str, str]] = {
     "pretrain": ("tessera.training.cli:main", "pretrain a GPT (YAML config + --key value overrides)"),
-    "evaluate": ("tessera.training.evaluate:main", "loss and perplexity of a checkpoint on data"),
+    "evaluate": ("tessera.training.evaluate_cli:main", "loss and perplexity of a checkpoint on data"),
     "tokenizer": ("tessera.training.tokenizer_cli:main", "train a sentencepiece tokenizer"),
     "preprocess": ("tessera.training.preprocess:main", "tokenize text/JSONL into an indexed dataset"),
     "convert": ("tessera.converters.cli:main", "reshard, cast, FP8, or import/export Hugging Face"),

@@ -12,26 +12,24 @@ on it nor watched its loss (that is the valid split), so it is the one honest he
 Text files are not pretraining's data and are scored whole.
 
 Documents are read one at a time and scoring stops after `--max-windows`, so a large dataset
-costs only what is scored.
+costs only what is scored. The command line is `training.evaluate_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import math
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tessera.core.checkpoint import CheckpointError, load_checkpoint, read_manifest
+from tessera.core.checkpoint import read_manifest
+from tessera.training.config import DataConfig
 
-SPLITS = ("train", "valid", "test", "all")
-DEFAULT_RATIOS = "98,1,1"  # `tessera pretrain --split`'s default
+DEFAULT_RATIOS = DataConfig().split  # what `tessera pretrain --split` cuts by default
 _BLOCK = 1 << 20  # characters of a text file read at a time
 
 
@@ -136,46 +134,3 @@ def evaluate(model, tokens: torch.Tensor | Iterable[np.ndarray], seq_len: int, b
 def _then_none(items: Iterable[torch.Tensor]) -> Iterator[torch.Tensor | None]:
     yield from items
     yield None  # the end: score the last, partial batch
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tessera evaluate", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="example:\n  tessera evaluate --checkpoint runs/demo/checkpoints/step-00000300 "
-               "--data runs/demo/data/corpus")
-    parser.add_argument("--checkpoint", required=True, help="Tessera checkpoint directory")
-    parser.add_argument("--data", nargs="+", required=True,
-                        help="indexed dataset prefixes and/or .txt/.jsonl(.gz) files")
-    parser.add_argument("--split", choices=SPLITS, default="test",
-                        help="documents of indexed datasets to score, cut as pretraining cut "
-                        "them: test (held out from training and from its validation), valid, "
-                        "train, or all; text files are scored whole")
-    parser.add_argument("--split-ratios", default=None,
-                        help="train,valid,test ratios for --split (default: the checkpoint's "
-                        f"training run's, else {DEFAULT_RATIOS})")
-    parser.add_argument("--seq-len", type=int, default=0,
-                        help="window length (0: the model's max positions, at most 1024)")
-    parser.add_argument("--batch", type=int, default=8, help="windows per forward pass")
-    parser.add_argument("--max-windows", type=int, default=0, help="stop after N windows")
-    parser.add_argument("--json-key", default="text", help="field of JSONL documents")
-    parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: saved)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
-    try:
-        model = load_checkpoint(args.checkpoint, dtype=args.dtype)
-        seq_len = args.seq_len or min(model.config.max_position_embeddings, 1024)
-        ratios = args.split_ratios or training_split_ratios(args.checkpoint) or DEFAULT_RATIOS
-        docs = document_tokens(args.data, Path(args.checkpoint), args.json_key, args.split,
-                               ratios)
-        result = evaluate(model, docs, seq_len, args.batch, args.max_windows or None)
-    except (CheckpointError, FileNotFoundError, ValueError) as exc:
-        print(f"tessera evaluate: {exc}", file=sys.stderr)
-        return 2
-    result.update(split=args.split, split_ratios=ratios)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
-              f"{result['tokens']:,} tokens scored | split {args.split} (ratios {ratios})")
-    return 0

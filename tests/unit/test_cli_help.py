@@ -19,11 +19,7 @@ from tessera.training.config import _PARALLEL_HELP, SECTIONS, PretrainConfig
 from tessera.tuning.config import SECTIONS as TUNE_SECTIONS
 from tessera.tuning.config import TuneRunConfig
 
-HELP_WITHOUT_TORCH = sorted(set(VERBS) - {"evaluate"}) + [
-    # training/evaluate.py imports torch at module level; it is being reworked (--split,
-    # streaming) elsewhere: remove this mark once its parser no longer needs torch.
-    pytest.param("evaluate", marks=pytest.mark.xfail(reason="evaluate.py imports torch eagerly")),
-]
+HELP_WITHOUT_TORCH = sorted(VERBS)
 
 
 def _help(*argv: str, columns: int = 80, env: dict[str, str] | None = None) -> str:

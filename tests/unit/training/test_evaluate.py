@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tessera.core.checkpoint import load_checkpoint
 from tessera.training import evaluate as ev
+from tessera.training import evaluate_cli
 from tessera.training.config import load_config
 from tessera.training.indexed_dataset import IndexedDataset
 from tessera.training.loop import pretrain
@@ -60,7 +61,7 @@ def test_scores_the_split_as_pretraining_cut_it(tiny, checkpoint, capsys, split,
             "--batch", "3", "--max-windows", "7", "--json"]
     if split != "test":  # test is the default
         argv += ["--split", split]
-    assert ev.main(argv) == 0
+    assert evaluate_cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["split"] == split and result["split_ratios"] == "50,25,25"
     assert result["tokens"] == 7 * 32
@@ -104,6 +105,6 @@ def test_text_documents_split_as_a_whole_read_would(tmp_path, monkeypatch):
 
 
 def test_too_few_tokens_is_a_clear_error(tiny, checkpoint, capsys):
-    assert ev.main(["--checkpoint", checkpoint, "--data", str(tiny.prefix), "--seq-len",
+    assert evaluate_cli.main(["--checkpoint", checkpoint, "--data", str(tiny.prefix), "--seq-len",
                     "100000"]) == 2
     assert "fewer than 100001 tokens" in capsys.readouterr().err
