@@ -17,7 +17,6 @@ any moment leaves the previous checkpoint loadable.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tessera.core.checkpoint import (
+    MANIFEST,
     CheckpointError,
+    CheckpointSeries,
     Manifest,
     load_weights,
     read_manifest,
@@ -44,16 +45,14 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def checkpoint_series(run_dir: str | os.PathLike) -> CheckpointSeries:
+    """The run's step directories (complete once their manifest is in) and `latest` pointer."""
+    return CheckpointSeries(checkpoint_dir(run_dir), marker=MANIFEST)
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run, or None."""
-    root = checkpoint_dir(run_dir)
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "manifest.json").is_file():
-            return candidate
-    done = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
-    return done[-1] if done else None
+    return checkpoint_series(run_dir).latest()
 
 
 def _global_rank() -> int:
@@ -77,8 +76,8 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
                              tokenizer: str | None, keep_last: int) -> Path:
     """Save everything needed to resume at `step`. Collective over all ranks."""
     g = models[0].groups
-    root = checkpoint_dir(run_dir)
-    target = root / f"step-{step:08d}"
+    series = checkpoint_series(run_dir)
+    target = series.step_dir(step)
 
     def write_state(tmp: Path) -> None:
         (tmp / "training").mkdir(exist_ok=True)
@@ -106,10 +105,8 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
     save_checkpoint(target, models, step=step, tokenizer=tokenizer, extra=extra,
                     write_extra_files=write_state)
     if _global_rank() == 0:
-        tmp_pointer = root / ".latest.tmp"
-        tmp_pointer.write_text(target.name + "\n")
-        os.replace(tmp_pointer, root / "latest")
-        _prune(root, keep_last)
+        series.mark_latest(target)
+        series.prune(keep_last)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return target
@@ -117,15 +114,6 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
-    for old in complete[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    # Left by a crash mid-save: a half-written directory, or a replaced one not yet removed.
-    for stale in [*root.glob(".step-*.tmp-*"), *root.glob(".step-*.old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_training_checkpoint(path: Path, models: list[GPTModel],

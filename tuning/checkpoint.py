@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tessera.core.checkpoint import atomic_directory
+from tessera.core.checkpoint import CheckpointSeries, atomic_directory
 from tessera.tuning.prompts import VirtualPrompts
 
 STATE_FILE = "prompt_state.safetensors"
@@ -37,22 +36,22 @@ class TuningCheckpointError(ValueError):
     """A tuning checkpoint that does not belong to this run (other base, tasks or method)."""
 
 
+def tuning_series(run_dir: str | os.PathLike) -> CheckpointSeries:
+    """The run's step directories (complete once their `state.json` is in) and `latest`."""
+    return CheckpointSeries(Path(run_dir) / "checkpoints", marker=META_FILE)
+
+
 def latest_tuning_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete tuning checkpoint of a run, or None."""
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / "latest"
-    if pointer.is_file() and (root / pointer.read_text().strip() / META_FILE).is_file():
-        return root / pointer.read_text().strip()
-    done = sorted(p for p in root.glob("step-*") if (p / META_FILE).is_file())
-    return done[-1] if done else None
+    return tuning_series(run_dir).latest()
 
 
 def save_tuning_checkpoint(run_dir: str | os.PathLike, prompts: VirtualPrompts,
                            optimizer: torch.optim.Optimizer, *, step: int,
                            meta: dict[str, Any], keep_last: int) -> Path:
     """Write the prompts and their optimizer state at `step` (call on the rank holding them)."""
-    root = Path(run_dir) / "checkpoints"
-    path = root / f"step-{step:08d}"
+    series = tuning_series(run_dir)
+    path = series.step_dir(step)
     tensors: dict[str, torch.Tensor] = {}
     for name, p in prompts.named_parameters():
         tensors[name] = p.detach().float().cpu().contiguous()
@@ -62,12 +61,8 @@ def save_tuning_checkpoint(run_dir: str | os.PathLike, prompts: VirtualPrompts,
     with atomic_directory(path) as tmp:
         save_file(tensors, str(tmp / STATE_FILE), metadata={"format": "pt"})
         (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
-    pointer = root / f".latest.tmp-{os.getpid()}"
-    pointer.write_text(path.name + "\n")
-    pointer.replace(root / "latest")
-    steps = sorted(p for p in root.glob("step-*") if (p / META_FILE).is_file())
-    for old in steps[: max(0, len(steps) - max(keep_last, 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+    series.mark_latest(path)
+    series.prune(keep_last)
     return path
 
 
