@@ -6,10 +6,12 @@ loss (the mean over all dp ranks' batches), as if one process had run the whole 
 - `ddp`: `DistributedDataParallel(process_group=dp_group)`; gradients are averaged by its
   bucketed all-reduce, overlapped with backward.
 - `zero1`: the same DDP gradient averaging, plus `build_zero_optimizer`, a
-  `ZeroRedundancyOptimizer` that keeps each optimizer-state shard on one dp rank and
-  broadcasts the updated parameters.
+  `zero.ShardedOptimizer` that keeps the optimizer state of rows `row_range(n, dp_rank, dp)`
+  of every parameter on each dp rank and all-gathers the updated rows after the step.
 - `fsdp`: FSDP2 `fully_shard` over a 1-D mesh of the dp group, each transformer layer and then
-  the whole stage; parameters and gradients become `DTensor` shards over dp.
+  the whole stage; parameters and gradients become `DTensor` shards over dp (dim 0, the same
+  rows as `zero1`), and `build_zero_optimizer` steps those local shards. The embedding hook
+  (prompt tuning's virtual tokens) is left out of the sharding: it is small and read whole.
 
 With pipeline parallelism (pp > 1) the stage modules are *not* wrapped for `ddp` and `zero1`:
 the pipeline schedules run backward piecewise (`torch.autograd.grad` for inputs, then for
@@ -75,9 +77,11 @@ def _fully_shard(module: nn.Module, groups: ParallelGroups) -> nn.Module:
     mesh = DeviceMesh.from_group(groups.dp_group, device.type)
     # FSDP2 replaces each parameter with a DTensor one; carry the sequence-parallel mark over.
     marked = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
+    hook = getattr(module, "embedding_hook", None)
+    ignored = set(hook.parameters()) if isinstance(hook, nn.Module) else set()
     for layer in getattr(module, "layers", {}).values():
         fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    fully_shard(module, mesh=mesh, ignored_params=ignored or None)
     for name, p in module.named_parameters():
         if name in marked:
             p.sequence_parallel = True
@@ -88,10 +92,14 @@ def allreduce_gradients(modules: Sequence[nn.Module], groups: ParallelGroups) ->
     """Average every gradient over the dp group (the manual path, used with pipelining).
 
     Parameters without a gradient get zeros first, so every dp rank reduces the same buffer.
+    FSDP2 (`DTensor`) parameters are skipped: FSDP2 reduce-scatters their gradients itself.
     """
     if groups.dp_group is None:
         return
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    from torch.distributed.tensor import DTensor
+
+    params = [p for m in modules for p in m.parameters()
+              if p.requires_grad and not isinstance(p, DTensor)]
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:
@@ -110,16 +118,15 @@ def build_zero_optimizer(
     groups: ParallelGroups,
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
     **defaults: Any,
-) -> torch.optim.Optimizer:
-    """ZeRO-1: `optimizer_class` with its state sharded over the dp group.
+) -> Any:
+    """ZeRO-1: `optimizer_class` over this dp rank's rows of every parameter (`zero.py`).
 
-    With dp 1 this is simply `optimizer_class(params, **defaults)`. Gradients must already be
-    dp-averaged (DDP, or `allreduce_gradients`). Saving needs `consolidate_state_dict(to=0)`
-    on every dp rank before `state_dict()` on rank 0.
+    With dp 1 this is simply `optimizer_class(params, **defaults)`. Plain parameters need
+    dp-averaged gradients (`allreduce_gradients`); FSDP2 ones are stepped on their local shard.
     """
     if groups.dp_group is None:
         return optimizer_class(params, **defaults)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from tessera.core.parallel.zero import ShardedOptimizer
 
-    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
-                                   process_group=groups.dp_group, **defaults)
+    return ShardedOptimizer(params, groups.dp_group, groups.dp_rank, groups.dp_size,
+                            optimizer_class, **defaults)
