@@ -128,20 +128,28 @@ class _Pieces:
 
     def shard(self, key: str, tp_rank: int) -> torch.Tensor | None:
         """The whole tp shard `tp_rank` of moment `key`, from its row pieces (None if absent)."""
-        parts = sorted(self.pieces.get((key, tp_rank), []), key=lambda x: x[0])
+        parts = self.pieces.get((key, tp_rank))
         if not parts:
             return None
-        at, total = 0, parts[0][2]
-        for start, stop, rows, _ in parts:
-            if start != at or rows != total:
-                raise CheckpointError(f"optimizer state {key} (tp rank {tp_rank}): rows {at}: "
-                                      f"are missing or overlap; the checkpoint is incomplete")
-            at = stop
-        if at != total:
-            raise CheckpointError(f"optimizer state {key} (tp rank {tp_rank}): rows {at}:{total} "
-                                  "are missing; the checkpoint is incomplete")
-        tensors = [h.get_tensor(key) for start, stop, _, h in parts if stop > start]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        return join_rows([(a, b, n, lambda h=h: h.get_tensor(key)) for a, b, n, h in parts],
+                         f"optimizer state {key} (tp rank {tp_rank})")
+
+
+def join_rows(parts: list[tuple[int, int, int, Any]], what: str) -> torch.Tensor:
+    """The tensor of `rows` rows from pieces `(start, stop, rows, read)` (`read()` gives rows
+    `start:stop`), in any order; raises `CheckpointError` unless they cover it exactly once."""
+    parts = sorted(parts, key=lambda x: x[0])
+    at, total = 0, parts[0][2]
+    for start, stop, rows, _ in parts:
+        if start != at or rows != total:
+            raise CheckpointError(f"{what}: rows from {at} are missing or saved twice; the "
+                                  "checkpoint is incomplete")
+        at = stop
+    if at != total:
+        raise CheckpointError(f"{what}: rows {at}:{total} are missing; the checkpoint is "
+                              "incomplete")
+    tensors = [read() for start, stop, _, read in parts if stop > start]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def load_moments(path: Path, manifest: Manifest, record: dict[str, Any], models: list[GPTModel],
