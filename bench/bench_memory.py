@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     for dp in (2, 4):
         for flavour in ("ddp", "zero1", "fsdp"):
             r = measure(flavour, dp, args)
-            n4 = 4 * r["n"] if flavour != "fsdp" else 4 * r["n"] * dp  # N over the whole model
+            n4 = 4 * r["n"]  # 4N bytes (a DTensor's numel is the whole parameter's)
             theory = {"ddp": (n4, n4, 2 * n4), "zero1": (n4, n4, 2 * n4 / dp),
                       "fsdp": (n4 / dp, n4 / dp, 2 * n4 / dp)}[flavour]
             held = r["params"] + r["grads"] + r["optimizer"]
