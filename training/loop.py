@@ -110,7 +110,8 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
 
 def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
              stages: list[GPTModel]) -> Job:
-    """The optimizer (over parameters that require grad), pipeline schedule and precision."""
+    """The optimizer (over parameters that require grad), pipeline schedule and precision;
+    under `--data-parallel fsdp` the stages are wrapped by FSDP2 first."""
     par, precision = cfg.parallel, cfg.train.precision
     if par.data_parallel == "fsdp":
         stages = wrap_data_parallel(stages, par, groups)  # in place: names are unchanged
