@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> None:
                       "fsdp": (n4 / dp, n4 / dp, 2 * n4 / dp)}[flavour]
             held = r["params"] + r["grads"] + r["optimizer"]
             rows.append({
-                "dp": dp, "flavour": flavour, "CPU ISA": isa,
+                "dp": dp, "flavour": flavour, "CPU ISA (torch kernels)": isa,
                 "params MiB": r["params"] / MIB, "grads MiB": r["grads"] / MIB,
                 "optimizer MiB": r["optimizer"] / MIB,
-                "theory optimizer MiB (8N/dp)": theory[2] / MIB,
+                "theory optimizer MiB (8N, or 8N/dp sharded)": theory[2] / MIB,
                 "params+grads+optimizer MiB": held / MIB,
                 "theory total MiB": sum(theory) / MIB,
                 "peak RSS MiB (rank 0)": r["rss"],
