@@ -22,7 +22,11 @@ writes it with `write_manifest`. Format version 2 records the whole layout; vers
 `Layout`) recorded tp, pp and virtual_stages only, and still loads, as the looped placement.
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
-last, so a crash mid-write leaves any earlier checkpoint untouched.
+last, so a crash mid-write leaves any earlier checkpoint untouched (`atomic_directory`,
+`publish_directory`, used by every writer of a directory). A run's numbered checkpoints and its
+`latest` pointer are a `CheckpointSeries`. Files are published with mode 0644 (directories
+0755), whatever the umask or temp-file API chose, so a non-root container can read a mounted
+checkpoint.
 """
 
 from __future__ import annotations
@@ -241,23 +245,6 @@ class CheckpointReader:
         return shard_tensor(name, self.global_tensor(name), self.manifest.model, tp_rank, tp_size)
 
 
-@contextmanager
-def atomic_directory(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary sibling of `final`; on success it replaces `final` in one rename."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not overwrite:
-        raise FileExistsError(f"{final} already exists; pass --overwrite to replace it")
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def stored_parameters(models: list[GPTModel]) -> dict[str, torch.nn.Parameter]:
     """The parameters one rank's file holds, by global name (the model chunks of one rank).
 
@@ -309,7 +296,7 @@ def save_checkpoint(
     token = [uuid.uuid4().hex[:8]]
     if distributed:
         dist.broadcast_object_list(token, src=0)
-    tmp = path.with_name(f".{path.name}.tmp-{token[0]}")
+    tmp = temp_sibling(path, token[0])
     if not distributed or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -333,7 +320,7 @@ def save_checkpoint(
         dtype = next(models[0].parameters()).dtype
         write_manifest(tmp, build_manifest(models[0].config, layout, merged, dtype=dtype,
                                            step=step, tokenizer=tok_name, extra=extra))
-        _publish(tmp, path)
+        publish_directory(tmp, path)
     if distributed:
         dist.barrier()
     return path
@@ -346,22 +333,6 @@ def _merge_weight_maps(maps: list[dict[str, list[str]]], model: GPTModel) -> dic
             merged.setdefault(name, []).extend(f for f in files if f not in merged.get(name, []))
     order = list(global_param_shapes(model.config))
     return {n: sorted(merged[n]) for n in order if n in merged}
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Swap `tmp` into `final`; a previous checkpoint at `final` is removed only afterwards."""
-    with os.scandir(tmp) as it:  # flush file contents before the rename makes them visible
-        for entry in it:
-            if entry.is_file():
-                with open(entry.path, "rb") as fh:
-                    os.fsync(fh.fileno())
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @torch.no_grad()
@@ -409,3 +380,120 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     model = build_model(manifest.model, device=device, dtype=dtype, init=False)
     load_weights(model, path)
     return model.eval()
+
+
+# ------------------------------------------------------------------ atomic directories, series
+
+FILE_MODE = 0o644  # readable by a non-root reader of a mounted volume, writable by the owner
+DIR_MODE = 0o755
+
+
+def temp_sibling(final: str | os.PathLike, token: str | None = None) -> Path:
+    """The hidden temporary sibling `.NAME.tmp-TOKEN` of `final` (same file system, so the
+    final rename is atomic). Ranks writing one directory together share one `token`."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.tmp-{token or uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def atomic_directory(final: str | os.PathLike, overwrite: bool = True, *,
+                     file_mode: int = FILE_MODE) -> Iterator[Path]:
+    """Yield a temporary sibling of `final`; on success `publish_directory` puts it in place.
+
+    On any error the temporary directory is removed and `final` (if it existed) is untouched.
+    `overwrite=False` refuses an existing `final` before anything is written.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists; pass --overwrite to replace it")
+    tmp = temp_sibling(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        publish_directory(tmp, final, file_mode=file_mode)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish_directory(tmp: str | os.PathLike, final: str | os.PathLike, *,
+                      file_mode: int = FILE_MODE) -> None:
+    """Make the finished directory `tmp` appear as `final` in one rename.
+
+    Every file below `tmp` is fsynced (its contents are on disk before the rename makes them
+    visible) and set to `file_mode`, every directory to `DIR_MODE`. A previous `final` is
+    renamed aside first and removed only after the new one is in place, so a crash at any
+    moment leaves a complete directory at `final` or a recoverable `.NAME.old-*` sibling.
+    """
+    tmp, final = Path(tmp), Path(final)
+    for directory, _, files in os.walk(tmp):
+        os.chmod(directory, DIR_MODE)
+        for name in files:
+            path = os.path.join(directory, name)
+            os.chmod(path, file_mode)
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class CheckpointSeries:
+    """The numbered checkpoints of one run: `ROOT/step-NNNNNNNN/` plus the `ROOT/latest` pointer.
+
+    A step directory counts as complete when it holds `marker` (each is published whole by
+    `publish_directory`; the marker also rules out a directory damaged by hand). The pointer
+    names the newest complete one and is replaced atomically after that one is in place; when it
+    is missing or names an incomplete directory, `latest()` falls back to the highest step.
+    """
+
+    root: Path
+    marker: str = MANIFEST
+
+    POINTER = "latest"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def complete(self) -> list[Path]:
+        """Complete step directories, oldest first (by step number, not by name)."""
+        found = []
+        for path in self.root.glob("step-*"):
+            number = path.name.removeprefix("step-")
+            if number.isdigit() and (path / self.marker).is_file():
+                found.append((int(number), path))
+        return [path for _, path in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None when there is none."""
+        pointer = self.root / self.POINTER
+        name = pointer.read_text().strip() if pointer.is_file() else ""
+        if name and (self.root / name / self.marker).is_file():
+            return self.root / name
+        done = self.complete()
+        return done[-1] if done else None
+
+    def mark_latest(self, path: str | os.PathLike) -> None:
+        """Point `latest` at the step directory `path` (a temporary file, then one rename)."""
+        tmp = self.root / f".{self.POINTER}.tmp-{os.getpid()}"
+        tmp.write_text(Path(path).name + "\n")
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, self.root / self.POINTER)
+
+    def prune(self, keep_last: int) -> None:
+        """Delete all but the newest `keep_last` complete checkpoints (`keep_last <= 0`: keep
+        all) and whatever a crash mid-save left: temporary and replaced step directories."""
+        done = self.complete()
+        for old in done[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in [*self.root.glob(".step-*.tmp-*"), *self.root.glob(".step-*.old-*")]:
+            shutil.rmtree(stale, ignore_errors=True)

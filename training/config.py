@@ -141,7 +141,7 @@ _PARALLEL_HELP = {
     "recompute_layers": "with recompute full: the first N layers of each stage",
     "schedule": "pipeline schedule: 1f1b | interleaved-1f1b | zero-bubble | zbv | gpipe | ...",
     "micro_batches": "micro-batches per step (pipeline fill / gradient accumulation)",
-    "data_parallel": "ddp (the training loop; fsdp and zero1 exist in core.parallel for your own loops)",
+    "data_parallel": "ddp | zero1 (optimizer state sharded over dp) | fsdp (FSDP2: parameters too)",
 }
 
 

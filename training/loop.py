@@ -27,7 +27,7 @@ from tessera.core.config import ConfigError
 from tessera.core.init import build_model
 from tessera.core.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
-from tessera.core.parallel.data_parallel import allreduce_gradients
+from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline_forward import pipeline_forward
@@ -75,12 +75,9 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16"):
         problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure "
                         "or fp16")
-    if par.data_parallel != "ddp" and par.dp > 1:
-        # The loop averages gradients over dp itself (what DDP does) and checkpoints whole
-        # optimizer moments; sharded optimizer state (ZeRO-1) and sharded parameters (FSDP2)
-        # exist in core.parallel.data_parallel but are not wired into training checkpoints yet.
-        problems.append(f"data_parallel {par.data_parallel!r} is not supported by the training "
-                        "loop yet; use --data-parallel ddp (the default)")
+    if par.data_parallel != "ddp" and par.dp > 1 and cfg.train.precision == "fp16":
+        problems.append(f"data_parallel {par.data_parallel!r} does not support fp16's gradient "
+                        "scaler; use --precision bf16 (or --data-parallel ddp)")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -109,16 +106,21 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
 
 def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
              stages: list[GPTModel]) -> Job:
-    """The optimizer (over parameters that require grad), pipeline schedule and precision."""
+    """The optimizer (over parameters that require grad), pipeline schedule and precision;
+    under `--data-parallel fsdp` the stages are wrapped by FSDP2 first."""
     par, precision = cfg.parallel, cfg.train.precision
+    if par.data_parallel == "fsdp":
+        stages = wrap_data_parallel(stages, par.train_schedule(), groups)  # in place: same names
     schedule = None
     if par.pp > 1:
         schedule = pipeline.build_schedule(stages, par.layout(), par.train_schedule(), groups,
                                            pipeline.pipeline_loss_fn(cfg.model, groups))
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    return Job(cfg, groups, stages, build_optimizer(stages, cfg.train), schedule, device,
-               autocast, scaler)
+    # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
+    sharded = par.data_parallel in ("zero1", "fsdp")
+    optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
+    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler)
 
 
 def setup(cfg: PretrainConfig) -> Job:

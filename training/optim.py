@@ -5,7 +5,8 @@ The global gradient norm counts every element of the global model once: tensor-p
 are summed over the tp group, replicated parameters (norms, row biases) are counted on tp rank 0
 only, stages are summed over the pp group, and a tied embedding's output copy on the last stage
 is skipped (its gradient was already summed into the embedding's). Data-parallel replicas hold
-identical (averaged) gradients, so nothing is summed over dp.
+identical (averaged) gradients, so nothing is summed over dp, except under FSDP2, whose
+gradients are row shards over dp: their squares are summed over the dp group too.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tessera.core.model import GPTModel
+from tessera.core.parallel.data_parallel import build_zero_optimizer
+from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import shard_spec, stored_shard
 from tessera.training.config import TrainConfig
 
@@ -32,8 +36,12 @@ def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(models: list[GPTModel], cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
+                    shard_over: ParallelGroups | None = None) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel per tensor) where torch has the kernel.
+
+    `shard_over` given (data-parallel `zero1` or `fsdp`): each dp rank keeps the state of its
+    rows only (`core.parallel.zero.ShardedOptimizer`, AdamW inside).
 
     The fused kernel reads and writes each parameter and moment once per step; the `foreach`
     path makes one pass per arithmetic op, which on CPU made the update 4-6x slower (a third of
@@ -42,9 +50,12 @@ def build_optimizer(models: list[GPTModel], cfg: TrainConfig) -> torch.optim.Ada
     """
     device = next((p.device for m in models for p in m.parameters()), torch.device("cpu"))
     fused = device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(param_groups(models, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                             fused=fused, foreach=None if fused else True)
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps,
+              "fused": fused, "foreach": None if fused else True}
+    groups = param_groups(models, cfg.weight_decay)
+    if shard_over is not None and shard_over.dp_size > 1:
+        return build_zero_optimizer(groups, shard_over, torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -68,7 +79,7 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, identical on every rank of the job."""
     g = models[0].groups
     device = next(models[0].parameters()).device
-    counted = []
+    counted, dp_sharded = [], False
     for model in models:
         for local_name, p in model.named_parameters():
             if p.grad is None:
@@ -79,14 +90,19 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
             replicated = shard_spec(name, model.config).dim is None
             if replicated and g.tp_rank != 0:
                 continue
-            # A replicated kv head counts once, on the first rank of its replica group.
-            counted.append(stored_shard(name, p.grad.detach(), model.config, g.tp_rank,
-                                        g.tp_size))
+            grad = p.grad.detach()
+            if isinstance(grad, DTensor):  # an FSDP2 row shard: the other rows are on dp peers
+                # (FSDP2 refuses kv-head replication, so there is no replica to count once.)
+                counted.append(grad.to_local())
+                dp_sharded = True
+            else:
+                # A replicated kv head counts once, on the first rank of its replica group.
+                counted.append(stored_shard(name, grad, model.config, g.tp_rank, g.tp_size))
     # One multi-tensor kernel per dtype instead of a norm per parameter.
     local = (torch.nn.utils.get_total_norm(counted, foreach=True).float() if counted
              else torch.zeros((), dtype=torch.float32, device=device))
     total = local.square()
-    for group in (g.tp_group, g.pp_group):
+    for group in (g.tp_group, g.pp_group, g.dp_group if dp_sharded else None):
         if group is not None:
             dist.all_reduce(total, group=group)
     return total.sqrt()
@@ -97,5 +113,11 @@ def clip_gradients(models: list[GPTModel], max_norm: float) -> float:
     norm = global_grad_norm(models)
     if max_norm > 0:
         params = [p for model in models for p in model.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        shards = [p.grad.to_local() for p in params if isinstance(p.grad, DTensor)]
+        if shards:  # FSDP2: scale the local shards, as clip_grads_with_norm_ would scale all
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(shards, coef.to(shards[0].device))
+            params = [p for p in params if not isinstance(p.grad, DTensor)]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return float(norm)

@@ -2,12 +2,18 @@
 
 A training checkpoint is an ordinary Tessera checkpoint (so `tessera convert`, `evaluate` and
 `serve` read it) with a `training/` folder inside:
-- `optim-tp{t}-pp{p}.safetensors`: AdamW's `exp_avg/NAME` and `exp_avg_sq/NAME` for every global
-  parameter NAME, split by the same sharding rules as the parameter itself, so the optimizer
-  resumes under any other layout too;
+- `optim-tp{t}-pp{p}-dp{d}.safetensors`: AdamW's `exp_avg/NAME` and `exp_avg_sq/NAME` for every
+  global parameter NAME, split by the same sharding rules as the parameter itself and, under
+  `zero1` / `fsdp`, into the rows each dp rank owns, with the rows in the file's metadata; so the
+  optimizer resumes under any other layout and flavour too (format: `training/moments.py`;
+  checkpoints from before it hold `optim-model-tp{t}-pp{p}.safetensors` and still resume);
 - `rng-rank{r}.safetensors`: the default and model-parallel RNG states of each global rank,
   restored only when the layout is unchanged (that is what makes resume bit-identical);
-- the manifest's `extra.training`: step, consumed samples, optimizer step count, the run config.
+- the manifest's `extra.training`: step, consumed samples, optimizer step count, the world size,
+  `optimizer` (how the moment files are laid out), the run config.
+
+Under FSDP2 the weights are gathered for the save (each file holds whole tp shards, as always)
+and each dp rank loads its own rows back.
 
 Checkpoints live in `RUN/checkpoints/step-NNNNNNNN/`; `RUN/checkpoints/latest` names the newest
 complete one and is replaced (atomically) only after that checkpoint is in place, so a crash at
@@ -17,7 +23,8 @@ any moment leaves the previous checkpoint loadable.
 from __future__ import annotations
 
 import os
-import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,49 +33,37 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tessera.core.checkpoint import (
+    MANIFEST,
     CheckpointError,
+    CheckpointReader,
+    CheckpointSeries,
     Manifest,
     load_weights,
     read_manifest,
     save_checkpoint,
-    shard_file_name,
 )
 from tessera.core.model import GPTModel
 from tessera.core.parallel.random import tracker
-from tessera.core.parallel.sharding import shard_spec, shard_tensor, unshard_tensors
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from tessera.core.parallel.zero import ShardedOptimizer, row_range
+from tessera.training.moments import collect_moments, load_moments, optimizer_record
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def checkpoint_series(run_dir: str | os.PathLike) -> CheckpointSeries:
+    """The run's step directories (complete once their manifest is in) and `latest` pointer."""
+    return CheckpointSeries(checkpoint_dir(run_dir), marker=MANIFEST)
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run, or None."""
-    root = checkpoint_dir(run_dir)
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "manifest.json").is_file():
-            return candidate
-    done = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
-    return done[-1] if done else None
+    return checkpoint_series(run_dir).latest()
 
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _named_params(models: list[GPTModel], copies: bool = True) -> dict[str, torch.nn.Parameter]:
-    """Parameters by global name; `copies=False` leaves out a tied output copy."""
-    out: dict[str, torch.nn.Parameter] = {}
-    for model in models:
-        for local, p in model.named_parameters():
-            name = model.global_name(local)
-            if copies or name == local:
-                out.setdefault(name, p)
-    return out
 
 
 def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
@@ -76,22 +71,16 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
                              consumed_samples: int, config: dict[str, Any],
                              tokenizer: str | None, keep_last: int) -> Path:
     """Save everything needed to resume at `step`. Collective over all ranks."""
-    g = models[0].groups
-    root = checkpoint_dir(run_dir)
-    target = root / f"step-{step:08d}"
+    series = checkpoint_series(run_dir)
+    target = series.step_dir(step)
+    sharded = isinstance(optimizer, ShardedOptimizer)
+    moments = collect_moments(models, optimizer, sharded=sharded)
 
     def write_state(tmp: Path) -> None:
         (tmp / "training").mkdir(exist_ok=True)
-        if g.dp_rank == 0:
-            moments: dict[str, torch.Tensor] = {}
-            for name, p in _named_params(models, copies=False).items():
-                state = optimizer.state.get(p, {})
-                if shard_spec(name, models[0].config).dim is None and g.tp_rank != 0:
-                    continue
-                for key in MOMENTS:
-                    if key in state:
-                        moments[f"{key}/{name}"] = state[key].detach().cpu().contiguous()
-            save_file(moments, str(tmp / "training" / f"optim-{shard_file_name(g.tp_rank, g.pp_rank)}"))
+        if moments is not None:
+            file, tensors, meta = moments
+            save_file(tensors, str(tmp / "training" / file), metadata=meta)
         rng = {"cpu": torch.get_rng_state()}
         rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
         if torch.cuda.is_available():
@@ -99,32 +88,46 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
         save_file(rng, str(tmp / "training" / f"rng-rank{_global_rank():05d}.safetensors"))
 
     opt_steps = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+    if dist.is_available() and dist.is_initialized():  # a dp rank may hold no state at all
+        steps = torch.tensor(opt_steps)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        opt_steps = int(steps)
+    g = models[0].groups
+    record = optimizer_record(sharded, models[0].train_schedule.data_parallel, g.dp_size)
     extra = {"training": {"step": step, "consumed_samples": consumed_samples,
                           "optimizer_step": opt_steps, "world_size": _world_size(),
-                          "config": config}}
-    save_checkpoint(target, models, step=step, tokenizer=tokenizer, extra=extra,
-                    write_extra_files=write_state)
+                          "optimizer": record, "config": config}}
+    with gathered_parameters(models):  # FSDP2: whole tp shards, as the weight files hold
+        save_checkpoint(target, models, step=step, tokenizer=tokenizer, extra=extra,
+                        write_extra_files=write_state)
     if _global_rank() == 0:
-        tmp_pointer = root / ".latest.tmp"
-        tmp_pointer.write_text(target.name + "\n")
-        os.replace(tmp_pointer, root / "latest")
-        _prune(root, keep_last)
+        series.mark_latest(target)
+        series.prune(keep_last)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return target
 
 
+@contextmanager
+def gathered_parameters(models: list[GPTModel]) -> Iterator[None]:
+    """Inside, FSDP2 modules hold whole (unsharded) parameters; a no-op for any other model.
+
+    Collective over the dp group: every dp rank enters it together.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [m for model in models for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in wrapped:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in wrapped:
+            m.reshard()
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.glob("step-*") if (p / "manifest.json").is_file())
-    for old in complete[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    # Left by a crash mid-save: a half-written directory, or a replaced one not yet removed.
-    for stale in [*root.glob(".step-*.tmp-*"), *root.glob(".step-*.old-*")]:
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_training_checkpoint(path: Path, models: list[GPTModel],
@@ -133,12 +136,12 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
 
     Returns the manifest's training record (step, consumed_samples, ...).
     """
-    manifest = load_weights(models, path)
+    manifest = _load_weights(models, path)
     record = manifest.extra.get("training")
     if record is None:
         raise CheckpointError(f"{path} holds no training state (it is a weights-only checkpoint); "
                               "start a new run from it instead of resuming")
-    _load_moments(path, manifest, models, optimizer, record["optimizer_step"])
+    load_moments(path, manifest, record, models, optimizer)
     g = models[0].groups
     same_layout = (manifest.layout.tp, manifest.layout.pp) == (g.tp_size, g.pp_size) and \
         record.get("world_size") == _world_size()
@@ -152,45 +155,29 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
     return record
 
 
-def _load_moments(path: Path, manifest: Manifest, models: list[GPTModel],
-                  optimizer: torch.optim.Optimizer, opt_step: int) -> None:
-    saved_tp, saved_pp = manifest.layout.tp, manifest.layout.pp
-    files = [path / "training" / f"optim-{shard_file_name(t, p)}"
-             for p in range(saved_pp) for t in range(saved_tp)]
-    missing = [f for f in files if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{path}: optimizer state file {missing[0].name} is missing")
-    # key -> tp shards in tp order (pp files hold disjoint keys).
-    shards: dict[str, list[torch.Tensor]] = {}
-    for f in files:
-        for key, value in load_file(str(f)).items():
-            shards.setdefault(key, []).append(value)
-    g, config = models[0].groups, models[0].config
-    for name, p in _named_params(models).items():
-        state: dict[str, Any] = {}
-        for key in MOMENTS:
-            parts = shards.get(f"{key}/{name}")
-            if parts is None:
-                break
-            if shard_spec(name, config).dim is None:
-                value = parts[0]
-            elif saved_tp == g.tp_size:
-                value = parts[g.tp_rank]
-            else:
-                value = shard_tensor(name, unshard_tensors(name, parts, config), config,
-                                     g.tp_rank, g.tp_size)
-            state[key] = value.to(device=p.device, dtype=p.dtype).clone()
-        if len(state) == len(MOMENTS):
-            state["step"] = torch.tensor(float(opt_step))
-            optimizer.state[p] = state
-    # Parameters sharing a global name (a tied output copy) get the embedding's moments.
+@torch.no_grad()
+def _load_weights(models: list[GPTModel], path: Path) -> Manifest:
+    """`load_weights`, also into FSDP2 parameters (each dp rank fills its own rows)."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for m in models for p in m.parameters()):
+        return load_weights(models, path)
+    reader = CheckpointReader(path)
     for model in models:
+        g = model.groups
         for local, p in model.named_parameters():
-            name = model.global_name(local)
-            if name != local and p not in optimizer.state:
-                source = _named_params(models)[name]
-                if source in optimizer.state:
-                    optimizer.state[p] = {k: v.clone() for k, v in optimizer.state[source].items()}
+            if local.startswith("embedding_hook."):
+                continue
+            value = reader.shard(model.global_name(local), g.tp_rank, g.tp_size)
+            if value.shape != p.shape:
+                raise CheckpointError(f"{path}: tensor {model.global_name(local)} has shape "
+                                      f"{tuple(value.shape)}, the model expects {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                start, stop = row_range(p.shape[0], g.dp_rank, g.dp_size)
+                p.to_local().copy_(value[start:stop])
+            else:
+                p.copy_(value.to(p.dtype))
+    return reader.manifest
 
 
 def read_training_record(path: Path) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
 from tessera.core.config import ConfigError
 from tessera.core.model import model_flops_per_token
+from tessera.core.parallel.zero import ShardedOptimizer
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
@@ -254,10 +255,13 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
             log.write("  valid exact match: " + ", ".join(
                 f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
         if done or (loop.save_interval and (step + 1) % loop.save_interval == 0):
-            if _rank0():
-                log.saved(ckpt.save_tuning_checkpoint(out, t.prompts, t.job.optimizer,
-                                                      step=step + 1, meta=meta,
-                                                      keep_last=loop.keep_last), step + 1)
+            # A sharded optimizer (zero1 / fsdp) saves collectively; otherwise rank 0 alone.
+            if _rank0() or isinstance(t.job.optimizer, ShardedOptimizer):
+                path = ckpt.save_tuning_checkpoint(out, t.prompts, t.job.optimizer,
+                                                   step=step + 1, meta=meta,
+                                                   keep_last=loop.keep_last, groups=t.job.groups)
+                if _rank0():
+                    log.saved(path, step + 1)
             if dist.is_initialized():
                 dist.barrier()
     return losses

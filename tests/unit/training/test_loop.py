@@ -339,11 +339,15 @@ def test_compiled_training_follows_the_eager_losses(tiny, run8, tmp_path):
     assert (run / "checkpoints" / "step-00000008" / "manifest.json").is_file()
 
 
-def test_unwired_data_parallel_modes_are_refused(tiny, tmp_path):
+def test_sharded_data_parallel_is_accepted_but_not_with_fp16(tiny, tmp_path):
     from tessera.core.config import ConfigError
     from tessera.training.loop import check_config
 
-    cfg, _ = load_config(pretrain_argv(tiny, tmp_path / "run", "--data-parallel", "zero1"))
-    check_config(cfg, 1)  # dp 1: nothing to shard, nothing to refuse
-    with pytest.raises(ConfigError, match="data_parallel 'zero1' is not supported"):
-        check_config(cfg, 2)
+    for flavour in ("zero1", "fsdp"):
+        cfg, _ = load_config(pretrain_argv(tiny, tmp_path / "run", "--data-parallel", flavour))
+        check_config(cfg, 1)  # dp 1: nothing to shard, nothing to refuse
+        check_config(cfg, 2)  # wired into the loop and its checkpoints (tests/distributed)
+        cfg, _ = load_config(pretrain_argv(tiny, tmp_path / "run", "--data-parallel", flavour,
+                                           "--precision", "fp16"))
+        with pytest.raises(ConfigError, match=f"data_parallel '{flavour}' does not support fp16"):
+            check_config(cfg, 2)
