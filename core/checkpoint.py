@@ -24,9 +24,9 @@ writes it with `write_manifest`. Format version 2 records the whole layout; vers
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
 last, so a crash mid-write leaves any earlier checkpoint untouched (`atomic_directory`,
 `publish_directory`, used by every writer of a directory). A run's numbered checkpoints and its
-`latest` pointer are a `CheckpointSeries`. Files are published with mode 0644 (directories
-0755), whatever the umask or temp-file API chose, so a non-root container can read a mounted
-checkpoint.
+`latest` pointer are a `CheckpointSeries`. Files are published with the mode a plain `open`
+gives (0644, directories 0755, under the usual umask; `core.files`), whatever the temp-file API
+chose, so a non-root container can read a mounted checkpoint.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tessera.core.config import ConfigError, Layout, ModelConfig
+from tessera.core.files import atomic_file, dir_mode, file_mode
 from tessera.core.model import GPTModel
 from tessera.core.parallel.sharding import (
     global_param_shapes,
@@ -384,10 +385,6 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | str | None = N
 
 # ------------------------------------------------------------------ atomic directories, series
 
-FILE_MODE = 0o644  # readable by a non-root reader of a mounted volume, writable by the owner
-DIR_MODE = 0o755
-
-
 def temp_sibling(final: str | os.PathLike, token: str | None = None) -> Path:
     """The hidden temporary sibling `.NAME.tmp-TOKEN` of `final` (same file system, so the
     final rename is atomic). Ranks writing one directory together share one `token`."""
@@ -396,8 +393,7 @@ def temp_sibling(final: str | os.PathLike, token: str | None = None) -> Path:
 
 
 @contextmanager
-def atomic_directory(final: str | os.PathLike, overwrite: bool = True, *,
-                     file_mode: int = FILE_MODE) -> Iterator[Path]:
+def atomic_directory(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling of `final`; on success `publish_directory` puts it in place.
 
     On any error the temporary directory is removed and `final` (if it existed) is untouched.
@@ -411,27 +407,28 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = True, *,
     tmp.mkdir()
     try:
         yield tmp
-        publish_directory(tmp, final, file_mode=file_mode)
+        publish_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def publish_directory(tmp: str | os.PathLike, final: str | os.PathLike, *,
-                      file_mode: int = FILE_MODE) -> None:
+def publish_directory(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
     """Make the finished directory `tmp` appear as `final` in one rename.
 
     Every file below `tmp` is fsynced (its contents are on disk before the rename makes them
-    visible) and set to `file_mode`, every directory to `DIR_MODE`. A previous `final` is
+    visible) and given the mode a plain `open` / `mkdir` would (`core.files`: 0644 / 0755 under
+    the usual umask, whatever mkstemp or safetensors chose). A previous `final` is
     renamed aside first and removed only after the new one is in place, so a crash at any
     moment leaves a complete directory at `final` or a recoverable `.NAME.old-*` sibling.
     """
     tmp, final = Path(tmp), Path(final)
+    fmode, dmode = file_mode(), dir_mode()
     for directory, _, files in os.walk(tmp):
-        os.chmod(directory, DIR_MODE)
+        os.chmod(directory, dmode)
         for name in files:
             path = os.path.join(directory, name)
-            os.chmod(path, file_mode)
+            os.chmod(path, fmode)
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
     old = None
@@ -484,10 +481,8 @@ class CheckpointSeries:
 
     def mark_latest(self, path: str | os.PathLike) -> None:
         """Point `latest` at the step directory `path` (a temporary file, then one rename)."""
-        tmp = self.root / f".{self.POINTER}.tmp-{os.getpid()}"
-        tmp.write_text(Path(path).name + "\n")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, self.root / self.POINTER)
+        with atomic_file(self.root / self.POINTER) as tmp:
+            tmp.write_text(Path(path).name + "\n")
 
     def prune(self, keep_last: int) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (`keep_last <= 0`: keep

@@ -22,14 +22,13 @@ import io
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
 
-from tessera.core.files import make_readable
+from tessera.core.files import atomic_file
 
 PathLike = str | os.PathLike[str]
 
@@ -246,16 +245,8 @@ def load_tokenizer(path: PathLike) -> Tokenizer:
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        make_readable(tmp, fd)  # mkstemp's 0600 would hide the tokenizer from other users
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(data)
 
 
 def _lines(input_files: Sequence[PathLike], texts: Iterable[str] | None, json_key: str) -> Iterator[str]:

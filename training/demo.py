@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tessera.core.files import atomic_file
 from tessera.training.config import PretrainConfig
 
 DEMO_PROMPTS = ("Return the", "The default value")
@@ -60,11 +61,9 @@ def prepare_data(run_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     corpus, tok, prefix = data / "corpus.jsonl", data / "tokenizer.model", data / "corpus"
     if not corpus.is_file():
         docs = stdlib_docstrings()
-        tmp = corpus.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with atomic_file(corpus) as tmp, open(tmp, "w", encoding="utf-8") as fh:
             for doc in docs:
                 fh.write(json.dumps({"text": doc}) + "\n")
-        tmp.rename(corpus)
         print(f"demo: corpus of {len(docs):,} standard-library docstrings -> {corpus}")
     if not tok.is_file():
         train_tokenizer([str(corpus)], vocab_size, str(tok), model_type="bpe")

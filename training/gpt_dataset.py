@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from tessera.core.files import atomic_file
 from tessera.training.indexed_dataset import IndexedDataset
 
 CACHE_VERSION = 1  # bump when the index construction changes, to orphan old caches
@@ -66,15 +66,9 @@ def _key(params: dict[str, Any]) -> str:
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
-    # A unique temporary name per writer: ranks building the same cache never share a file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # atomic_file's temporary name is unique per writer: ranks building one cache never share it.
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
 
 
 def _cached(

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from tessera.core.checkpoint import CheckpointReader, read_manifest
-from tessera.core.files import save_safetensors
+from tessera.core.files import atomic_file, save_safetensors
 
 FORMAT = "tessera-prompts"
 FORMAT_VERSION = 1
@@ -77,14 +76,8 @@ def _sha256(file: Path) -> str:
 
 def _replace(directory: Path, name: str, write) -> None:
     """Write `directory/name` through a temporary file and one rename."""
-    tmp = directory / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_file(directory / name) as tmp:
         write(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        tmp.replace(directory / name)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_prompt_table(directory: str | os.PathLike, tables: dict[str, torch.Tensor], *,

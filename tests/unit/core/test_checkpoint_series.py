@@ -31,20 +31,26 @@ def test_atomic_directory_replaces_only_on_success(tmp_path: Path):
         pass
 
 
-def test_published_files_are_readable_by_others_whatever_the_umask(tmp_path: Path):
-    old = os.umask(0o077)
+@pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755),
+                                                    (0o077, 0o600, 0o700)])
+def test_published_files_get_the_mode_a_plain_open_gives(tmp_path: Path, mask, file_mode,
+                                                        dir_mode):
+    """Files that safetensors or mkstemp made 0600 are published with the umask's mode: readable
+    by a non-root container under the usual umask 022, private only when the user asks (077)."""
+    old = os.umask(mask)
     try:
         tmp = tmp_path / ".out.tmp-x"
         (tmp / "sub").mkdir(parents=True)
         (tmp / "sub" / "w.bin").write_bytes(b"\0")
         (tmp / "m.json").write_text("{}")
-        assert _mode(tmp / "m.json") == 0o600
+        for f in (tmp / "sub" / "w.bin", tmp / "m.json"):
+            os.chmod(f, 0o600)  # as safetensors.save_file leaves its files
         publish_directory(tmp, tmp_path / "out")
     finally:
         os.umask(old)
     out = tmp_path / "out"
-    assert _mode(out / "m.json") == _mode(out / "sub" / "w.bin") == 0o644
-    assert _mode(out) == _mode(out / "sub") == 0o755
+    assert _mode(out / "m.json") == _mode(out / "sub" / "w.bin") == file_mode
+    assert _mode(out) == _mode(out / "sub") == dir_mode
 
 
 def _step(series: CheckpointSeries, step: int, complete: bool = True) -> Path:

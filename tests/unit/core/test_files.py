@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from tessera.core.files import file_mode, save_safetensors, umask
+from tessera.core.files import atomic_file, file_mode, save_safetensors, umask
 from tessera.core.tokenizer import load_tokenizer, train_tokenizer
 
 
@@ -44,3 +44,15 @@ def test_safetensors_and_tokenizers_follow_the_umask(tmp_path, mask):
     assert _mode(tmp_path / "tok.model") == want
     load_tokenizer(tmp_path / "tok.model").save(tmp_path / "copy.model")
     assert _mode(tmp_path / "copy.model") == want
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path, mask):
+    target = tmp_path / "sub" / "table.bin"
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(b"old")
+    assert target.read_bytes() == b"old" and stat.S_IMODE(target.stat().st_mode) == file_mode()
+    with pytest.raises(RuntimeError), atomic_file(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("crash mid-write")
+    assert target.read_bytes() == b"old"  # untouched, and no temporary file left behind
+    assert [p.name for p in target.parent.iterdir()] == ["table.bin"]
