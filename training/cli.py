@@ -50,7 +50,11 @@ def main(argv: list[str]) -> int:
         else:
             from tessera.training.loop import pretrain
 
-            pretrain(cfg)
+            # Stopped by a signal (after saving): 130 for SIGINT, 143 for SIGTERM, so a
+            # scheduler sees the run as interrupted and can requeue it with --resume.
+            signum = pretrain(cfg).get("stop_signal", 0)
+            if signum:
+                return 128 + signum
     except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, PermissionError) as exc:
         print(f"tessera pretrain: {exc}", file=sys.stderr)
         return 2

@@ -225,6 +225,7 @@ class _StopFlag:
 
     def __init__(self) -> None:
         self.raised = False
+        self.signum = 0  # the last signal received (0: none)
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopFlag:
@@ -233,19 +234,20 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.raised = True
+        self.raised, self.signum = True, signum
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank if any rank was signalled (so all ranks stop at the same step)."""
+    def agreed(self, device: torch.device) -> int:
+        """The signal number on every rank if any rank was signalled (so all ranks stop at the
+        same step; the highest number if ranks got different ones), else 0."""
         if not dist.is_initialized():
-            return self.raised
-        flag = torch.tensor(float(self.raised), device=device)
+            return self.signum
+        flag = torch.tensor(float(self.signum), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)
+        return int(flag)
 
 
 def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
@@ -275,7 +277,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                         resumed_from=resume_from)
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
-    step, stopped = start, False
+    step, stopped = start, 0
     tokenizer = cfg.data.tokenizer or None
     with _StopFlag() as stop:
         while step < t.steps:
@@ -308,9 +310,10 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             if stopped:
                 break
     valid = evaluate_loss(job, valid_ds, eval_batches) if not stopped else float("nan")
-    summary = log.finish(losses=losses, valid_loss=valid, stopped=stopped,
+    summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
                          checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak,
                          peak_source=peak_source)
+    summary["stop_signal"] = stopped  # the CLI exits 128 + it, as shells and schedulers expect
     return summary
 
 
