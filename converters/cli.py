@@ -34,7 +34,7 @@ window only if it spans every position), nemotron. Output directories are writte
 and an existing one is replaced only with --overwrite.
 """
 
-LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "fp8")
+LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "placement", "fp8")
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' own default (converters.hf_io.DEFAULT_SHARD_SIZE)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pipeline-parallel size (default: the input's)")
     layout.add_argument("--virtual-stages", type=int, metavar="N",
                         help="model chunks per pipeline rank (default: the input's)")
+    layout.add_argument("--placement", choices=("looped", "v"),
+                        help="how stages sit on pipeline ranks: looped (1F1B, interleaved) or v "
+                        "(two per rank, for the zbv / dualpipev schedules) (default: the "
+                        "input's while pp is unchanged, else looped)")
     layout.add_argument("--fp8", nargs="?", const="tensor", choices=("tensor", "channel"),
                         help="store linear weights as FP8 e4m3 with per-tensor (default) or "
                         "per-channel scales")
@@ -90,15 +94,16 @@ def _convert_layout(args: argparse.Namespace) -> int:
     from tessera.converters.reshard import reshard_checkpoint
 
     if args.from_format or args.to_format:
-        print("tessera convert: error: --tp/--pp/--virtual-stages/--fp8 rewrite a Tessera "
+        print("tessera convert: error: --tp/--pp/--virtual-stages/--placement/--fp8 rewrite a Tessera "
               "checkpoint; import or export with --from/--to hf first, then convert",
               file=sys.stderr)
         return 2
     try:
         summary = reshard_checkpoint(
             args.input, args.output, tp=args.tp, pp=args.pp,
-            virtual_stages=args.virtual_stages, dtype=args.dtype, fp8=args.fp8 is not None,
-            fp8_per_channel=args.fp8 == "channel", overwrite=args.overwrite)
+            virtual_stages=args.virtual_stages, placement=args.placement, dtype=args.dtype,
+            fp8=args.fp8 is not None, fp8_per_channel=args.fp8 == "channel",
+            overwrite=args.overwrite)
     except (OSError, ValueError) as exc:  # CheckpointError, ConfigError, ...
         print(f"tessera convert: error: {exc}", file=sys.stderr)
         return 1

@@ -270,6 +270,17 @@ def test_stream_writer_and_reader_refuse_bad_input(tmp_path):
         SafetensorsFile(path)
 
 
+def test_cli_places_stages_in_a_v(tmp_path):
+    from tessera.converters.cli import main
+
+    src = make_checkpoint(tmp_path / "orig", CONFIGS["tied"], seed=2)
+    dst = tmp_path / "zbv"
+    assert main(["--input", str(src), "--output", str(dst), "--pp", "2",
+                 "--placement", "v"]) == 0
+    layout = read_manifest(dst).layout
+    assert (layout.pp, layout.virtual_stages, layout.placement) == (2, 2, "v")
+
+
 def test_cli_reshards_casts_and_quantizes(tmp_path, capsys):
     """`tessera convert` routes layout flags, --fp8 and a bare --dtype to the resharder."""
     import torch
