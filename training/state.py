@@ -143,7 +143,11 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
                               "start a new run from it instead of resuming")
     load_moments(path, manifest, record, models, optimizer)
     g = models[0].groups
-    same_layout = (manifest.layout.tp, manifest.layout.pp) == (g.tp_size, g.pp_size) and \
+    # RNG states belong to ranks: restored only when every rank holds the same stages as when
+    # they were saved (dp follows from the world size; a version-1 manifest reads as looped).
+    saved, now = manifest.layout, models[0].layout
+    same_layout = (saved.tp, saved.pp, saved.virtual_stages, saved.placement) == (
+        g.tp_size, g.pp_size, now.virtual_stages, now.placement) and \
         record.get("world_size") == _world_size()
     rng_file = path / "training" / f"rng-rank{_global_rank():05d}.safetensors"
     if same_layout and rng_file.is_file():
