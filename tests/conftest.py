@@ -57,3 +57,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    """A 600-document corpus with its tokenizer and indexed dataset (`tests/pretrain_helper.py`),
+    built once per session: tests only read it (pretraining caches its sample index beside it,
+    keyed by the run's parameters)."""
+    from tests.pretrain_helper import make_tiny_data
+
+    return make_tiny_data(tmp_path_factory.mktemp("tiny"))

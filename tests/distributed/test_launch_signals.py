@@ -15,15 +15,10 @@ import pytest
 
 from tessera.core.checkpoint import load_checkpoint
 from tessera.training.state import latest_checkpoint, read_training_record
-from tests.pretrain_helper import make_tiny_data, pretrain_argv, tessera_command
+from tests.pretrain_helper import pretrain_argv, tessera_command
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEPS = 400  # far more than run before the signal arrives
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_data(tmp_path_factory.mktemp("data"))
 
 
 def _wait_for(lines: queue.Queue, seen: list[str], prefix: str, timeout: float) -> None:

@@ -22,7 +22,6 @@ from tessera.training.state import latest_checkpoint
 from tests.distributed_helper import run_ranks
 from tests.pretrain_helper import (
     TinyData,
-    make_tiny_data,
     pretrain_argv,
     read_losses,
     rewind_run,
@@ -43,11 +42,6 @@ def _assert_close_curves(got: dict[int, float], want: dict[int, float], steps: r
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Every test of this module on one thread (see tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

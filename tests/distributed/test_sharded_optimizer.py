@@ -26,7 +26,7 @@ from tessera.training.state import (
     save_training_checkpoint,
 )
 from tests.distributed_helper import run_ranks
-from tests.pretrain_helper import TinyData, make_tiny_data, pretrain_argv, read_losses, rewind_run
+from tests.pretrain_helper import TinyData, pretrain_argv, read_losses, rewind_run
 
 STEPS = 8
 SAME = 1e-6  # the issue's bar for "equal to ddp": relative loss difference over 8 steps
@@ -36,11 +36,6 @@ ENV = {"TESSERA_FUSED_KERNELS": "off"}  # no kernel compilation in every spawned
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Every test of this module on one thread (see tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

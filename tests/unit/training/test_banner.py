@@ -15,17 +15,12 @@ from tessera.training.config import load_config
 from tessera.training.indexed_dataset import IndexedDataset
 from tessera.training.loop import pretrain
 from tessera.training.metrics import known_peak_tflops, resolve_peak
-from tests.pretrain_helper import TinyData, make_tiny_data, pretrain_argv
+from tests.pretrain_helper import pretrain_argv
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Every test of this module on one thread (see tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 def test_banner_states_the_run(tiny, tmp_path, capsys):

@@ -37,7 +37,6 @@ from tessera.training.loop import pretrain
 from tessera.training.state import latest_checkpoint, read_training_record
 from tests.pretrain_helper import (
     TinyData,
-    make_tiny_data,
     pretrain_argv,
     read_losses,
     rewind_run,
@@ -52,11 +51,6 @@ SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Every test of this module on one thread (see tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

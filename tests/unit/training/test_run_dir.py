@@ -19,17 +19,12 @@ from tessera.training.loop import pretrain
 from tessera.training.preprocess import main as preprocess
 from tessera.training.run_dir import claim_run_dir
 from tessera.training.state import latest_checkpoint
-from tests.pretrain_helper import TinyData, make_tiny_data, pretrain_argv, read_losses
+from tests.pretrain_helper import TinyData, pretrain_argv, read_losses
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_thread):
     """Every test of this module on one thread (see tests/conftest.py)."""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
-    return make_tiny_data(tmp_path_factory.mktemp("tiny"))
 
 
 SHORT = ("--steps", "3", "--save-interval", "0")
