@@ -102,6 +102,9 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and cfg.loop.overwrite and (run_dir / "checkpoints").is_dir():
+        print(f"demo: starting over in {run_dir} (pass --resume to continue the previous demo "
+              "run instead)")
     if rank0:
         tok, prefix = prepare_data(run_dir, cfg.model.vocab_size)
     if dist.is_initialized():
