@@ -53,7 +53,7 @@ def describe(path: str | Path) -> dict[str, Any]:
 
 def render(info: dict[str, Any]) -> str:
     """`describe`'s facts as a short aligned text block."""
-    from tessera.converters.reshard import human_bytes, human_count
+    from tessera.core.units import human_bytes, human_count
 
     preset = f'preset "{info["preset"]}"' if info["preset"] != "custom" else "no preset (custom)"
     heads = f"{info['num_heads']} attention heads"

@@ -76,6 +76,7 @@ from tessera.core.parallel.sharding import (
 )
 from tessera.core.parallel.weight_format import quantizable
 from tessera.core.progress import progress_iter
+from tessera.core.units import human_bytes, human_count
 
 FP8 = torch.float8_e4m3fn
 # Rows of a tensor moved per step (of the widest dtype involved): peak memory is a few of these.
@@ -111,25 +112,6 @@ class ConvertSummary:
             f"{self.tensors} tensors, {human_count(self.parameters)} parameters; read "
             f"{human_bytes(self.bytes_read)}, wrote {human_bytes(self.bytes_written)} in "
             f"{self.seconds:.1f} s; peak memory (RSS) {human_bytes(self.peak_rss_bytes)}")
-
-
-def _human(n: float, base: int, units: tuple[str, ...]) -> tuple[float, str]:
-    i = 0
-    while abs(n) >= base and i < len(units) - 1:
-        n, i = n / base, i + 1
-    return n, units[i]
-
-
-def human_bytes(n: float) -> str:
-    """Sizes like `1.5 GB` (binary units)."""
-    value, unit = _human(n, 1024, ("B", "KB", "MB", "GB", "TB"))
-    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
-def human_count(n: float) -> str:
-    """Counts like `254.31M`."""
-    value, unit = _human(n, 1000, ("", "K", "M", "B", "T"))
-    return f"{value:.0f}" if not unit else f"{value:.2f}{unit}"
 
 
 def peak_rss_bytes() -> int:

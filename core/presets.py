@@ -7,17 +7,10 @@ rules the sharding uses, so it matches what a checkpoint of the preset holds.
 from __future__ import annotations
 
 from tessera.core.config import PRESETS, ModelConfig
+from tessera.core.units import human_count
 
 COLUMNS = ("preset", "family", "params", "layers", "hidden", "heads", "kv heads", "ffn",
            "vocab", "context")
-
-
-def human_params(n: int) -> str:
-    """124439808 -> '124.4M' (B above a billion, k below a million)."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
 
 
 def preset_rows() -> list[tuple[str, ...]]:
@@ -29,7 +22,7 @@ def preset_rows() -> list[tuple[str, ...]]:
         c = ModelConfig.from_name(name)
         label = f"{name} (= {seen[id(fields)]})" if id(fields) in seen else name
         seen.setdefault(id(fields), name)
-        rows.append((label, c.family, human_params(num_parameters(c)), str(c.num_layers),
+        rows.append((label, c.family, human_count(num_parameters(c), digits=1), str(c.num_layers),
                      str(c.hidden_size), str(c.num_heads), str(c.num_kv_heads),
                      str(c.ffn_hidden_size), str(c.vocab_size), str(c.max_position_embeddings)))
     return rows

@@ -18,6 +18,7 @@ from typing import Any
 
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import num_parameters
+from tessera.core.units import human_count
 from tessera.training.metrics import describe_peak
 
 
@@ -42,7 +43,7 @@ def run_banner(cfg: Any, groups: ParallelGroups, train_ds: Any, device: Any, pre
     world = groups.tp_size * groups.pp_size * groups.dp_size
     name = m.name if getattr(m, "name", "") else "model"
     lines = [f"tessera {verb}: {name}, {m.num_layers} layers, hidden {m.hidden_size}, vocab "
-             f"{m.vocab_size}: {_si(num_parameters(m))} parameters"]
+             f"{m.vocab_size}: {human_count(num_parameters(m))} parameters"]
     layout = (f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size} = {world} "
               f"rank{'s' if world > 1 else ''} (sequence parallel "
               f"{'on' if par.sequence_parallel else 'off'})")
@@ -66,10 +67,3 @@ def run_banner(cfg: Any, groups: ParallelGroups, train_ds: Any, device: Any, pre
                       "and errors")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(lines + [f"  {k:<{width}}  {v}" for k, v in rows])
-
-
-def _si(n: int) -> str:
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
