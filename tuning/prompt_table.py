@@ -9,16 +9,12 @@ A prompt table directory holds
 `prompts.json` is written last (each file goes to a temporary name, then one rename), so a
 directory with a manifest has the weights it describes; a mismatch is reported, never loaded.
 
-A table only makes sense on the base it was tuned on, so the manifest records a fingerprint of
-that base (`base_fingerprint`): sha256 over the model config and, per tensor, its name, shape
-and about 4,096 evenly spaced values rounded to bf16. It reads the weights once (as loading
-them does), distinguishes any two trainings, and is the same for every layout `tessera convert`
-writes and for an fp32 or bf16 copy of the same base (an FP8 copy differs).
+A table only makes sense on the base it was tuned on, so the manifest records that base's
+fingerprint (`core.fingerprint.base_fingerprint`).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -29,41 +25,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tessera.core.checkpoint import CheckpointReader, read_manifest
+from tessera.core.checkpoint import read_manifest
 from tessera.core.files import atomic_file, save_safetensors
+from tessera.core.fingerprint import base_fingerprint
 
 FORMAT = "tessera-prompts"
 FORMAT_VERSION = 1
 TABLE_FILE = "prompts.safetensors"
 MANIFEST_FILE = "prompts.json"
-_SAMPLES = 4096
 
 
 class PromptTableError(ValueError):
     """A prompt table that cannot be used as asked; the message names the directory and why."""
-
-
-def base_fingerprint(checkpoint: str | os.PathLike) -> str:
-    """The fingerprint of a checkpoint's weights (see the module docstring)."""
-    path = Path(checkpoint).resolve()
-    stat = (path / "manifest.json").stat()
-    return _fingerprint(str(path), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _fingerprint(path: str, mtime_ns: int, size: int) -> str:
-    reader = CheckpointReader(path)
-    config = reader.manifest.model.to_dict()
-    for key in ("name", "dropout"):  # a renamed copy, or another dropout, is the same base
-        config.pop(key)
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for name in sorted(reader.names()):
-        tensor = reader.global_tensor(name)
-        flat = tensor.reshape(-1)
-        sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
-        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
-        digest.update(sample.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _sha256(file: Path) -> str:
