@@ -8,6 +8,8 @@ explicitly; with `tp_group=None` each is a plain layer. Activations are `(T, B, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,6 +38,10 @@ class ParallelLinear(nn.Module):
       parallelism, reduce-scattered along the sequence); the bias is replicated and added once,
       after the reduction.
     With `tp_group=None` either is a plain linear layer.
+
+    `adapter` (None, or set by `core.lora.attach_lora`) is a callable `(layer, x) -> term` added
+    to the local product before any reduction: for a row-parallel layer it then joins the
+    partial sums the layer reduces anyway, so it costs no communication of its own.
     """
 
     def __init__(self, in_local: int, out_local: int, bias: bool, parallel: str,
@@ -47,13 +53,19 @@ class ParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
         self.parallel, self.tp_group, self.sequence_parallel = parallel, tp_group, sequence_parallel
         self.format: WeightFormat = DENSE
+        self.adapter: Callable[[ParallelLinear, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "column":
-            return self.format.linear(self, _column_input(x, self.tp_group,
-                                                          self.sequence_parallel), self.bias)
-        y = _row_output(self.format.linear(self, x, None), self.tp_group, self.sequence_parallel)
+            return self._product(_column_input(x, self.tp_group, self.sequence_parallel),
+                                 self.bias)
+        y = _row_output(self._product(x, None), self.tp_group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The local product, plus the adapter's term when one is attached."""
+        y = self.format.linear(self, x, bias)
+        return y if self.adapter is None else y + self.adapter(self, x)
 
     @torch.no_grad()
     def set_format(self, fmt: WeightFormat, weight: torch.Tensor,

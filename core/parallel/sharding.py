@@ -20,7 +20,17 @@ Special cases:
   replica and must be summed over the group (`pipeline.sync_kv_replica_grads`);
 - fused SwiGLU `feed_forward.w1` is `[gate; up]` along dim 0, each half split separately;
 - the vocabulary (token embedding and output projection) is padded with zero rows up to a
-  multiple of the tp size before splitting; padding never reaches a checkpoint or a caller.
+  multiple of the tp size before splitting; padding never reaches a checkpoint or a caller;
+- LoRA factors `MODULE.lora_A.weight` `(r, in)` and `MODULE.lora_B.weight` `(out, r)` (see
+  `core.lora_format`) follow their base weight `MODULE.weight`: on a column-parallel base
+  (split by rows) B is split by rows exactly as the base, fused `[q; k; v]` / `[gate; up]` parts
+  and kv-head replication included, and A is replicated; on a row-parallel base (split by
+  columns) A is split by columns as the base and B is replicated. So `W_r + s B_r A` (column) and
+  `W_r + s B A_r` (row) are rank r's shard of the merged weight. `shard_spec` gives their spec,
+  so `shard_tensor`, `stored_shard`, `unshard_tensors` and `replica_rows` take them by name;
+  `lora_global_shapes`, `lora_local_shape`, `shard_adapter` and `unshard_adapter` are the
+  adapter-level forms (the model builds local shapes, converters and the server shard a global
+  adapter for a tp rank or put one together).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ class ShardSpec:
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])\.weight$")
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -94,6 +105,9 @@ def num_parameters(config: ModelConfig) -> int:
 
 def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     """How the global parameter `name` is split over the tensor-parallel group."""
+    lora = _LORA.match(name)
+    if lora:
+        return _lora_spec(lora["module"], lora["factor"], config)
     if name in ("tok_embeddings.weight", "output.weight"):
         return ShardSpec(dim=0, vocab=True)
     m = _LAYER.match(name)
@@ -109,6 +123,50 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
         return ShardSpec(dim=1)
     # Norms, position embeddings and row-parallel biases (added after the all-reduce).
     return ShardSpec(dim=None)
+
+
+def _lora_spec(module: str, factor: str, config: ModelConfig) -> ShardSpec:
+    """A LoRA factor's spec, from its base weight's (see the module docstring)."""
+    base = shard_spec(f"{module}.weight", config)
+    if base.vocab:
+        raise ValueError(f"no LoRA rule for {module}: only the block linears take adapters")
+    if base.dim == 0:  # column-parallel base: B's rows are the base's rows
+        return base if factor == "B" else ShardSpec(dim=None)
+    if base.dim == 1:  # row-parallel base: A's columns are the base's columns
+        return ShardSpec(dim=1) if factor == "A" else ShardSpec(dim=None)
+    return ShardSpec(dim=None)
+
+
+def lora_global_shapes(config: ModelConfig, modules: dict[str, int]
+                       ) -> dict[str, tuple[int, int]]:
+    """The global shapes of the A and B factors of each `{module: rank}`: `(r, in)`, `(out, r)`."""
+    shapes = global_param_shapes(config)
+    out: dict[str, tuple[int, int]] = {}
+    for module, rank in modules.items():
+        rows, cols = shapes[f"{module}.weight"]
+        out[f"{module}.lora_A.weight"] = (rank, cols)
+        out[f"{module}.lora_B.weight"] = (rows, rank)
+    return out
+
+
+def lora_local_shape(name: str, global_shape: tuple[int, ...], config: ModelConfig,
+                     tp_size: int) -> tuple[int, ...]:
+    """The shape a tp rank holds of the LoRA factor `name` of global shape `global_shape` (the
+    same on every rank, replicated kv heads included), as `shard_tensor` would cut it."""
+    meta = torch.empty(global_shape, device="meta")
+    return tuple(shard_tensor(name, meta, config, 0, tp_size).shape)
+
+
+def shard_adapter(tensors: dict[str, torch.Tensor], config: ModelConfig, tp_rank: int,
+                  tp_size: int) -> dict[str, torch.Tensor]:
+    """Tp rank `tp_rank`'s pieces of a global adapter's A/B tensors (views where possible)."""
+    return {n: shard_tensor(n, t, config, tp_rank, tp_size) for n, t in tensors.items()}
+
+
+def unshard_adapter(shards: list[dict[str, torch.Tensor]], config: ModelConfig
+                    ) -> dict[str, torch.Tensor]:
+    """The global A/B tensors from every tp rank's pieces (local or stored form), in rank order."""
+    return {n: unshard_tensors(n, [s[n] for s in shards], config) for n in shards[0]}
 
 
 def kv_replicas(config: ModelConfig, tp_size: int) -> int:
