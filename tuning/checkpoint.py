@@ -146,8 +146,9 @@ def read_tuning_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_resumable(meta: dict[str, Any], path: Path, expected: dict[str, Any]) -> None:
-    """Raise unless the checkpoint's base fingerprint, method and tasks are this run's."""
-    for key in ("base_fingerprint", "method", "n_virtual"):
+    """Raise unless the checkpoint's base fingerprint, method, tasks and (LoRA) adapter shape
+    are this run's."""
+    for key in ("base_fingerprint", "method", "n_virtual", "lora"):
         if meta.get(key) != expected.get(key):
             raise TuningCheckpointError(
                 f"cannot resume from {path}: its {key} is {meta.get(key)!r}, this run's is "

@@ -5,6 +5,10 @@
     tessera tune --evaluate --prompts DIR --data x.jsonl [--checkpoint BASE]
     tessera tune --export peft --prompts DIR --output OUT [--task NAME]
     tessera tune --import-peft ADAPTER_DIR --checkpoint BASE --task NAME --output DIR
+    tessera tune --checkpoint BASE --data train.jsonl --method lora --lora-rank R \\
+        --lora-alpha A --lora-targets qkv,wo --output DIR      (adapter: DIR/adapter)
+    tessera tune --evaluate --adapter DIR/adapter --data x.jsonl [--checkpoint BASE]
+    tessera tune --merge ADAPTER_DIR [--checkpoint BASE] --output OUT [--tp T --pp P]
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from tessera.core.checkpoint import CheckpointError
+    from tessera.core.lora_format import AdapterError
+    from tessera.tuning.checkpoint import TuningCheckpointError
     from tessera.tuning.prompt_table import PromptTableError
 
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
@@ -41,21 +47,34 @@ def main(argv: list[str]) -> int:
             from tessera.core.parallel.launch import launch_local_ranks
             from tessera.tuning.loop import prepare_inputs
 
-            if not args.evaluate:
+            if not (args.evaluate or args.merge):
                 prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)  # fail early
             return launch_local_ranks("tune", argv, args.nproc_per_node)
+        if args.merge:
+            from tessera.tuning.lora_merge import merge_adapter
+
+            out = merge_adapter(cfg, args.merge, output_given=_given_output(argv))
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"merged checkpoint: {out}")
+            return 0
+        if args.evaluate and args.adapter:
+            from tessera.tuning.loop import evaluate_adapter
+
+            evaluate_adapter(cfg, args.adapter)
+            return 0
         if args.evaluate:
             from tessera.tuning.loop import evaluate_table
 
             if not args.prompts:
-                raise ConfigError("--evaluate needs --prompts DIR (a prompt table)")
+                raise ConfigError("--evaluate needs --prompts DIR (a prompt table) or --adapter "
+                                  "DIR (a LoRA adapter)")
             evaluate_table(cfg, args.prompts)
             return 0
         from tessera.tuning.loop import tune
 
         tune(cfg, export_peft=args.export == "peft")
-    except (ConfigError, CheckpointError, PromptTableError, FileNotFoundError, FileExistsError,
-            PermissionError) as exc:
+    except (ConfigError, CheckpointError, PromptTableError, AdapterError, TuningCheckpointError,
+            FileNotFoundError, FileExistsError, PermissionError) as exc:
         print(f"tessera tune: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -68,7 +87,7 @@ def _import(cfg, args, argv: list[str]) -> int:
     from tessera.core.config import ConfigError
     from tessera.tuning.peft_format import import_peft
 
-    given_output = any(a.split("=")[0] in ("--output", "--loop.output") for a in argv)
+    given_output = _given_output(argv)
     missing = [flag for flag, value in (("--checkpoint", cfg.tune.checkpoint),
                                         ("--task", args.task), ("--output", given_output))
                if not value]
@@ -78,3 +97,8 @@ def _import(cfg, args, argv: list[str]) -> int:
                       add_eos=cfg.tune.add_eos)
     print(f"prompt table for task {args.task!r}: {out}")
     return 0
+
+
+def _given_output(argv: list[str]) -> bool:
+    """Whether --output was given (its default suits a tuning run, not a written artifact)."""
+    return any(a.split("=")[0] in ("--output", "--loop.output") for a in argv)

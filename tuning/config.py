@@ -35,7 +35,7 @@ from tessera.training.config import (
 if TYPE_CHECKING:  # the task data module imports torch; --help should not
     from tessera.tuning.data import TaskSpec
 
-METHODS = ("prompt-tuning", "p-tuning")
+METHODS = ("prompt-tuning", "p-tuning", "lora")
 ENCODERS = ("mlp", "lstm")
 INITS = ("vocab", "text")
 
@@ -47,7 +47,9 @@ class TuneConfig:
                         '{"task": NAME, FIELD: text, ...} per line')
     valid: str = opt("", "validation examples in the same format: answer loss and exact match")
     method: str = opt("p-tuning", "prompt-tuning (learn the virtual embeddings) | p-tuning "
-                                  "(learn them through an encoder, baked into a table at the end)")
+                                  "(learn them through an encoder, baked into a table at the end) "
+                                  "| lora (learn low-rank updates B A of chosen linear layers, "
+                                  "written as an adapter directory OUTPUT/adapter)")
     virtual_tokens: int = opt(10, "virtual tokens per task (a task in the YAML may set its own)")
     encoder: str = opt("mlp", "p-tuning encoder: mlp | lstm (bidirectional, then an MLP head)")
     encoder_hidden: int = opt(0, "p-tuning encoder width (0: the model's hidden size)")
@@ -55,6 +57,14 @@ class TuneConfig:
                              "tokens) | text (the embeddings of --init-text, tiled)")
     init_text: str = opt("", "with --init text: the text whose token embeddings start the prompt")
     add_eos: bool = opt(True, "end every answer with EOS, so generation stops after it")
+    lora_rank: int = opt(8, "LoRA: rank r of each adapted layer's update B A")
+    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by alpha / rank")
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapter's input while training")
+    lora_targets: str = opt("attention", "LoRA: the layers to adapt, comma-separated: qkv, wo, "
+                                         "w1, w2 (in every layer), attention (qkv,wo), mlp "
+                                         "(w1,w2), all, or a regular expression matched against "
+                                         "the whole module name or the name after `layers.N.` "
+                                         r"(e.g. 'layers\.[01]\.attention\.wqkv')")
 
 
 # Tuning's defaults for the reused sections (the dataclass defaults are pretraining's).
@@ -95,6 +105,19 @@ class TuneRunConfig:
             problems.append("--init text needs --init-text TEXT")
         if t.virtual_tokens < 1:
             problems.append(f"virtual_tokens must be >= 1, got {t.virtual_tokens}")
+        if t.method == "lora":
+            if t.lora_rank < 1:
+                problems.append(f"lora_rank must be >= 1, got {t.lora_rank}")
+            if not t.lora_alpha > 0:
+                problems.append(f"lora_alpha must be > 0, got {t.lora_alpha}")
+            if not 0.0 <= t.lora_dropout < 1.0:
+                problems.append(f"lora_dropout must be in [0, 1), got {t.lora_dropout}")
+            if not t.lora_targets.strip(" ,"):
+                problems.append("lora_targets is empty; e.g. --lora-targets qkv,wo or all")
+            if self.parallel.data_parallel != "ddp":
+                problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
+                                f"{self.parallel.data_parallel!r} (its adapter is small: "
+                                "sharding its optimizer state saves little)")
         if t.encoder_hidden < 0:
             problems.append(f"encoder_hidden must be >= 0, got {t.encoder_hidden}")
         if self.train.seq_len < 0:
@@ -107,14 +130,19 @@ class TuneRunConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera tune", formatter_class=HelpFormatter,
-        description="Prompt tuning / p-tuning of a frozen model: learn a few virtual token "
-        "embeddings per task, written as a prompt table (prompts.safetensors + prompts.json) "
-        "that the server loads. Fields come from --config YAML, then flags; a flag can be bare "
-        "(--lr) or dotted (--train.lr).",
+        description="Prompt tuning / p-tuning / LoRA of a frozen model: learn a few virtual "
+        "token embeddings per task, written as a prompt table (prompts.safetensors + "
+        "prompts.json) that the server loads, or low-rank updates of chosen layers, written as "
+        "a LoRA adapter directory (OUTPUT/adapter). Fields come from --config YAML, then "
+        "flags; a flag can be bare (--lr) or dotted (--train.lr).",
         epilog="examples:\n"
         "  tessera tune --checkpoint BASE --data train.jsonl --valid valid.jsonl \\\n"
         "      --method p-tuning --virtual-tokens 10 --output runs/tune\n"
         "  tessera tune --evaluate --prompts runs/tune --data test.jsonl\n"
+        "  tessera tune --checkpoint BASE --data train.jsonl --valid valid.jsonl --method lora \\\n"
+        "      --lora-rank 8 --lora-alpha 16 --lora-targets qkv,wo --lr 1e-3 --output runs/lora\n"
+        "  tessera tune --evaluate --adapter runs/lora/adapter --data test.jsonl\n"
+        "  tessera tune --merge runs/lora/adapter --checkpoint BASE --output merged/\n"
         "  tessera tune --export peft --prompts runs/tune --output adapters/\n"
         "  tessera tune --import-peft ADAPTER --checkpoint BASE --task NAME --output DIR\n"
         "  tessera tune --nproc-per-node 4 --tp 2 --pp 2 --config tune.yaml")
@@ -135,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--import-peft", metavar="ADAPTER_DIR",
                        help="turn a PEFT prompt-tuning adapter into a prompt table for "
                             "--checkpoint (needs --task and --output)")
+    modes.add_argument("--adapter", metavar="DIR",
+                       help="a LoRA adapter directory (for --evaluate)")
+    modes.add_argument("--merge", metavar="ADAPTER_DIR",
+                       help="write --output as a full checkpoint of --checkpoint (default: the "
+                            "adapter's base) with the LoRA adapter folded into its weights, in "
+                            "the layout of --tp / --pp (run with --nproc-per-node tp*pp)")
     modes.add_argument("--task", help="with --import-peft: the task name; with --export: only "
                                       "this task")
     add_section_flags(parser, SECTIONS, TuneRunConfig())

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tessera.core.lora import lora_dropout_off
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.tuning.data import Example, TaskData, make_batch, sequence
@@ -111,7 +112,12 @@ def generate_answers(t: Tuning, batch: list[Example]) -> list[list[int]]:
 @torch.no_grad()
 def evaluate(t: Tuning, data: TaskData, max_batches: int = 0) -> dict[str, dict[str, Any]]:
     """`{task: {"loss", "accuracy", "examples"}}` over `data` (at most `max_batches` global
-    batches per task; 0: all), the same on every rank."""
+    batches per task; 0: all), the same on every rank. LoRA adapters run without dropout."""
+    with lora_dropout_off(t.job.stages):
+        return _evaluate(t, data, max_batches)
+
+
+def _evaluate(t: Tuning, data: TaskData, max_batches: int) -> dict[str, dict[str, Any]]:
     g, device = t.job.groups, t.job.device
     per_dp = max(1, t.job.cfg.train.global_batch // g.dp_size)
     results = {}

@@ -1,4 +1,5 @@
-"""The tuning loop: a frozen base, trainable virtual prompts, any tp x pp x dp layout.
+"""The tuning loop: a frozen base, trainable virtual prompts or LoRA adapters, any tp x pp x dp
+layout.
 
 It reuses the pretraining machinery: `training.loop.Job` and `train_step` (micro-batch
 accumulation or the pipeline schedule, gradient syncs, global-norm clipping, AdamW with the
@@ -9,12 +10,19 @@ are in the optimizer. Batches come from `tuning.data` (indexed by step, so resum
 the step), validation from `tuning.evaluate`, checkpoints from `tuning.checkpoint`, and the
 result is a prompt table (`tuning.prompt_table`) in the output directory.
 
+LoRA (`--method lora`) takes the same path with the adapter in place of the prompts: the
+targeted layers get their factors (`core.lora.attach_lora`, this rank's pieces), only those
+train, tasks use no virtual tokens, checkpoints hold the global factors and their optimizer
+state (`tuning.lora_state`), and the result is an adapter directory `OUTPUT/adapter`
+(`core.lora_format.save_adapter`, global tensors put together from every tp and pp rank).
+
 Everything that can be wrong with the inputs (base, tokenizer, data, templates, context) is
 found before any rank builds a model or writes a file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -26,6 +34,13 @@ import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
 from tessera.core.config import ConfigError
+from tessera.core.lora import (
+    attach_lora,
+    mark_only_lora_as_trainable,
+    resolve_targets,
+    set_lora_dropout,
+)
+from tessera.core.lora_format import AdapterConfig, AdapterError, check_base, save_adapter
 from tessera.core.model import model_flops_per_token
 from tessera.core.parallel.zero import ShardedOptimizer
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
@@ -46,6 +61,7 @@ from tessera.tuning.data import (
     step_indices,
 )
 from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
+from tessera.tuning.lora_state import gather_adapter, load_lora_checkpoint, save_lora_checkpoint
 from tessera.tuning.prompt_table import (
     MANIFEST_FILE,
     TABLE_FILE,
@@ -74,6 +90,10 @@ class Tuning:
     tokenizer: Tokenizer
     seq_len: int
     add_eos: bool
+    lora: AdapterConfig | None = None  # the adapter being tuned (LoRA), else None
+
+
+ADAPTER_DIR = "adapter"  # where `--method lora` writes its adapter, inside the output directory
 
 
 @dataclass
@@ -86,6 +106,7 @@ class Inputs:
     train: TaskData | None
     valid: TaskData | None
     seq_len: int
+    modules: tuple[str, ...] = ()  # LoRA: the adapted modules (`--lora-targets` resolved)
 
 
 def base_tokenizer(checkpoint: str) -> Tokenizer:
@@ -105,6 +126,13 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
     cfg.model = model
+    lora = t.method == "lora"
+    modules: tuple[str, ...] = ()
+    if lora:
+        try:
+            modules = resolve_targets(t.lora_targets, model)
+        except AdapterError as exc:
+            raise ConfigError(str(exc)) from exc
     tokenizer = base_tokenizer(t.checkpoint)
     if specs is None:
         if not train:
@@ -113,7 +141,9 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         unused = sorted(set(cfg.tasks) - set(specs))
         if unused:
             raise ConfigError(f"tasks {unused} are configured but have no examples in {train}")
-    n_virtual = {name: s.virtual_tokens or t.virtual_tokens for name, s in specs.items()}
+    # LoRA adds no virtual tokens: a task's rows are its prompt and answer.
+    n_virtual = {name: 0 if lora else s.virtual_tokens or t.virtual_tokens
+                 for name, s in specs.items()}
     context = cfg.train.seq_len or model.max_position_embeddings
     if context > model.max_position_embeddings:
         raise ConfigError(f"seq_len {context} exceeds the base model's context "
@@ -128,34 +158,55 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
     multiple = math.lcm(8, cfg.parallel.tp)  # sequence parallelism splits it over tp
     seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
-    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len)
+    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules)
 
 
-def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | None = None
-          ) -> Tuning:
-    """Groups, the frozen base stages with the prompts attached, optimizer and schedule.
+def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | None = None,
+          adapter: tuple[AdapterConfig, dict[str, torch.Tensor]] | None = None) -> Tuning:
+    """Groups, the frozen base stages with the prompts (or LoRA adapter) attached, optimizer
+    and schedule.
 
     `tables` given (evaluation of a finished table): fixed prompts instead of trainable ones.
+    `adapter` given (evaluation of a finished LoRA adapter): its config and global tensors,
+    frozen.
     """
     from tessera.tuning.prompts import fixed_prompts
 
     cfg.train.seq_len = inputs.seq_len
     device, groups, stages = build_rank_model(cfg, init=False)
     load_weights(stages, cfg.tune.checkpoint)
-    prompts = None
-    if any(m.is_first for m in stages):
+    prompts, lora = None, None
+    if cfg.tune.method == "lora":
+        lora = adapter[0] if adapter else lora_config(cfg, inputs.modules)
+        attach_lora(stages, lora, tensors=adapter[1] if adapter else None, seed=cfg.train.seed)
+    elif any(m.is_first for m in stages):
         if tables is not None:
             prompts = fixed_prompts(tables, rows_from_ids=True)
         else:
             prompts = _initial_prompts(cfg, inputs)
         attach_prompts(next(m for m in stages if m.is_first), prompts)
     for m in stages:
-        mark_only_prompt_as_trainable(m)
+        (mark_only_lora_as_trainable if lora else mark_only_prompt_as_trainable)(m)
         m.eval()  # the base is frozen: no dropout, no recomputation
+        if adapter:
+            m.requires_grad_(False)
+    if lora:
+        set_lora_dropout(stages, True)  # the adapter's own dropout, while training
     job = make_job(cfg, device, groups, stages)
     return Tuning(cfg, job, prompts, inputs.specs, inputs.n_virtual,
                   {name: k for k, name in enumerate(inputs.specs)}, inputs.tokenizer,
-                  inputs.seq_len, cfg.tune.add_eos)
+                  inputs.seq_len, cfg.tune.add_eos, lora)
+
+
+def lora_config(cfg: TuneRunConfig, modules: tuple[str, ...], fingerprint: str = ""
+                ) -> AdapterConfig:
+    """The adapter `--method lora` tunes, from the config and the resolved target modules."""
+    t = cfg.tune
+    return AdapterConfig(rank=t.lora_rank, alpha=t.lora_alpha, modules=modules,
+                         targets=tuple(x.strip() for x in t.lora_targets.split(",") if x.strip()),
+                         dropout=t.lora_dropout,
+                         base_checkpoint=str(Path(t.checkpoint).resolve()),
+                         base_fingerprint=fingerprint)
 
 
 def _initial_prompts(cfg: TuneRunConfig, inputs: Inputs) -> VirtualPrompts:
@@ -191,21 +242,29 @@ def _shared_fingerprint(checkpoint: str) -> str:
 
 
 def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
-    """Run (or resume) prompt tuning as configured; returns the run summary on every rank."""
+    """Run (or resume) prompt tuning or LoRA as configured; returns the run summary on every
+    rank."""
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
     # After the inputs are checked (a bad input must not cost the old run), before any write;
     # the fingerprint's broadcast below keeps rank 0 from writing until every rank has looked.
     claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite,
-                  files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft"))
+                  files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR))
     t = setup(cfg, inputs)
     loop = cfg.loop
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
             "base_fingerprint": _shared_fingerprint(cfg.tune.checkpoint),
             "method": cfg.tune.method, "n_virtual": inputs.n_virtual, "config": cfg.to_dict()}
+    if t.lora is not None:
+        t.lora = dataclasses.replace(t.lora, base_fingerprint=meta["base_fingerprint"])
+        meta["lora"] = {"rank": t.lora.rank, "alpha": t.lora.alpha, "dropout": t.lora.dropout,
+                        "modules": list(t.lora.modules)}
     start, resumed = 0, None
     if loop.resume and (resumed := ckpt.latest_tuning_checkpoint(loop.output)) is not None:
         ckpt.check_resumable(ckpt.read_tuning_meta(resumed), resumed, meta)
-        start = ckpt.load_tuning_checkpoint(resumed, t.prompts, t.job.optimizer)
+        if t.lora is not None:
+            start = load_lora_checkpoint(resumed, t.job.stages, t.job.optimizer)
+        else:
+            start = ckpt.load_tuning_checkpoint(resumed, t.prompts, t.job.optimizer)
     if _rank0():
         Path(loop.output).mkdir(parents=True, exist_ok=True)
         for task, n in sorted(inputs.train.truncated.items()):
@@ -255,8 +314,13 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
             log.write("  valid exact match: " + ", ".join(
                 f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
         if done or (loop.save_interval and (step + 1) % loop.save_interval == 0):
+            if t.lora is not None:  # collective: rank 0 writes the gathered factors
+                path = save_lora_checkpoint(out, t.job.stages, t.job.optimizer, step=step + 1,
+                                            meta=meta, keep_last=loop.keep_last)
+                if _rank0():
+                    log.saved(path, step + 1)
             # A sharded optimizer (zero1 / fsdp) saves collectively; otherwise rank 0 alone.
-            if _rank0() or isinstance(t.job.optimizer, ShardedOptimizer):
+            elif _rank0() or isinstance(t.job.optimizer, ShardedOptimizer):
                 path = ckpt.save_tuning_checkpoint(out, t.prompts, t.job.optimizer,
                                                    step=step + 1, meta=meta,
                                                    keep_last=loop.keep_last, groups=t.job.groups)
@@ -270,10 +334,17 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
 def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
             before: dict | None, after: dict | None, peak: tuple[float | None, str],
             export: bool) -> dict[str, Any]:
-    """Write the prompt table (rank 0), print the per-task table, return the summary."""
+    """Write the prompt table or LoRA adapter (rank 0), print the per-task table, return the
+    summary."""
     cfg, out = t.cfg, Path(t.cfg.loop.output)
     tables = t.prompts.tables() if t.prompts is not None else {}
-    if _rank0():
+    result = out
+    if t.lora is not None:
+        result = out / ADAPTER_DIR
+        tensors = gather_adapter(t.job.stages)  # collective
+        if _rank0():
+            save_adapter(result, t.lora, tensors, overwrite=True)
+    elif _rank0():
         write_prompt_table(out, tables, base_checkpoint=cfg.tune.checkpoint,
                            tasks={n: s.to_dict() for n, s in inputs.specs.items()},
                            method=cfg.tune.method, extra={"add_eos": cfg.tune.add_eos})
@@ -301,9 +372,11 @@ def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
     summary = log.finish(losses=losses, valid_loss=valid, stopped=False,
                          checkpoint=ckpt.latest_tuning_checkpoint(out), peak_tflops=peak[0],
                          peak_source=peak[1],
-                         extra={"tasks": _finite(rows), "prompts": str(out)})
+                         extra={"tasks": _finite(rows),
+                                "adapter" if t.lora else "prompts": str(result)})
     if _rank0():
-        print("\n" + format_task_table(rows) + f"\n\nprompt table: {out}", flush=True)
+        what = "LoRA adapter" if t.lora else "prompt table"
+        print("\n" + format_task_table(rows) + f"\n\n{what}: {result}", flush=True)
     return {**summary, "losses": losses, "before": before, "after": after}
 
 
@@ -336,6 +409,30 @@ def evaluate_table(cfg: TuneRunConfig, prompts_dir: str) -> dict[str, dict[str, 
     results = evaluate(t, inputs.valid, cfg.loop.eval_batches)
     if _rank0():
         rows = [{"task": name, "n_virtual": inputs.n_virtual[name], "valid_examples": r["examples"],
+                 "loss": r["loss"], "accuracy": r["accuracy"]} for name, r in results.items()]
+        print(format_task_table(rows), flush=True)
+    return results
+
+
+def evaluate_adapter(cfg: TuneRunConfig, adapter_dir: str) -> dict[str, dict[str, Any]]:
+    """`tessera tune --evaluate --adapter DIR`: metrics of a finished LoRA adapter on
+    `cfg.tune.data` (task templates from `--config`, as when it was tuned)."""
+    from tessera.core.lora_format import load_adapter
+
+    config, tensors = load_adapter(adapter_dir)
+    if not cfg.tune.checkpoint:
+        cfg.tune.checkpoint = config.base_checkpoint
+    if not cfg.tune.data:
+        raise ConfigError("--evaluate needs --data examples.jsonl")
+    check_base(config, base_fingerprint(cfg.tune.checkpoint), cfg.tune.checkpoint)
+    cfg.tune.method = "lora"
+    specs = {name: cfg.tasks.get(name, TaskSpec(name=name))
+             for name in discover_tasks(cfg.tune.data)}
+    inputs = prepare_inputs(cfg, specs=specs, valid=cfg.tune.data)
+    t = setup(cfg, inputs, adapter=(config, tensors))
+    results = evaluate(t, inputs.valid, cfg.loop.eval_batches)
+    if _rank0():
+        rows = [{"task": name, "n_virtual": 0, "valid_examples": r["examples"],
                  "loss": r["loss"], "accuracy": r["accuracy"]} for name, r in results.items()]
         print(format_task_table(rows), flush=True)
     return results

@@ -1,0 +1,92 @@
+"""LoRA tuning checkpoints: the adapter's A/B factors and their AdamW state, never the base.
+
+`RUN/checkpoints/step-NNNNNNNN/` (the series of `tuning.checkpoint`) holds
+- `lora_state.safetensors`: every factor under its global name (`MODULE.lora_A.weight`, global
+  shape, put together from the tp and pp ranks by the sharding rule), AdamW's `exp_avg/NAME`
+  and `exp_avg_sq/NAME` (sharded as their parameter, so stored global too) and `step/NAME`;
+- `state.json`: step, method, the adapter (`lora`: rank, alpha, dropout, modules), the base's
+  path and fingerprint, and the run config.
+Being global, a checkpoint resumes under any tp x pp x dp layout: each rank cuts its pieces.
+Saving is collective (every rank sends its pieces to global rank 0, which writes alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tessera.core.checkpoint import atomic_directory
+from tessera.core.lora import gather_global, lora_parameters
+from tessera.core.parallel.sharding import shard_tensor
+from tessera.tuning.checkpoint import META_FILE, TuningCheckpointError, tuning_series
+
+STATE_FILE = "lora_state.safetensors"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def gather_adapter(stages: list[nn.Module], optimizer: Any | None = None
+                   ) -> dict[str, torch.Tensor] | None:
+    """The global factors (and, with `optimizer`, their AdamW state) on global rank 0; None on
+    the other ranks. Collective."""
+    local: dict[str, torch.Tensor] = {}
+    for name, p in lora_parameters(stages).items():
+        local[name] = p
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key in (*_MOMENTS, "step"):
+            if key in state:
+                local[f"{key}/{name}"] = torch.as_tensor(state[key])
+    return gather_global(local, stages[0].groups, stages[0].config)
+
+
+def save_lora_checkpoint(run_dir: str | os.PathLike, stages: list[nn.Module], optimizer: Any,
+                         *, step: int, meta: dict[str, Any], keep_last: int) -> Path:
+    """Write the factors and their optimizer state at `step`. Call on every rank."""
+    series = tuning_series(run_dir)
+    path = series.step_dir(step)
+    tensors = gather_adapter(stages, optimizer)
+    if _rank0():
+        with atomic_directory(path) as tmp:
+            save_file(tensors, str(tmp / STATE_FILE), metadata={"format": "pt"})
+            (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
+        series.mark_latest(path)
+        series.prune(keep_last)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+@torch.no_grad()
+def load_lora_checkpoint(path: str | os.PathLike, stages: list[nn.Module],
+                         optimizer: torch.optim.Optimizer) -> int:
+    """Restore this rank's factor pieces and their optimizer state; return the step."""
+    path = Path(path)
+    step = int(json.loads((path / META_FILE).read_text())["step"])
+    file = path / STATE_FILE
+    if not file.is_file():
+        raise TuningCheckpointError(f"{path} holds no LoRA state ({STATE_FILE}); it was saved "
+                                    "by another method: use another --output or drop --resume")
+    stored = load_file(str(file))
+    g, config = stages[0].groups, stages[0].config
+    for name, p in lora_parameters(stages).items():
+        if name not in stored:
+            raise TuningCheckpointError(f"{path}: no values for {name}; it was saved for "
+                                        "other target modules")
+        p.copy_(shard_tensor(name, stored[name], config, g.tp_rank, g.tp_size))
+        state = {k: shard_tensor(name, stored[f"{k}/{name}"], config, g.tp_rank, g.tp_size)
+                 .to(p.device).clone() for k in _MOMENTS if f"{k}/{name}" in stored}
+        if state:
+            # AdamW keeps its step count on the CPU (unless capturable): leave it there.
+            state["step"] = stored[f"step/{name}"].clone()
+            optimizer.state[p] = state
+    return step
