@@ -37,6 +37,7 @@ CPU_PARTS = {
                             "--serve-arg=--compile", "--name", "serve_load-compiled"],
     "convert": ["bench_convert.py"],
     "tune": ["bench_tune.py"],
+    "lora": ["bench_lora.py"],
     "fp8": ["bench_fp8.py", "--device", "cpu"],
 }
 GPU_PARTS = {

@@ -12,7 +12,9 @@ base, an existing output) is refused before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -44,7 +46,12 @@ def merge_adapter(cfg: TuneRunConfig, adapter_dir: str, *, output_given: bool = 
     if output.exists() and not cfg.loop.overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     cfg.tune.checkpoint, cfg.model = base, manifest.model
-    cfg.train.seq_len = math.lcm(8, cfg.parallel.tp)  # unused: no step runs; must pass checks
+    # No step runs, but the layout is checked as a training one: give it a schedule that fits.
+    par = cfg.parallel
+    micro = max(par.micro_batches, par.pp * par.virtual_stages)
+    cfg.parallel = dataclasses.replace(par, micro_batches=micro)
+    cfg.train.global_batch = micro * int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.train.seq_len = math.lcm(8, par.tp)
     _, _, stages = build_rank_model(cfg, init=False)
     load_weights(stages, base)
     attach_lora(stages, config, tensors=tensors)
