@@ -116,5 +116,5 @@ def test_yaml_tasks_and_flags(tmp_path):
     config.write_text(yaml.safe_dump({"tasks": {"qa": {"templte": "{a}"}}}))
     with pytest.raises(ValueError, match="tasks.qa: unknown settings"):
         load_config(["--config", str(config)])
-    with pytest.raises(ValueError, match="unknown method 'lora'"):
-        load_config(["--method", "lora"])
+    with pytest.raises(ValueError, match="unknown method 'ia3'"):  # (lora is a method now)
+        load_config(["--method", "ia3"])

@@ -121,6 +121,20 @@ def test_lora_beats_prompt_tuning_at_equal_steps(base, data, tmp_path, capsys):
     assert figures["lora"] >= 0.9 and figures["lora"] > figures["prompt-tuning"], figures
 
 
+def test_yaml_and_flags_configure_lora(tmp_path, capsys):
+    config = tmp_path / "lora.yaml"
+    config.write_text("tune:\n  method: lora\n  lora_rank: 2\n  lora_alpha: 4\n"
+                      "  lora_targets: qkv,w2\ntrain:\n  lr: 1e-3\n")
+    cfg, _ = load_config(["--config", str(config), "--lora-dropout", "0.1"])
+    t = cfg.tune
+    assert (t.method, t.lora_rank, t.lora_alpha, t.lora_dropout, t.lora_targets) == (
+        "lora", 2, 4.0, 0.1, "qkv,w2")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--lora-targets" in out and "--merge ADAPTER_DIR" in out and "--method lora" in out
+
+
 def _fails(argv, capsys, *needles):
     capsys.readouterr()
     assert cli.main(argv) == 2
