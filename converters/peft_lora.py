@@ -30,7 +30,7 @@ folds any module's other scale (a pattern, rsLoRA) into its B: `B * (s_m / s)`.
 
 Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bias`),
 `modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
-initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ), modules with no
+initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with no
 Tessera LoRA equivalent (embeddings, `lm_head`, norms), and factors whose shapes do not fit the
 base (an adapter trained on another model). A PEFT directory carries no fingerprint of its base,
 so a same-shaped base with other weights cannot be detected on import; the Tessera adapter
@@ -94,7 +94,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 # Initializations that rewrite the base weights (an adapter saved without converting it back
 # only works on that rewritten base).
-_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 class PeftLoraError(ConversionError):

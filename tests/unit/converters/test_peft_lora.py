@@ -42,15 +42,22 @@ CONFIGS = {
                          max_position_embeddings=64),
     "gpt2": ModelConfig.from_name("gpt2-tiny", vocab_size=VOCAB, num_layers=2,
                                   max_position_embeddings=64),
+    # Nemotron: partial rotary, squared-ReLU MLP with one up_proj (no gate).
+    "nemotron": ModelConfig(name="lora-nemotron", family="nemotron", vocab_size=VOCAB,
+                            hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                            ffn_hidden_size=96, max_position_embeddings=64, norm="layernorm1p",
+                            activation="squared_relu", rotary_fraction=0.5),
 }
 PEFT_TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "nemotron": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
 }
 LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=["gpt2", "llama",
+                                        pytest.param("nemotron", marks=pytest.mark.slow)])
 def base(request, tmp_path_factory):
     """(family, Tessera checkpoint, its HF export)."""
     family, root = request.param, tmp_path_factory.mktemp(f"peft-{request.param}")
@@ -133,15 +140,16 @@ def test_export_loads_in_peft_and_matches_tessera(base, tmp_path):
         torch.testing.assert_close(hf_merged[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
-def _peft_trained(hf_dir: Path, out: Path, targets: list[str], **lora_kwargs) -> Path:
-    """A LoRA trained three Adam steps with peft on the HF export (so B is nonzero)."""
+def _peft_trained(hf_dir: Path, out: Path, targets: list[str], steps: int = 3,
+                  **lora_kwargs) -> Path:
+    """A LoRA trained `steps` Adam steps with peft on the HF export (so B is nonzero)."""
     torch.manual_seed(3)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
     model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets,
                                                     task_type="CAUSAL_LM", **lora_kwargs))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(4))
-    for _ in range(3):
+    for _ in range(steps):
         optimizer.zero_grad()
         model(ids, labels=ids).loss.backward()
         optimizer.step()
@@ -155,7 +163,7 @@ def test_peft_trained_adapter_imports_and_matches(base, tmp_path):
     if family == "llama":  # per-module ranks and scales, folded into B on import
         extra = dict(rank_pattern={"model.layers.0.self_attn.k_proj": 2, "down_proj": 6},
                      alpha_pattern={"model.layers.1.mlp.up_proj": 3})
-    else:
+    else:  # rank-stabilized: alpha / sqrt(r)
         extra = dict(use_rslora=True)
     trained = _peft_trained(hf_dir, tmp_path / "trained", PEFT_TARGETS[family], **extra)
     _convert("--from", "peft", "--input", trained, "--checkpoint", ckpt, "--output",
@@ -218,7 +226,7 @@ def test_round_trips(base, tmp_path):
 @pytest.mark.parametrize("base", ["llama"], indirect=True)
 def test_refuses_what_it_cannot_represent(base, tmp_path, capsys):
     family, ckpt, hf_dir = base
-    trained = _peft_trained(hf_dir, tmp_path / "ok", ["q_proj", "o_proj"])
+    trained = _peft_trained(hf_dir, tmp_path / "ok", ["q_proj", "o_proj"], steps=0)
 
     def refused(config_edit: dict, match: str, weights: dict | None = None) -> None:
         bad = tmp_path / "bad"
