@@ -32,9 +32,11 @@ Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bia
 `modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
 initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with no
 Tessera LoRA equivalent (embeddings, `lm_head`, norms), and factors whose shapes do not fit the
-base (an adapter trained on another model). A PEFT directory carries no fingerprint of its base,
-so a same-shaped base with other weights cannot be detected on import; the Tessera adapter
-written gets the fingerprint of the base checkpoint given.
+base (an adapter trained on another model). PEFT records no fingerprint of the base; export puts
+the Tessera base's fingerprint in the safetensors metadata (`tessera_base_fingerprint`, which
+peft ignores), so an exported adapter imported onto another same-shaped base is refused too. A
+LoRA saved by peft itself cannot be checked beyond its shapes; the Tessera adapter written gets
+the fingerprint of the base checkpoint given.
 
 Nothing here imports `peft`: both formats are JSON plus safetensors. Outputs are atomic.
 """
@@ -69,6 +71,7 @@ from tessera.core.parallel.sharding import global_param_shapes, shard_spec
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_WEIGHTS_BIN = "adapter_model.bin"  # older peft versions
+FINGERPRINT_KEY = "tessera_base_fingerprint"  # safetensors metadata of an exported adapter
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF *ForCausalLM
 LORA_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
 _LAYER_MODULE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -190,7 +193,8 @@ def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLi
         PeftLoraError: the base has no HF mapping, or the adapter does not fit it.
     """
     adapter, tensors = load_adapter(adapter_dir)
-    check_base(adapter, base_fingerprint(base_checkpoint), base_checkpoint)
+    fingerprint = base_fingerprint(base_checkpoint)
+    check_base(adapter, fingerprint, base_checkpoint)
     config = read_manifest(base_checkpoint).model
     try:
         config_to_hf(config)  # a base with no HF equivalent has no PEFT adapter either
@@ -225,7 +229,8 @@ def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLi
         "layers_pattern": None, "exclude_modules": None, "revision": None,
     }
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        save_safetensors(out, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(out, str(tmp / PEFT_WEIGHTS),
+                         metadata={"format": "pt", FINGERPRINT_KEY: fingerprint})
         (tmp / PEFT_CONFIG).write_text(json.dumps(peft_config, indent=2) + "\n")
     return Path(out_dir)
 
@@ -233,7 +238,8 @@ def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLi
 # ---------------------------------------------------------------------------------- import
 
 
-def _read_peft(peft_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_peft(peft_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str | None]:
+    """The adapter config, its tensors, and the Tessera base fingerprint if we exported it."""
     file = peft_dir / PEFT_CONFIG
     if not file.is_file():
         raise PeftLoraError(f"{peft_dir} is not a PEFT adapter directory ({PEFT_CONFIG} is "
@@ -242,15 +248,17 @@ def _read_peft(peft_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         cfg = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise PeftLoraError(f"{file} is not valid JSON ({exc})") from exc
+    fingerprint = None
     if (peft_dir / PEFT_WEIGHTS).is_file():
         with safe_open(str(peft_dir / PEFT_WEIGHTS), "pt") as fh:
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            fingerprint = (fh.metadata() or {}).get(FINGERPRINT_KEY)
     elif (peft_dir / PEFT_WEIGHTS_BIN).is_file():
         tensors = torch.load(peft_dir / PEFT_WEIGHTS_BIN, map_location="cpu", weights_only=True)
     else:
         raise PeftLoraError(f"{peft_dir} has no adapter weights ({PEFT_WEIGHTS} or "
                             f"{PEFT_WEIGHTS_BIN})")
-    return cfg, tensors
+    return cfg, tensors, fingerprint
 
 
 def _check_supported(cfg: dict[str, Any], where: Path) -> None:
@@ -306,9 +314,15 @@ def import_peft(peft_dir: str | os.PathLike, base_checkpoint: str | os.PathLike,
             Tessera equivalent, or factors whose shapes do not fit the base.
     """
     peft_dir = Path(peft_dir)
-    cfg, tensors = _read_peft(peft_dir)
+    cfg, tensors, exported_from = _read_peft(peft_dir)
     _check_supported(cfg, peft_dir)
     config = read_manifest(base_checkpoint).model
+    fingerprint = base_fingerprint(base_checkpoint)
+    if exported_from is not None and exported_from != fingerprint:
+        raise PeftLoraError(
+            f"{peft_dir} was exported by Tessera from an adapter of another base (fingerprint "
+            f"{exported_from[:12]}), not {base_checkpoint} (fingerprint {fingerprint[:12]}); an "
+            "adapter only works on the model it was tuned on")
     index = _hf_index(config)
     r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
     rslora = bool(cfg.get("use_rslora"))
@@ -357,5 +371,5 @@ def import_peft(peft_dir: str | os.PathLike, base_checkpoint: str | os.PathLike,
     adapter = AdapterConfig(rank=r, alpha=scale * r, modules=modules, targets=targets,
                             dropout=float(cfg.get("lora_dropout") or 0.0),
                             base_checkpoint=str(base_checkpoint),
-                            base_fingerprint=base_fingerprint(base_checkpoint))
+                            base_fingerprint=fingerprint)
     return save_adapter(out_dir, adapter, out, overwrite=overwrite)

@@ -261,5 +261,10 @@ def test_refuses_what_it_cannot_represent(base, tmp_path, capsys):
     assert main(["--to", "peft", "--input", str(adapter), "--checkpoint", str(other),
                  "--output", str(tmp_path / "out")]) == 1
     assert "different weights" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    # Import: a PEFT adapter exported from this base, onto the same-shaped other base.
+    _convert("--to", "peft", "--input", adapter, "--checkpoint", ckpt, "--output", tmp_path / "p")
+    assert main(["--from", "peft", "--input", str(tmp_path / "p"), "--checkpoint", str(other),
+                 "--output", str(tmp_path / "out")]) == 1
+    assert "another base" in capsys.readouterr().err and not (tmp_path / "out").exists()
     assert main(["--to", "peft", "--input", str(adapter), "--output", str(tmp_path / "o")]) == 2
     assert "needs --checkpoint" in capsys.readouterr().err
