@@ -28,6 +28,9 @@ from `rank` gets `rank_pattern[m] = r_m` and `alpha_pattern[m] = (alpha / rank) 
 scale is Tessera's. Import takes `rank = r` and `alpha` = PEFT's default scale times `r`, and
 folds any module's other scale (a pattern, rsLoRA) into its B: `B * (s_m / s)`.
 
+Dropout (`lora_dropout` <-> `dropout`) acts only in training, and a little differently: Tessera
+drops a fused module's input once, PEFT each of q/k/v's separately. Inference is the same.
+
 Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bias`),
 `modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
 initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with no

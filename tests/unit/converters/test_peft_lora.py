@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -182,8 +183,6 @@ def test_peft_trained_adapter_imports_and_matches(base, tmp_path):
     # and gives the same logits again.
     _convert("--to", "peft", "--input", tmp_path / "imported", "--checkpoint", ckpt, "--output",
              tmp_path / "again")
-    from safetensors.torch import load_file
-
     original = load_file(trained / "adapter_model.safetensors")
     again = load_file(tmp_path / "again" / "adapter_model.safetensors")
     assert {k: v.shape for k, v in again.items()} == {k: v.shape for k, v in original.items()}
@@ -209,13 +208,20 @@ def test_round_trips(base, tmp_path):
     _convert("--from", "peft", "--input", trained, "--checkpoint", ckpt, "--output",
              tmp_path / "qv-tessera")
     config, tensors = load_adapter(tmp_path / "qv-tessera")
+    # Older peft versions saved adapter_model.bin: it imports the same.
+    (tmp_path / "qv-bin").mkdir()
+    shutil.copy(trained / "adapter_config.json", tmp_path / "qv-bin")
+    torch.save(load_file(trained / "adapter_model.safetensors"),
+               tmp_path / "qv-bin" / "adapter_model.bin")
+    _convert("--from", "peft", "--input", tmp_path / "qv-bin", "--checkpoint", ckpt, "--output",
+             tmp_path / "qv-bin-tessera")
+    from_bin = load_adapter(tmp_path / "qv-bin-tessera")[1]
+    assert all(torch.equal(from_bin[k], v) for k, v in tensors.items())
     b = tensors["layers.0.attention.wqkv.lora_B.weight"]
     assert config.modules == ("layers.0.attention.wqkv", "layers.1.attention.wqkv")
     assert b.shape == (128, 8) and not b[64:96].any()  # k's rows are zero: k is not adapted
     _convert("--to", "peft", "--input", tmp_path / "qv-tessera", "--checkpoint", ckpt,
              "--output", tmp_path / "qv-again")
-    from safetensors.torch import load_file
-
     original = load_file(trained / "adapter_model.safetensors")
     again = load_file(tmp_path / "qv-again" / "adapter_model.safetensors")
     assert set(again) == set(original)
@@ -235,8 +241,6 @@ def test_refuses_what_it_cannot_represent(base, tmp_path, capsys):
         cfg = json.loads((bad / "adapter_config.json").read_text())
         (bad / "adapter_config.json").write_text(json.dumps({**cfg, **config_edit}))
         if weights is not None:
-            from safetensors.torch import save_file
-
             save_file(weights, bad / "adapter_model.safetensors")
         assert main(["--from", "peft", "--input", str(bad), "--checkpoint", str(ckpt),
                      "--output", str(tmp_path / "out")]) == 1
