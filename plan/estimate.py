@@ -3,7 +3,8 @@
 The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 
 - GEMMs (the four weight GEMMs, the attention batched GEMMs, the output layer) at
-  `peak * gemm_fraction(m, n, k)` for their per-rank shapes;
+  `peak * gemm_fraction(m, n, k)` for their per-rank shapes; a fused attention kernel at
+  `peak * attention_efficiency`;
 - the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
   scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
   counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
@@ -32,8 +33,9 @@ from tessera.plan import formulas as F
 from tessera.plan.hardware import Hardware
 
 # How many times the memory-bound ops move the bytes of a layer's stored activations in a
-# forward pass (each written once by its producer and read once by its consumer).
-ELEMENTWISE_PASSES = 2.0
+# forward pass. Fused kernels (bias-GeLU, bias-dropout-add, scale-mask-softmax, as Megatron
+# runs them) touch each stored tensor about once; fitted with the GEMM constants on PTD-P.
+ELEMENTWISE_PASSES = 1.0
 # Bytes per gradient element in the data-parallel reduction (fp32 main grads, as Megatron
 # keeps for bf16 training) and per weight element in a sharded optimizer's all-gather.
 GRAD_REDUCE_BYTES = 4
@@ -178,10 +180,12 @@ def _bandwidth(hw: Hardware, intra: bool) -> float:
     return (hw.intra_node_gbps if intra else hw.inter_node_gbps) * 1e9 * hw.comm_efficiency
 
 
-def _collective_time(bytes_: float, n: int, hw: Hardware, bw: float, steps: int) -> float:
+def _collective_time(bytes_: float, n: int, hw: Hardware, bw: float, ops: int) -> float:
+    """`ops` collectives over n ranks moving `bytes_` per rank in all: bandwidth plus a fixed
+    start-up latency per operation."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
-    return bytes_ / bw + steps * (n - 1) * hw.link_latency_us * 1e-6
+    return bytes_ / bw + ops * hw.link_latency_us * 1e-6
 
 
 def _gemm_time(flops: float, shape: tuple[float, float, float], peak: float, hw: Hardware
@@ -221,7 +225,11 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         f = model.ffn_hidden_size
         gemm += (_gemm_time(2 * T * h * up * f / tp, (T, up * f / tp, h), peak, hw)
                  + _gemm_time(2 * T * f / tp * h, (T, h, f / tp), peak, hw))
-    attention = _gemm_time(4 * T * s * (a / tp) * hd, (sl, s, hd), peak, hw)
+    att_flops = 4 * T * s * (a / tp) * hd
+    if job.flash_attention:  # one fused kernel: its own achievable rate, no score tensors
+        attention = att_flops / (peak * hw.attention_efficiency)
+    else:  # two batched GEMMs per head, thin in the head dimension
+        attention = _gemm_time(att_flops, (sl, s, hd), peak, hw)
     gemm += attention
 
     stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
@@ -233,17 +241,18 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
 
     node = job.gpus_per_node
     tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel)
-    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True), steps=4)
+    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True),
+                               ops=4 if c.sequence_parallel else 2)
     cp_time = 0.0
     if cp > 1:
         local_kv = max(1, kv // tp)  # kv heads of this tp rank (replicated when tp > kv)
         cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp)
-        comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), steps=1)
+        comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
         cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
     ep_time = 0.0
     if experts and c.ep > 1:
         ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep)
-        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), 2)
+        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
                        tp=tp_time, cp=cp_time, ep=ep_time)
 
@@ -321,7 +330,7 @@ def step_time(job: Job, c: Config) -> StepTime:
                    + F.allgather_bytes(params * PARAM_GATHER_BYTES, n_dp))
         else:
             vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n_dp)
-        dp_full = _collective_time(vol, n_dp, hw, bw, steps=2)
+        dp_full = _collective_time(vol, n_dp, hw, bw, ops=2)
         window = layers_rank * (bwd + lt.tp) if job.overlap_grad_reduce else 0.0
         dp_time = max(0.0, dp_full - window)
     opt_params = params / (n_dp if c.sharded_optimizer else 1)

@@ -48,6 +48,7 @@ class ParameterCounts:
     `layer_active` what one token uses in one layer."""
 
     embedding: int  # token (and learned position) embeddings
+    word_embedding: int  # the token embedding alone (V h), what a tied output layer copies
     output: int  # output projection, 0 when tied to the embedding
     final_norm: int
     layer_dense: int
@@ -106,9 +107,10 @@ def parameter_counts(
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
                                         if model.position == "learned" else 0)
     output = 0 if model.tied_embeddings else model.vocab_size * h
-    return ParameterCounts(embedding=embedding, output=output, final_norm=norm,
-                           layer_dense=layer_dense, layer_experts=layer_experts,
-                           layer_active=layer_active, num_layers=model.num_layers)
+    return ParameterCounts(embedding=embedding, word_embedding=model.vocab_size * h,
+                           output=output, final_norm=norm, layer_dense=layer_dense,
+                           layer_experts=layer_experts, layer_active=layer_active,
+                           num_layers=model.num_layers)
 
 
 def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1) -> int:
@@ -121,7 +123,7 @@ def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1) -> i
     layers = counts.num_layers / pp
     body = layers * (counts.layer_dense / tp + counts.layer_experts / (tp * ep))
     emb = counts.embedding / tp
-    out = (counts.output or (counts.embedding if pp > 1 else 0)) / tp
+    out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp
     if pp == 1:
         return round(body + emb + out + counts.final_norm)
     return round(body + max(emb, out + counts.final_norm))

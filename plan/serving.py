@@ -113,7 +113,7 @@ def plan_serving(
             if tp > 1:
                 msg = F.allreduce_bytes(batch * model.hidden_size * 2, tp)
                 per = msg / (hardware.intra_node_gbps * 1e9 * hardware.comm_efficiency) + \
-                    2 * (tp - 1) * hardware.link_latency_us * 1e-6
+                    hardware.link_latency_us * 1e-6
                 step += 2 * model.num_layers * per
             if pp > 1:
                 step += (pp - 1) * hardware.link_latency_us * 1e-6
