@@ -3,8 +3,8 @@
 The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 
 - GEMMs (the four weight GEMMs, the attention batched GEMMs, the output layer) at
-  `peak * gemm_fraction(m, n, k)` for their per-rank shapes; a fused attention kernel at
-  `peak * attention_efficiency`;
+  `peak * gemm_fraction(m, n, k)` for their per-rank shapes; attention at
+  `peak * attention_efficiency` (fused, flash) or `peak * unfused_attention_efficiency`;
 - the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
   scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
   counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
@@ -228,8 +228,8 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     att_flops = 4 * T * s * (a / tp) * hd
     if job.flash_attention:  # one fused kernel: its own achievable rate, no score tensors
         attention = att_flops / (peak * hw.attention_efficiency)
-    else:  # two batched GEMMs per head, thin in the head dimension
-        attention = _gemm_time(att_flops, (sl, s, hd), peak, hw)
+    else:  # batched GEMMs per head around a separate softmax
+        attention = att_flops / (peak * hw.unfused_attention_efficiency)
     gemm += attention
 
     stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,

@@ -61,31 +61,33 @@ def paper_and_best(billions: float):
 
 @pytest.mark.parametrize("billions", list(ROWS))
 def test_ptdp_table1_throughput_within_15_percent(billions):
+    # The brief's bar is 15%; every row is within 8% (see README "The analytic model").
     paper, _ = paper_and_best(billions)
     assert paper.fits
     assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.15)
 
 
 # The paper's (tp, pp) is the planner's first choice or within 3% of its best throughput.
-# The model disagrees with the paper's heuristic choice (PTD-P section 3 "takeaway #1": tp up
-# to the node size first) where a smaller tp with a few more pipeline stages avoids tp's
-# all-reduces and its replicated norm/dropout work (no sequence parallelism in 2021) at a
-# small interleaved bubble: 18.4B (tp2 pp4 predicted ~17% faster), 7.5B, 39.1B, 3.6B, 529.6B.
+# The model disagrees with the paper's heuristic choice (PTD-P section 3, takeaway #1: tp up
+# to the node size first) where a smaller tp with a few more, interleaved pipeline stages
+# avoids tp's all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work
+# (no sequence parallelism in 2021): 18.4B (tp2 pp4 v5 predicted ~14% faster), and by less
+# 3.6B, 7.5B, 39.1B.
 LAYOUT_CHOICE = [
     pytest.param(1.7, 0.03, id="1.7B"),
     pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(
-        strict=True, reason="the model predicts tp2 pp4 (interleaved) ~17% faster than the "
-        "paper's tp8 pp1: tp8 pays 2 all-reduces per layer pass and replicated elementwise "
-        "work without sequence parallelism")),
+        strict=True, reason="the model predicts tp2 pp4 v5 ~14% faster than the paper's "
+        "tp8 pp1: tp8 pays two all-reduces per layer pass, thinner GEMMs and replicated "
+        "elementwise work without sequence parallelism")),
     pytest.param(76.1, 0.03, id="76.1B"),
     pytest.param(145.6, 0.03, id="145.6B"),
     pytest.param(310.1, 0.03, id="310.1B"),
+    pytest.param(529.6, 0.03, id="529.6B"),
     pytest.param(1008.0, 0.03, id="1008B"),
     # Known deviations, bounded so that the model cannot drift further unnoticed.
-    pytest.param(3.6, 0.06, id="3.6B-deviation"),
-    pytest.param(7.5, 0.10, id="7.5B-deviation"),
-    pytest.param(39.1, 0.11, id="39.1B-deviation"),
-    pytest.param(529.6, 0.05, id="529.6B-deviation"),
+    pytest.param(3.6, 0.05, id="3.6B-deviation"),
+    pytest.param(7.5, 0.08, id="7.5B-deviation"),
+    pytest.param(39.1, 0.09, id="39.1B-deviation"),
 ]
 
 
