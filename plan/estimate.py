@@ -25,7 +25,7 @@ one NIC per GPU, and MoE load imbalance is ignored (perfectly balanced routing).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tessera.core.config import ModelConfig
@@ -119,6 +119,18 @@ class Job:
     flash_attention: bool
     overlap_grad_reduce: bool
     grad_reduce_bytes: int = GRAD_REDUCE_BYTES
+    # Per-job values every configuration shares (parameter counts, FLOPs), computed once.
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def counts(self) -> F.ParameterCounts:
+        if "counts" not in self.cache:
+            self.cache["counts"] = counts_of(self.model)
+        return self.cache["counts"]
+
+    def units(self) -> F.LayerActivations:
+        if "units" not in self.cache:
+            self.cache["units"] = F.layer_activation_units(self.model, self.flash_attention)
+        return self.cache["units"]
 
 
 def moe_fields(model: ModelConfig) -> tuple[int, int, int | None]:
@@ -145,13 +157,12 @@ def memory(job: Job, c: Config) -> Memory:
     micro-batches in flight) and the last (output layer and logits, one in flight)."""
     model, s, b = job.model, job.seq_len, c.micro_batch
     h, L = model.hidden_size, model.num_layers
-    counts = counts_of(model)
-    params = F.params_per_rank(counts, c.tp, c.pp, c.ep)
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
     w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer)
 
     def act(recompute: str) -> float:
         return F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
-                                        c.cp, job.flash_attention)
+                                        c.cp, job.flash_attention, job.units())
 
     layers_per_chunk = L // (c.pp * c.virtual_stages)
     if c.recompute == "full":
@@ -233,10 +244,10 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     gemm += attention
 
     stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
-                                      job.flash_attention)
+                                      job.flash_attention, job.units())
     bw_hbm = hw.memory_gbps * 1e9
     elementwise = ELEMENTWISE_PASSES * stored / bw_hbm
-    u = F.layer_activation_units(model, job.flash_attention)
+    u = job.units()
     scores = ELEMENTWISE_PASSES * (sl * b * h) * u.scores * a * s / h / tp / bw_hbm
 
     node = job.gpus_per_node
@@ -261,6 +272,13 @@ def hardware_flops(job: Job, recompute: str) -> float:
     """FLOPs one step executes for the whole batch, counting a recomputed forward as PTD-P's
     eq. 3 does: layer forward x (3, + the attention part for selective, + 1 for full) plus the
     output layer x 3. For a GPT shape this is exactly `formulas.ptdp_flops_per_iteration`."""
+    key = ("flops", recompute)
+    if key not in job.cache:
+        job.cache[key] = _step_flops(job, recompute)
+    return job.cache[key]
+
+
+def _step_flops(job: Job, recompute: str) -> float:
     model = job.model
     tokens = job.global_batch * job.seq_len
     experts, topk, moe_ffn = moe_fields(model)
@@ -317,8 +335,7 @@ def step_time(job: Job, c: Config) -> StepTime:
         one = p2p / _bandwidth(hw, intra) + hw.link_latency_us * 1e-6
         pp_time = 2 * c.virtual_stages * m * one
 
-    counts = counts_of(model)
-    params = F.params_per_rank(counts, c.tp, c.pp, c.ep)
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
     n_dp = c.dp * c.cp
     dp_time = 0.0
     if n_dp > 1:

@@ -205,16 +205,18 @@ def layer_activation_units(model: ModelConfig, flash_attention: bool = False
 
 def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           cp: int = 1, flash_attention: bool = False) -> float:
+                           cp: int = 1, flash_attention: bool = False,
+                           units: LayerActivations | None = None) -> float:
     """Stored activation bytes of one layer on one rank, [Korthikanti Table 2] generalised by
     `layer_activation_units`; context parallelism divides the sequence a rank holds by `cp`
     (and the score matrix by cp as well: each rank scores its s/cp queries against s keys).
-    Full recomputation keeps only the layer input, 2 s b h (/t with sequence parallelism)."""
+    Full recomputation keeps only the layer input, 2 s b h (/t with sequence parallelism).
+    `units`: `layer_activation_units(model, flash_attention)`, when the caller has it."""
     sl = s / cp
     sbh = sl * b * model.hidden_size
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
-    u = layer_activation_units(model, flash_attention)
+    u = units or layer_activation_units(model, flash_attention)
     scores = 0.0 if recompute == "selective" else u.scores * model.num_heads * s / model.hidden_size
     replicated = u.replicated / (t if sequence_parallel else 1)
     return sbh * (replicated + (u.split + scores) / t)

@@ -10,7 +10,8 @@ sequence parallelism) and re-implements only the schedule arithmetic of
 `core.parallel.pipeline.schedule_problems` (1F1B needs m >= p; the interleaved schedule runs
 micro-batches in rounds of p), which lives beside torch. Search bounds: tp divides the node
 size (tp never spans nodes); cp is a power of two with s/cp >= `MIN_CP_CHUNK` tokens, at most
-one node; micro-batch sizes up to `MAX_MICRO_BATCH` unless fixed; ep only for MoE models.
+one node; micro-batch sizes are powers of two up to `MAX_MICRO_BATCH` unless fixed; ep only for
+MoE models.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 from tessera.core.config import Layout, ModelConfig
@@ -53,7 +55,8 @@ class TrainingJob:
     overlap_grad_reduce: bool = True
     grad_reduce_bytes: int = 4
 
-    def _estimate_job(self) -> E.Job:
+    @cached_property
+    def _estimate(self) -> E.Job:
         return E.Job(model=self.model, hardware=self.hardware, global_batch=self.global_batch,
                      seq_len=self.seq_len, gpus_per_node=self.gpus_per_node,
                      precision=self.precision, flash_attention=self.flash_attention,
@@ -220,9 +223,9 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     return out
 
 
-def _candidate(job: TrainingJob, c: E.Config) -> Candidate:
-    ej = job._estimate_job()
-    mem = E.memory(ej, c)
+def _candidate(job: TrainingJob, c: E.Config, mem: E.Memory | None = None) -> Candidate:
+    ej = job._estimate
+    mem = mem or E.memory(ej, c)
     t = E.step_time(ej, c)
     step = t.total
     tokens = job.global_batch * job.seq_len
@@ -301,7 +304,7 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                     continue
                 eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
                 per_dp = job.global_batch // dp
-                mbs = [b for b in _divisors(per_dp) if b <= MAX_MICRO_BATCH] or [1]
+                mbs = [b for b in _divisors(per_dp) if b <= MAX_MICRO_BATCH and not b & (b - 1)]
                 if fit_only:
                     mbs = mbs[:1]
                 vs = [v for v in _divisors(L // pp) if pp > 1 or v == 1] if L % pp == 0 else []
@@ -338,7 +341,7 @@ def _settle_recompute_layers(job: TrainingJob, c: E.Config, fixed: Fixed) -> E.C
     not fit), or None (skip) when it fits without any (the `recompute="none"` candidate)."""
     if c.recompute != "full" or fixed.recompute == "full" or fixed.recompute_layers is not None:
         return c
-    ej = job._estimate_job()
+    ej = job._estimate
     cap = job.hardware.memory_gib
     per_chunk = job.model.num_layers // (c.pp * c.virtual_stages)
     all_ = E.memory(ej, replace(c, recompute_layers=None)).total
@@ -368,26 +371,34 @@ def plan_training(job: TrainingJob, fixed: Fixed = Fixed(), top: int | None = No
     if fixed.recompute is not None and fixed.recompute not in RECOMPUTE:
         raise PlanError(f"unknown recompute {fixed.recompute!r}; choose one of {list(RECOMPUTE)}")
     fits: list[Candidate] = []
-    smallest: Candidate | None = None
+    smallest: tuple[float, E.Config] | None = None
     seen = 0
+    cap = job.hardware.memory_gib
+    too_big: dict[tuple[Any, ...], int] = {}  # layout -> smallest micro-batch that does not fit
     for c in _configs(job, fixed):
+        key = (c.tp, c.pp, c.cp, c.ep, c.virtual_stages, c.sequence_parallel, c.recompute)
+        if c.micro_batch > too_big.get(key, c.micro_batch):
+            continue  # memory grows with the micro-batch (micro-batches come in ascending order)
         c2 = _settle_recompute_layers(job, c, fixed)
         if c2 is None:
             continue
         seen += 1
-        cand = _candidate(job, c2)
-        if cand.fits:
-            fits.append(cand)
-        elif smallest is None or cand.memory_gib < smallest.memory_gib:
-            smallest = cand
+        mem = E.memory(job._estimate, c2)
+        if mem.total <= cap:  # only what fits is timed
+            fits.append(_candidate(job, c2, mem))
+            continue
+        too_big[key] = min(too_big.get(key, c.micro_batch), c.micro_batch)
+        if smallest is None or mem.total < smallest[0]:
+            smallest = (mem.total, c2)
     if not fits:
-        raise PlanError(_nothing_fits(job, fixed, seen, smallest))
+        raise PlanError(_nothing_fits(job, fixed, seen,
+                                      _candidate(job, smallest[1]) if smallest else None))
     fits.sort(key=_rank_key)
     return fits[:top] if top else fits
 
 
 def _fits_somewhere(job: TrainingJob, fixed: Fixed) -> bool:
-    ej = job._estimate_job()
+    ej = job._estimate
     for c in _configs(job, fixed, fit_only=True):
         if E.memory(ej, replace(c, recompute_layers=None)).total <= job.hardware.memory_gib:
             return True
