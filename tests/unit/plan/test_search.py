@@ -191,3 +191,46 @@ def test_planning_imports_no_torch():
     code = ("import sys, tessera.plan; from tessera.plan import plan_training; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_memory_breakdown_by_hand_1_7b():
+    # gpt-1.7b, tp1 pp1 dp32, micro-batch 1, no recompute, no sharded optimizer, unfused
+    # attention. P = 1,652,230,656: weights 2P = 3,304,461,312 bytes = 3.0775 GiB, grads
+    # 4P = 6.1550 GiB, Adam 12P = 18.4651 GiB. Activations: s b h = 2048 * 2304 = 4,718,592;
+    # per layer (34 + 5 * 24 * 2048 / 2304 = 140.667) s b h = 663,748,608, x 24 layers =
+    # 15,929,966,592; embedding 8 s b + s b h = 4,734,976; logits 4 s b (h + V) =
+    # 4 * 2048 * 53504 = 438,304,768; in all 16,373,006,336 bytes = 15.2486 GiB.
+    # Sum 42.9462 GiB, plus the framework overhead.
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048,
+                      flash_attention=False)
+    c = evaluate(job, {"micro_batch": 1, "recompute": "none", "sharded_optimizer": False})
+    assert c.memory.weights == pytest.approx(3.0775, abs=1e-4)
+    assert c.memory.gradients == pytest.approx(6.1550, abs=1e-4)
+    assert c.memory.optimizer == pytest.approx(18.4651, abs=1e-4)
+    assert c.memory.activations == pytest.approx(15.2486, abs=1e-4)
+    assert c.memory.total == pytest.approx(42.9462 + A100.framework_overhead_gib, abs=1e-3)
+    # A sharded optimizer over the 32 data-parallel ranks: 18.4651 / 32 = 0.5770 GiB.
+    z = evaluate(job, {"micro_batch": 1, "recompute": "none", "sharded_optimizer": True})
+    assert z.memory.optimizer == pytest.approx(0.5770, abs=1e-4)
+    # Full recomputation keeps 2 s b h per layer (24 * 9,437,184 = 226,492,416) plus one
+    # layer's activations while recomputing it (663,748,608): with embedding and logits
+    # 1,333,280,768 bytes = 1.2417 GiB.
+    f = evaluate(job, {"micro_batch": 1, "recompute": "full", "sharded_optimizer": False})
+    assert f.memory.activations == pytest.approx(1.2417, abs=1e-4)
+
+
+def test_serving_memory_by_hand():
+    # llama3-8b in bf16 on one H100: weights 8,030,261,248 * 2 bytes = 14.96 GiB; KV cache
+    # per 8192-token sequence 2 * 32 * 8 * 128 * 8192 * 2 = 1 GiB (1,073,741,824 bytes); the
+    # free memory after weights and overhead, 79.6 - 14.96 - 3 = 61.64 GiB, holds 61.
+    plan = plan_serving(ModelConfig.from_name("llama3-8b"), 1, load_hardware("h100-80gb"),
+                        "bf16", batch=4, context=8192)
+    best = plan.recommended
+    assert (best.tp, best.pp) == (1, 1)
+    assert best.weights_gib == pytest.approx(14.958, abs=1e-3)
+    assert best.kv_cache_gib == pytest.approx(4.0)
+    assert best.max_batch == 61
+    # A latency bound nothing meets is said plainly, not ignored.
+    strict = plan_serving(ModelConfig.from_name("llama3-8b"), 1, load_hardware("h100-80gb"),
+                          max_latency_ms=0.1)
+    assert not strict.fits and "latency" in strict.message
