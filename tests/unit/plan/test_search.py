@@ -234,3 +234,20 @@ def test_serving_memory_by_hand():
     strict = plan_serving(ModelConfig.from_name("llama3-8b"), 1, load_hardware("h100-80gb"),
                           max_latency_ms=0.1)
     assert not strict.fits and "latency" in strict.message
+
+
+def test_activations_match_megatron_theoretical_memory():
+    # Megatron-LM's theoretical_memory_usage.compute_activation_memory (SP + selective) for
+    # GPT-3 175B, s 2048, b 1, t 8, p 8, v 1, m >= p, by hand: 34 s b h per layer x 96
+    # layers = 25,165,824 * 34 * 96 = 82,141,249,536; embedding input 8 s b p = 131,072 and
+    # dropout s b h p = 201,326,592; divided by t: 10,292,838,400 bytes. The planner adds one
+    # layer's attention scores while they are recomputed, (80/8) s b h = 251,658,240.
+    job = TrainingJob(ModelConfig.from_name("gpt3-175b"), 1024, A100, 1536, 2048,
+                      flash_attention=False)
+    c = evaluate(job, {"tp": 8, "pp": 8, "micro_batch": 1, "sequence_parallel": True,
+                       "recompute": "selective"})
+    assert c.memory.activations * 2**30 == pytest.approx(10_292_838_400 + 251_658_240)
+    # Interleaved with v = 2: Megatron multiplies by 1 + (p - 1)/(p v) = 1 + 7/16.
+    i = evaluate(job, {"tp": 8, "pp": 8, "virtual_stages": 2, "micro_batch": 1,
+                       "sequence_parallel": True, "recompute": "selective"})
+    assert i.memory.activations * 2**30 == pytest.approx(10_292_838_400 * 23 / 16 + 251_658_240)
