@@ -405,6 +405,37 @@ def _fits_somewhere(job: TrainingJob, fixed: Fixed) -> bool:
     return False
 
 
+def _fewest_gpus(job: TrainingJob, fixed: Fixed, most: int = 128) -> int | None:
+    """About the fewest GPUs (up to `most` x as many, whole nodes beyond one) on which `job`
+    fits: doubling until it fits, then bisecting the whole-node counts in between (assuming
+    that what fits on n GPUs fits on more)."""
+    node = job.gpus_per_node
+
+    def whole(n: int) -> int:
+        return n if n <= node else -(-n // node) * node
+
+    def fits(n: int) -> bool:
+        return _fits_somewhere(replace(job, gpus=n), fixed)
+
+    lo, hi = job.gpus, None
+    while whole(lo * 2) <= job.gpus * most:
+        if fits(whole(lo * 2)):
+            hi = whole(lo * 2)
+            break
+        lo = whole(lo * 2)
+    if hi is None:
+        return None
+    while hi > node and hi - lo > node:  # bisect over whole nodes
+        mid = whole((lo + hi) // 2 // node * node) if (lo + hi) // 2 > node else whole(hi // 2)
+        if mid <= lo or mid >= hi:
+            break
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def _nothing_fits(job: TrainingJob, fixed: Fixed, seen: int, smallest: Candidate | None
                   ) -> str:
     hw = job.hardware
@@ -421,12 +452,9 @@ def _nothing_fits(job: TrainingJob, fixed: Fixed, seen: int, smallest: Candidate
            f"(weights {smallest.memory.weights:.1f}, optimizer {smallest.memory.optimizer:.1f}, "
            f"activations {smallest.memory.activations:.1f}).")
     hints = []
-    step = job.gpus_per_node if job.gpus >= job.gpus_per_node else job.gpus
-    for mult in (2, 4, 8, 16, 32, 64, 128):
-        more = replace(job, gpus=max(job.gpus, step) * mult)
-        if _fits_somewhere(more, fixed):
-            hints.append(f"{more.gpus} x {hw.name} would fit")
-            break
+    fewest = _fewest_gpus(job, fixed)
+    if fewest:
+        hints.append(f"{fewest} x {hw.name} would fit")
     for other in sorted(PROFILES.values(), key=lambda p: p.memory_gib):
         if other.memory_gib > hw.memory_gib and job.precision in other.peak_tflops:
             if _fits_somewhere(replace(job, hardware=other), fixed):
