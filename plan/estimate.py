@@ -127,6 +127,16 @@ class Job:
             self.cache["counts"] = counts_of(self.model)
         return self.cache["counts"]
 
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element: 4 in fp32 (CPU runs), else 2."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def act_scale(self) -> float:
+        """Activation bytes relative to the papers' 16-bit counts."""
+        return self.act_bytes / 2
+
     def units(self) -> F.LayerActivations:
         if "units" not in self.cache:
             self.cache["units"] = F.layer_activation_units(self.model, self.flash_attention)
@@ -158,7 +168,7 @@ def memory(job: Job, c: Config) -> Memory:
     model, s, b = job.model, job.seq_len, c.micro_batch
     h, L = model.hidden_size, model.num_layers
     params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
-    w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer)
+    w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer, job.precision)
 
     def act(recompute: str) -> float:
         return F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
@@ -182,7 +192,7 @@ def memory(job: Job, c: Config) -> Memory:
     last = per_mb_rank + logits + working
     activations = first + logits if c.pp == 1 else max(first, last)
     return Memory(weights=w / F.GIB, gradients=g / F.GIB, optimizer=o / F.GIB,
-                  activations=activations / F.GIB,
+                  activations=activations * job.act_scale / F.GIB,
                   overhead=job.hardware.framework_overhead_gib)
 
 
@@ -246,23 +256,23 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
                                       job.flash_attention, job.units())
     bw_hbm = hw.memory_gbps * 1e9
-    elementwise = ELEMENTWISE_PASSES * stored / bw_hbm
+    elementwise = ELEMENTWISE_PASSES * stored * job.act_scale / bw_hbm
     u = job.units()
-    scores = ELEMENTWISE_PASSES * (sl * b * h) * u.scores * a * s / h / tp / bw_hbm
+    scores = ELEMENTWISE_PASSES * (sl * b * h) * u.scores * a * s / h / tp / bw_hbm * job.act_scale
 
     node = job.gpus_per_node
-    tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel)
+    tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel, job.act_bytes)
     tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True),
                                ops=4 if c.sequence_parallel else 2)
     cp_time = 0.0
     if cp > 1:
         local_kv = max(1, kv // tp)  # kv heads of this tp rank (replicated when tp > kv)
-        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp)
+        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp, job.act_bytes)
         comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
         cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
     ep_time = 0.0
     if experts and c.ep > 1:
-        ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep)
+        ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep, job.act_bytes)
         ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
                        tp=tp_time, cp=cp_time, ep=ep_time)
@@ -331,7 +341,7 @@ def step_time(job: Job, c: Config) -> StepTime:
     pp_time = 0.0
     if c.pp > 1:
         intra = c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
-        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True)
+        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True, job.act_bytes)
         one = p2p / _bandwidth(hw, intra) + hw.link_latency_us * 1e-6
         pp_time = 2 * c.virtual_stages * m * one
 

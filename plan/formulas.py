@@ -138,13 +138,15 @@ GRAD_BYTES = 4
 OPTIMIZER_BYTES = 12
 
 
-def model_state_bytes(params: float, dp: int = 1, sharded_optimizer: bool = False
-                      ) -> tuple[float, float, float]:
+def model_state_bytes(params: float, dp: int = 1, sharded_optimizer: bool = False,
+                      precision: str = "bf16") -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) bytes for `params` parameters on one rank:
     2 + 4 + 12 = 18 bytes per parameter, or 6 + 12/dp with the optimizer states sharded over
-    the data-parallel group (ZeRO stage 1 / Megatron's distributed optimizer) [ZeRO 5.1]."""
-    opt = OPTIMIZER_BYTES * params / (dp if sharded_optimizer else 1)
-    return WEIGHT_BYTES * params, GRAD_BYTES * params, opt
+    the data-parallel group (ZeRO stage 1 / Megatron's distributed optimizer) [ZeRO 5.1].
+    In plain fp32 (CPU runs) there is no master copy: 4 + 4 + 8 (Adam's two moments)."""
+    weight, grad, opt = (4, 4, 8) if precision == "fp32" else (
+        WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+    return weight * params, grad * params, opt * params / (dp if sharded_optimizer else 1)
 
 
 # --- activations ---------------------------------------------------------------------------

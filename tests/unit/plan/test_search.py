@@ -251,3 +251,34 @@ def test_activations_match_megatron_theoretical_memory():
     i = evaluate(job, {"tp": 8, "pp": 8, "virtual_stages": 2, "micro_batch": 1,
                        "sequence_parallel": True, "recompute": "selective"})
     assert i.memory.activations * 2**30 == pytest.approx(10_292_838_400 * 23 / 16 + 251_658_240)
+
+
+def test_searched_full_recompute_takes_the_fewest_layers_that_fit():
+    # llama2-7b, sequence 4096, on 8 A100-40GB at tp2 with SP and micro-batch 1: neither no
+    # recompute nor selective fits; full recompute of 2 of the 32 layers does, 1 does not.
+    job = TrainingJob(ModelConfig.from_name("llama2-7b"), 8, load_hardware("a100-40gb"), 64,
+                      4096)
+    ranked = plan_training(job, Fixed(tp=2, pp=1, cp=1, micro_batch=1, sequence_parallel=True))
+    assert [(c.recompute, c.recompute_layers) for c in ranked] == [("full", 2)]
+    one = evaluate(job, {"tp": 2, "micro_batch": 1, "sequence_parallel": True,
+                         "recompute": "full", "recompute_layers": 1})
+    assert not one.fits
+    # Fixing recompute="full" means every layer (None), as TrainSchedule reads it.
+    every = plan_training(job, Fixed(tp=2, pp=1, cp=1, micro_batch=1, sequence_parallel=True,
+                                     recompute="full"))
+    assert every[0].recompute_layers is None
+    assert every[0].memory_gib < ranked[0].memory_gib
+    assert every[0].step_time_s > ranked[0].step_time_s
+
+
+def test_fp32_runs_count_fp32_states_and_activations():
+    # A CPU run in fp32: weights 4 + grads 4 + Adam moments 8 = 16 bytes per parameter (no
+    # master copy) against 2 + 4 + 12 in bf16, and activations twice the 16-bit counts.
+    model = ModelConfig.from_name("llama-demo")
+    fields = {"micro_batch": 2, "recompute": "none", "sharded_optimizer": False}
+    bf16 = evaluate(TrainingJob(model, 1, A100, 8, 256), fields).memory
+    fp32 = evaluate(TrainingJob(model, 1, A100, 8, 256, precision="fp32"), fields).memory
+    assert fp32.weights == pytest.approx(2 * bf16.weights)
+    assert fp32.gradients == pytest.approx(bf16.gradients)
+    assert fp32.optimizer == pytest.approx(bf16.optimizer * 8 / 12)
+    assert fp32.activations == pytest.approx(2 * bf16.activations)
