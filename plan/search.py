@@ -28,6 +28,9 @@ from tessera.plan.errors import PlanError
 from tessera.plan.hardware import PROFILES, Hardware
 
 RECOMPUTE = ("none", "selective", "full")
+# Layout gains a `cp` field with context parallelism; pass it when the core has it, so its
+# own cp rules (sequence divisibility) apply too.
+_LAYOUT_CP = "cp" in {f.name for f in fields(Layout)}
 MIN_CP_CHUNK = 512
 MAX_MICRO_BATCH = 16
 
@@ -193,12 +196,17 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     if c.tp > job.gpus_per_node or job.gpus_per_node % c.tp:
         out.append(f"tp {c.tp} must divide the {job.gpus_per_node} GPUs of a node (tensor "
                    "parallelism stays on NVLink)")
-    lay = Layout(tp=c.tp, pp=c.pp, virtual_stages=c.virtual_stages, dp=max(1, c.dp),
-                 sequence_parallel=c.sequence_parallel)
-    out += lay.problems(model, seq_len=job.seq_len)
-    if c.cp > 1 and job.seq_len % (2 * c.cp):
+    out += [p for p in _layout(c.tp, c.pp, c.virtual_stages, c.sequence_parallel, c.cp,
+                               max(1, c.dp)).problems(model, seq_len=job.seq_len)
+            if p not in out]
+    if _LAYOUT_CP:
+        pass  # Layout.problems names the cp rules itself
+    elif c.cp > 1 and job.seq_len % (2 * c.cp):
         out.append(f"sequence {job.seq_len} is not divisible by 2 x cp = {2 * c.cp} (the "
                    "load-balanced causal split)")
+    elif c.cp > 1 and c.sequence_parallel and (job.seq_len // c.cp) % c.tp:
+        out.append(f"each cp rank's {job.seq_len // c.cp} tokens do not split over tp {c.tp} "
+                   "(sequence parallel)")
     experts, _, _ = E.moe_fields(model)
     if c.ep > 1 and (not experts or experts % c.ep or (c.dp * c.cp) % c.ep):
         out.append(f"ep {c.ep} needs an MoE model whose experts ({experts}) and data x context "
@@ -275,6 +283,11 @@ def _check_job(job: TrainingJob) -> None:
                         "learned positions")
 
 
+def _layout(tp: int, pp: int, v: int, sp: bool, cp: int, dp: int = 1) -> Layout:
+    extra = {"cp": cp} if _LAYOUT_CP else {}
+    return Layout(tp=tp, pp=pp, virtual_stages=v, dp=dp, sequence_parallel=sp, **extra)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -317,8 +330,7 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                 for ep in _choices(fixed.ep, eps[-1:] if fit_only else eps):
                     for v in _choices(fixed.virtual_stages, vs):
                         for sp in _choices(fixed.sequence_parallel, sps):
-                            lay_ok = not Layout(tp=tp, pp=pp, virtual_stages=v,
-                                                sequence_parallel=sp).problems(model, seq_len=s)
+                            lay_ok = not _layout(tp, pp, v, sp, cp).problems(model, seq_len=s)
                             if not lay_ok:
                                 continue
                             for b in _choices(fixed.micro_batch, mbs):
