@@ -293,3 +293,15 @@ def test_nemotron4_340b_training_mfu_on_h100():
     best = plan_training(job, Fixed(tp=8, pp=12, cp=1, sequence_parallel=True), top=1)[0]
     assert best.dp == 64
     assert best.mfu == pytest.approx(0.415, rel=0.15)
+
+
+def test_search_respects_head_rules_and_node_size():
+    # 12 heads, 3 kv heads: tp 2 and 4 split kv heads unevenly (3 % tp and tp % 3 both
+    # nonzero) and tp 8 does not divide 12 heads, so only tp 1 is valid (core.config rules).
+    odd = ModelConfig(name="odd", vocab_size=1024, hidden_size=768, num_layers=4, num_heads=12,
+                      num_kv_heads=3, ffn_hidden_size=2048, max_position_embeddings=1024)
+    ranked = plan_training(TrainingJob(odd, 8, A100, 64, 1024))
+    assert {c.tp for c in ranked} == {1}
+    # With 4 GPUs per node, tp stays within 4 even on 16 GPUs.
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 16, A100, 256, 2048, gpus_per_node=4)
+    assert max(c.tp for c in plan_training(job, Fixed(cp=1, micro_batch=1))) == 4
