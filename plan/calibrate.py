@@ -159,13 +159,19 @@ def _allreduce_body(rank: int, world: int, sizes: tuple[int, ...], seconds: floa
     return out
 
 
+def measure_allreduce(world: int, sizes: tuple[int, ...], seconds: float
+                      ) -> list[tuple[int, float]]:
+    """(bytes, best seconds) of a gloo all-reduce over `world` fresh local ranks per size."""
+    from tessera.core.parallel.spawn import run_ranks
+
+    return run_ranks(_allreduce_body, world, sizes, seconds)[0]
+
+
 def calibrate(path: Path | None = None, *, quick: bool = False,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this machine, write the calibration JSON to `path` (default `default_path()`),
     and return it. `quick` uses tiny shapes (seconds; for tests, not for planning).
     `progress` receives one line per measurement (default: stderr)."""
-    from tessera.core.parallel.spawn import run_ranks
-
     say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
     path = Path(path) if path else default_path()
     isa, cores = cpu_isa(), cpu_cores()
@@ -188,8 +194,8 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
     say(f"  memory copy (1 thread): {memory_gbps:.1f} GB/s")
     say("  gloo all-reduce between 2 local ranks (starting them takes a few seconds) ...")
     sizes = QUICK_ALLREDUCE_BYTES if quick else ALLREDUCE_BYTES
-    timings = run_ranks(_allreduce_body, 2, sizes, 0.05 if quick else 0.5)[0]
     world = 2
+    timings = measure_allreduce(world, sizes, 0.05 if quick else 0.5)
     allreduce = [{"bytes": b, "seconds": s, "bus_gbps": 2 * (world - 1) / world * b / s / 1e9}
                  for b, s in timings]
     for row in allreduce:

@@ -184,4 +184,4 @@ def _serve(args: argparse.Namespace) -> int:
         print(json.dumps(serving_json(plan), indent=2))
     else:
         print(serving_text(plan, args.top))
-    return 0 if plan.fits else 1
+    return 0 if plan.fits else 2  # as for a training job that nothing fits

@@ -1,16 +1,20 @@
 """`tessera plan --measure`: run planned candidates for a few real steps and time them.
 
-Each candidate's run config (`plan.run_config`) is run by `tessera pretrain --nproc-per-node N`
-itself, in its own process tree: the same launcher (torch's, via `core.parallel.launch`), the
-same loop, checks and schedules a user's run gets, on a synthetic corpus of random tokens (the
-timing does not depend on what the tokens say). A candidate that fails or runs out of time is
-reported with the reason and does not stop the others.
+All candidates run in one world of `--nproc-per-node` local ranks started by torch's launcher
+(`core.parallel.launch.launch_local_ranks`, as `tessera pretrain --nproc-per-node` starts its
+ranks), so the ranks' start-up (seconds per rank on a busy CPU) is paid once, not per candidate.
+Each rank loads each candidate's run config (`plan.run_config`, the YAML `--output` writes) with
+the pretraining config loader and trains it with the pretraining loop's own functions
+(`build_rank_model`, `make_job`, `local_batch`, `train_step`): the same checks, groups, schedules
+and optimizer a user's run gets, on a synthetic corpus of random tokens (timing does not depend
+on what the tokens say). A candidate that fails (a rule it breaks, running out of memory) is
+reported with the reason and the next one still runs.
 
-A step's time is what the loop logs per step in `RUN/metrics.jsonl` (rank 0's wall time from
-fetching the batch to the optimizer step, all ranks being in step through the loss all-reduce);
-the first `warmup` steps (first-call allocations, gloo connections) are left out and the median
-of the rest is the candidate's measured step time. Peak memory is rank 0's peak RSS on a CPU
-(peak allocated on a GPU), as the loop logs it.
+Each step is timed between two barriers, so it lasts as long as the slowest rank's; the first
+`warmup` steps (kernel compilation, first allocations, gloo connections) are left out and the
+median of the rest is the candidate's measured step time. Peak memory is the largest over the
+ranks of the peak resident set (CPU; reset per candidate through /proc/self/clear_refs) or of
+the peak allocated (CUDA).
 """
 
 from __future__ import annotations
