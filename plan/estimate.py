@@ -3,7 +3,8 @@
 The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 
 - GEMMs (the four weight GEMMs, the attention batched GEMMs, the output layer) at
-  `peak * gemm_fraction(m, n, k)` for their per-rank shapes;
+  `peak * gemm_fraction(m, n, k)` for their per-rank shapes; attention at
+  `peak * attention_efficiency` (fused, flash) or `peak * unfused_attention_efficiency`;
 - the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
   scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
   counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
@@ -24,7 +25,7 @@ one NIC per GPU, and MoE load imbalance is ignored (perfectly balanced routing).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tessera.core.config import ModelConfig
@@ -32,8 +33,9 @@ from tessera.plan import formulas as F
 from tessera.plan.hardware import Hardware
 
 # How many times the memory-bound ops move the bytes of a layer's stored activations in a
-# forward pass (each written once by its producer and read once by its consumer).
-ELEMENTWISE_PASSES = 2.0
+# forward pass. Fused kernels (bias-GeLU, bias-dropout-add, scale-mask-softmax, as Megatron
+# runs them) touch each stored tensor about once; fitted with the GEMM constants on PTD-P.
+ELEMENTWISE_PASSES = 1.0
 # Bytes per gradient element in the data-parallel reduction (fp32 main grads, as Megatron
 # keeps for bf16 training) and per weight element in a sharded optimizer's all-gather.
 GRAD_REDUCE_BYTES = 4
@@ -117,6 +119,28 @@ class Job:
     flash_attention: bool
     overlap_grad_reduce: bool
     grad_reduce_bytes: int = GRAD_REDUCE_BYTES
+    # Per-job values every configuration shares (parameter counts, FLOPs), computed once.
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def counts(self) -> F.ParameterCounts:
+        if "counts" not in self.cache:
+            self.cache["counts"] = counts_of(self.model)
+        return self.cache["counts"]
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element: 4 in fp32 (CPU runs), else 2."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def act_scale(self) -> float:
+        """Activation bytes relative to the papers' 16-bit counts."""
+        return self.act_bytes / 2
+
+    def units(self) -> F.LayerActivations:
+        if "units" not in self.cache:
+            self.cache["units"] = F.layer_activation_units(self.model, self.flash_attention)
+        return self.cache["units"]
 
 
 def moe_fields(model: ModelConfig) -> tuple[int, int, int | None]:
@@ -143,13 +167,12 @@ def memory(job: Job, c: Config) -> Memory:
     micro-batches in flight) and the last (output layer and logits, one in flight)."""
     model, s, b = job.model, job.seq_len, c.micro_batch
     h, L = model.hidden_size, model.num_layers
-    counts = counts_of(model)
-    params = F.params_per_rank(counts, c.tp, c.pp, c.ep)
-    w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer)
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
+    w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer, job.precision)
 
     def act(recompute: str) -> float:
         return F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
-                                        c.cp, job.flash_attention)
+                                        c.cp, job.flash_attention, job.units())
 
     layers_per_chunk = L // (c.pp * c.virtual_stages)
     if c.recompute == "full":
@@ -169,7 +192,7 @@ def memory(job: Job, c: Config) -> Memory:
     last = per_mb_rank + logits + working
     activations = first + logits if c.pp == 1 else max(first, last)
     return Memory(weights=w / F.GIB, gradients=g / F.GIB, optimizer=o / F.GIB,
-                  activations=activations / F.GIB,
+                  activations=activations * job.act_scale / F.GIB,
                   overhead=job.hardware.framework_overhead_gib)
 
 
@@ -178,10 +201,12 @@ def _bandwidth(hw: Hardware, intra: bool) -> float:
     return (hw.intra_node_gbps if intra else hw.inter_node_gbps) * 1e9 * hw.comm_efficiency
 
 
-def _collective_time(bytes_: float, n: int, hw: Hardware, bw: float, steps: int) -> float:
+def _collective_time(bytes_: float, n: int, hw: Hardware, bw: float, ops: int) -> float:
+    """`ops` collectives over n ranks moving `bytes_` per rank in all: bandwidth plus a fixed
+    start-up latency per operation."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
-    return bytes_ / bw + steps * (n - 1) * hw.link_latency_us * 1e-6
+    return bytes_ / bw + ops * hw.link_latency_us * 1e-6
 
 
 def _gemm_time(flops: float, shape: tuple[float, float, float], peak: float, hw: Hardware
@@ -221,29 +246,34 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         f = model.ffn_hidden_size
         gemm += (_gemm_time(2 * T * h * up * f / tp, (T, up * f / tp, h), peak, hw)
                  + _gemm_time(2 * T * f / tp * h, (T, h, f / tp), peak, hw))
-    attention = _gemm_time(4 * T * s * (a / tp) * hd, (sl, s, hd), peak, hw)
+    att_flops = 4 * T * s * (a / tp) * hd
+    if job.flash_attention:  # one fused kernel: its own achievable rate, no score tensors
+        attention = att_flops / (peak * hw.attention_efficiency)
+    else:  # batched GEMMs per head around a separate softmax
+        attention = att_flops / (peak * hw.unfused_attention_efficiency)
     gemm += attention
 
     stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
-                                      job.flash_attention)
+                                      job.flash_attention, job.units())
     bw_hbm = hw.memory_gbps * 1e9
-    elementwise = ELEMENTWISE_PASSES * stored / bw_hbm
-    u = F.layer_activation_units(model, job.flash_attention)
-    scores = ELEMENTWISE_PASSES * (sl * b * h) * u.scores * a * s / h / tp / bw_hbm
+    elementwise = ELEMENTWISE_PASSES * stored * job.act_scale / bw_hbm
+    u = job.units()
+    scores = ELEMENTWISE_PASSES * (sl * b * h) * u.scores * a * s / h / tp / bw_hbm * job.act_scale
 
     node = job.gpus_per_node
-    tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel)
-    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True), steps=4)
+    tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel, job.act_bytes)
+    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True),
+                               ops=4 if c.sequence_parallel else 2)
     cp_time = 0.0
     if cp > 1:
         local_kv = max(1, kv // tp)  # kv heads of this tp rank (replicated when tp > kv)
-        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp)
-        comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), steps=1)
+        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp, job.act_bytes)
+        comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
         cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
     ep_time = 0.0
     if experts and c.ep > 1:
-        ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep)
-        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), 2)
+        ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep, job.act_bytes)
+        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
                        tp=tp_time, cp=cp_time, ep=ep_time)
 
@@ -252,6 +282,13 @@ def hardware_flops(job: Job, recompute: str) -> float:
     """FLOPs one step executes for the whole batch, counting a recomputed forward as PTD-P's
     eq. 3 does: layer forward x (3, + the attention part for selective, + 1 for full) plus the
     output layer x 3. For a GPT shape this is exactly `formulas.ptdp_flops_per_iteration`."""
+    key = ("flops", recompute)
+    if key not in job.cache:
+        job.cache[key] = _step_flops(job, recompute)
+    return job.cache[key]
+
+
+def _step_flops(job: Job, recompute: str) -> float:
     model = job.model
     tokens = job.global_batch * job.seq_len
     experts, topk, moe_ffn = moe_fields(model)
@@ -304,12 +341,11 @@ def step_time(job: Job, c: Config) -> StepTime:
     pp_time = 0.0
     if c.pp > 1:
         intra = c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
-        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True)
+        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True, job.act_bytes)
         one = p2p / _bandwidth(hw, intra) + hw.link_latency_us * 1e-6
         pp_time = 2 * c.virtual_stages * m * one
 
-    counts = counts_of(model)
-    params = F.params_per_rank(counts, c.tp, c.pp, c.ep)
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
     n_dp = c.dp * c.cp
     dp_time = 0.0
     if n_dp > 1:
@@ -321,7 +357,7 @@ def step_time(job: Job, c: Config) -> StepTime:
                    + F.allgather_bytes(params * PARAM_GATHER_BYTES, n_dp))
         else:
             vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n_dp)
-        dp_full = _collective_time(vol, n_dp, hw, bw, steps=2)
+        dp_full = _collective_time(vol, n_dp, hw, bw, ops=2)
         window = layers_rank * (bwd + lt.tp) if job.overlap_grad_reduce else 0.0
         dp_time = max(0.0, dp_full - window)
     opt_params = params / (n_dp if c.sharded_optimizer else 1)

@@ -48,6 +48,7 @@ class ParameterCounts:
     `layer_active` what one token uses in one layer."""
 
     embedding: int  # token (and learned position) embeddings
+    word_embedding: int  # the token embedding alone (V h), what a tied output layer copies
     output: int  # output projection, 0 when tied to the embedding
     final_norm: int
     layer_dense: int
@@ -106,9 +107,10 @@ def parameter_counts(
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
                                         if model.position == "learned" else 0)
     output = 0 if model.tied_embeddings else model.vocab_size * h
-    return ParameterCounts(embedding=embedding, output=output, final_norm=norm,
-                           layer_dense=layer_dense, layer_experts=layer_experts,
-                           layer_active=layer_active, num_layers=model.num_layers)
+    return ParameterCounts(embedding=embedding, word_embedding=model.vocab_size * h,
+                           output=output, final_norm=norm, layer_dense=layer_dense,
+                           layer_experts=layer_experts, layer_active=layer_active,
+                           num_layers=model.num_layers)
 
 
 def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1) -> int:
@@ -121,7 +123,7 @@ def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1) -> i
     layers = counts.num_layers / pp
     body = layers * (counts.layer_dense / tp + counts.layer_experts / (tp * ep))
     emb = counts.embedding / tp
-    out = (counts.output or (counts.embedding if pp > 1 else 0)) / tp
+    out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp
     if pp == 1:
         return round(body + emb + out + counts.final_norm)
     return round(body + max(emb, out + counts.final_norm))
@@ -136,13 +138,15 @@ GRAD_BYTES = 4
 OPTIMIZER_BYTES = 12
 
 
-def model_state_bytes(params: float, dp: int = 1, sharded_optimizer: bool = False
-                      ) -> tuple[float, float, float]:
+def model_state_bytes(params: float, dp: int = 1, sharded_optimizer: bool = False,
+                      precision: str = "bf16") -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) bytes for `params` parameters on one rank:
     2 + 4 + 12 = 18 bytes per parameter, or 6 + 12/dp with the optimizer states sharded over
-    the data-parallel group (ZeRO stage 1 / Megatron's distributed optimizer) [ZeRO 5.1]."""
-    opt = OPTIMIZER_BYTES * params / (dp if sharded_optimizer else 1)
-    return WEIGHT_BYTES * params, GRAD_BYTES * params, opt
+    the data-parallel group (ZeRO stage 1 / Megatron's distributed optimizer) [ZeRO 5.1].
+    In plain fp32 (CPU runs) there is no master copy: 4 + 4 + 8 (Adam's two moments)."""
+    weight, grad, opt = (4, 4, 8) if precision == "fp32" else (
+        WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+    return weight * params, grad * params, opt * params / (dp if sharded_optimizer else 1)
 
 
 # --- activations ---------------------------------------------------------------------------
@@ -203,16 +207,18 @@ def layer_activation_units(model: ModelConfig, flash_attention: bool = False
 
 def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           cp: int = 1, flash_attention: bool = False) -> float:
+                           cp: int = 1, flash_attention: bool = False,
+                           units: LayerActivations | None = None) -> float:
     """Stored activation bytes of one layer on one rank, [Korthikanti Table 2] generalised by
     `layer_activation_units`; context parallelism divides the sequence a rank holds by `cp`
     (and the score matrix by cp as well: each rank scores its s/cp queries against s keys).
-    Full recomputation keeps only the layer input, 2 s b h (/t with sequence parallelism)."""
+    Full recomputation keeps only the layer input, 2 s b h (/t with sequence parallelism).
+    `units`: `layer_activation_units(model, flash_attention)`, when the caller has it."""
     sl = s / cp
     sbh = sl * b * model.hidden_size
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
-    u = layer_activation_units(model, flash_attention)
+    u = units or layer_activation_units(model, flash_attention)
     scores = 0.0 if recompute == "selective" else u.scores * model.num_heads * s / model.hidden_size
     replicated = u.replicated / (t if sequence_parallel else 1)
     return sbh * (replicated + (u.split + scores) / t)

@@ -5,7 +5,13 @@ DGX-style nodes: 8 GPUs on NVLink, one InfiniBand port per GPU. Two fitted const
 into achievable rates, the same for every row of every table the planner is checked against:
 
 - `gemm_efficiency`: the fraction of peak a large GEMM reaches (cuBLAS on big, square-ish
-  shapes), scaled down for thin shapes by `gemm_fraction` (see there);
+  shapes), scaled down for thin shapes by `gemm_fraction` (see there); fitted once, on
+  PTD-P Table 1 (A100), see README "The analytic model";
+- `attention_efficiency`: the fraction of peak a fused attention kernel reaches (Dao,
+  "FlashAttention-2", arXiv 2307.08691: 50-73% of peak on A100 forward, less backward; about
+  35-50% for FlashAttention-2 on H100); `unfused_attention_efficiency` the same for the
+  unfused per-head batched GEMMs (Q K^T with an inner dimension of one head, 64-128, does about
+  d FLOP per byte of scores it writes, below the A100's 153 FLOP/byte ridge: memory bound);
 - `comm_efficiency`: the fraction of the link bandwidth a ring collective reaches (NCCL "bus
   bandwidth" over the link rate).
 
@@ -40,11 +46,13 @@ class Hardware:
     memory_gbps: float  # HBM bandwidth
     intra_node_gbps: float  # NVLink per GPU, one direction
     inter_node_gbps: float  # network per GPU (one NIC per GPU), one direction
-    gemm_efficiency: float = 0.8  # fraction of peak a large GEMM reaches
-    gemm_half_size: int = 48  # smallest GEMM side at which a GEMM runs at half that fraction
+    gemm_efficiency: float = 0.7  # fraction of peak a large GEMM reaches
+    gemm_half_size: int = 96  # smallest GEMM side at which a GEMM runs at half that fraction
+    attention_efficiency: float = 0.6  # fraction of peak a fused (flash) attention kernel reaches
+    unfused_attention_efficiency: float = 0.2  # same for per-head batched GEMMs + softmax
     comm_efficiency: float = 0.8  # fraction of link bandwidth a ring collective reaches
     framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, allocator slack
-    link_latency_us: float = 10.0  # per ring step of a collective
+    link_latency_us: float = 20.0  # start-up of one collective or p2p operation
     notes: str = field(default="", compare=False)
 
     def peak(self, precision: str) -> float:
@@ -91,7 +99,7 @@ PROFILES: dict[str, Hardware] = {
     # 143771 MiB = 140.4 GiB), NVLink 900 GB/s; DGX H200 networking as DGX H100.
     "h200": Hardware("h200", {"bf16": 989.5, "fp8": 1979.0, "fp32": 66.9}, memory_gib=140.4,
                      memory_gbps=4800.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
-                     gemm_efficiency=0.75, notes="H200 SXM datasheet; DGX H200 networking"),
+                     attention_efficiency=0.5, notes="H200 SXM datasheet; DGX H200 networking"),
 }
 
 
@@ -156,7 +164,8 @@ def _cpu_profile(path: Path) -> Hardware:
         memory_gib=float(data["memory_gib"]),
         memory_gbps=float(data.get("memory_gbps", 20.0)),
         intra_node_gbps=link, inter_node_gbps=link,
-        gemm_efficiency=1.0, gemm_half_size=0, comm_efficiency=1.0,
+        gemm_efficiency=1.0, gemm_half_size=0, attention_efficiency=1.0,
+        unfused_attention_efficiency=1.0, comm_efficiency=1.0,
         framework_overhead_gib=float(data.get("framework_overhead_gib", 0.5)),
         link_latency_us=float(data.get("link_latency_us", 50.0)),
         notes=f"measured by tessera plan --calibrate ({path})",

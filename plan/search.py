@@ -10,7 +10,8 @@ sequence parallelism) and re-implements only the schedule arithmetic of
 `core.parallel.pipeline.schedule_problems` (1F1B needs m >= p; the interleaved schedule runs
 micro-batches in rounds of p), which lives beside torch. Search bounds: tp divides the node
 size (tp never spans nodes); cp is a power of two with s/cp >= `MIN_CP_CHUNK` tokens, at most
-one node; micro-batch sizes up to `MAX_MICRO_BATCH` unless fixed; ep only for MoE models.
+one node; micro-batch sizes are powers of two up to `MAX_MICRO_BATCH` unless fixed; ep only for
+MoE models.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 from tessera.core.config import Layout, ModelConfig
@@ -26,6 +28,9 @@ from tessera.plan.errors import PlanError
 from tessera.plan.hardware import PROFILES, Hardware
 
 RECOMPUTE = ("none", "selective", "full")
+# Layout gains a `cp` field with context parallelism; pass it when the core has it, so its
+# own cp rules (sequence divisibility) apply too.
+_LAYOUT_CP = "cp" in {f.name for f in fields(Layout)}
 MIN_CP_CHUNK = 512
 MAX_MICRO_BATCH = 16
 
@@ -53,7 +58,8 @@ class TrainingJob:
     overlap_grad_reduce: bool = True
     grad_reduce_bytes: int = 4
 
-    def _estimate_job(self) -> E.Job:
+    @cached_property
+    def _estimate(self) -> E.Job:
         return E.Job(model=self.model, hardware=self.hardware, global_batch=self.global_batch,
                      seq_len=self.seq_len, gpus_per_node=self.gpus_per_node,
                      precision=self.precision, flash_attention=self.flash_attention,
@@ -190,12 +196,17 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     if c.tp > job.gpus_per_node or job.gpus_per_node % c.tp:
         out.append(f"tp {c.tp} must divide the {job.gpus_per_node} GPUs of a node (tensor "
                    "parallelism stays on NVLink)")
-    lay = Layout(tp=c.tp, pp=c.pp, virtual_stages=c.virtual_stages, dp=max(1, c.dp),
-                 sequence_parallel=c.sequence_parallel)
-    out += lay.problems(model, seq_len=job.seq_len)
-    if c.cp > 1 and job.seq_len % (2 * c.cp):
+    out += [p for p in _layout(c.tp, c.pp, c.virtual_stages, c.sequence_parallel, c.cp,
+                               max(1, c.dp)).problems(model, seq_len=job.seq_len)
+            if p not in out]
+    if _LAYOUT_CP:
+        pass  # Layout.problems names the cp rules itself
+    elif c.cp > 1 and job.seq_len % (2 * c.cp):
         out.append(f"sequence {job.seq_len} is not divisible by 2 x cp = {2 * c.cp} (the "
                    "load-balanced causal split)")
+    elif c.cp > 1 and c.sequence_parallel and (job.seq_len // c.cp) % c.tp:
+        out.append(f"each cp rank's {job.seq_len // c.cp} tokens do not split over tp {c.tp} "
+                   "(sequence parallel)")
     experts, _, _ = E.moe_fields(model)
     if c.ep > 1 and (not experts or experts % c.ep or (c.dp * c.cp) % c.ep):
         out.append(f"ep {c.ep} needs an MoE model whose experts ({experts}) and data x context "
@@ -220,9 +231,9 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     return out
 
 
-def _candidate(job: TrainingJob, c: E.Config) -> Candidate:
-    ej = job._estimate_job()
-    mem = E.memory(ej, c)
+def _candidate(job: TrainingJob, c: E.Config, mem: E.Memory | None = None) -> Candidate:
+    ej = job._estimate
+    mem = mem or E.memory(ej, c)
     t = E.step_time(ej, c)
     step = t.total
     tokens = job.global_batch * job.seq_len
@@ -272,6 +283,11 @@ def _check_job(job: TrainingJob) -> None:
                         "learned positions")
 
 
+def _layout(tp: int, pp: int, v: int, sp: bool, cp: int, dp: int = 1) -> Layout:
+    extra = {"cp": cp} if _LAYOUT_CP else {}
+    return Layout(tp=tp, pp=pp, virtual_stages=v, dp=dp, sequence_parallel=sp, **extra)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -301,7 +317,7 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                     continue
                 eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
                 per_dp = job.global_batch // dp
-                mbs = [b for b in _divisors(per_dp) if b <= MAX_MICRO_BATCH] or [1]
+                mbs = [b for b in _divisors(per_dp) if b <= MAX_MICRO_BATCH and not b & (b - 1)]
                 if fit_only:
                     mbs = mbs[:1]
                 vs = [v for v in _divisors(L // pp) if pp > 1 or v == 1] if L % pp == 0 else []
@@ -314,8 +330,7 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                 for ep in _choices(fixed.ep, eps[-1:] if fit_only else eps):
                     for v in _choices(fixed.virtual_stages, vs):
                         for sp in _choices(fixed.sequence_parallel, sps):
-                            lay_ok = not Layout(tp=tp, pp=pp, virtual_stages=v,
-                                                sequence_parallel=sp).problems(model, seq_len=s)
+                            lay_ok = not _layout(tp, pp, v, sp, cp).problems(model, seq_len=s)
                             if not lay_ok:
                                 continue
                             for b in _choices(fixed.micro_batch, mbs):
@@ -338,7 +353,7 @@ def _settle_recompute_layers(job: TrainingJob, c: E.Config, fixed: Fixed) -> E.C
     not fit), or None (skip) when it fits without any (the `recompute="none"` candidate)."""
     if c.recompute != "full" or fixed.recompute == "full" or fixed.recompute_layers is not None:
         return c
-    ej = job._estimate_job()
+    ej = job._estimate
     cap = job.hardware.memory_gib
     per_chunk = job.model.num_layers // (c.pp * c.virtual_stages)
     all_ = E.memory(ej, replace(c, recompute_layers=None)).total
@@ -368,30 +383,69 @@ def plan_training(job: TrainingJob, fixed: Fixed = Fixed(), top: int | None = No
     if fixed.recompute is not None and fixed.recompute not in RECOMPUTE:
         raise PlanError(f"unknown recompute {fixed.recompute!r}; choose one of {list(RECOMPUTE)}")
     fits: list[Candidate] = []
-    smallest: Candidate | None = None
+    smallest: tuple[float, E.Config] | None = None
     seen = 0
+    cap = job.hardware.memory_gib
+    too_big: dict[tuple[Any, ...], int] = {}  # layout -> smallest micro-batch that does not fit
     for c in _configs(job, fixed):
+        key = (c.tp, c.pp, c.cp, c.ep, c.virtual_stages, c.sequence_parallel, c.recompute)
+        if c.micro_batch > too_big.get(key, c.micro_batch):
+            continue  # memory grows with the micro-batch (micro-batches come in ascending order)
         c2 = _settle_recompute_layers(job, c, fixed)
         if c2 is None:
             continue
         seen += 1
-        cand = _candidate(job, c2)
-        if cand.fits:
-            fits.append(cand)
-        elif smallest is None or cand.memory_gib < smallest.memory_gib:
-            smallest = cand
+        mem = E.memory(job._estimate, c2)
+        if mem.total <= cap:  # only what fits is timed
+            fits.append(_candidate(job, c2, mem))
+            continue
+        too_big[key] = min(too_big.get(key, c.micro_batch), c.micro_batch)
+        if smallest is None or mem.total < smallest[0]:
+            smallest = (mem.total, c2)
     if not fits:
-        raise PlanError(_nothing_fits(job, fixed, seen, smallest))
+        raise PlanError(_nothing_fits(job, fixed, seen,
+                                      _candidate(job, smallest[1]) if smallest else None))
     fits.sort(key=_rank_key)
     return fits[:top] if top else fits
 
 
 def _fits_somewhere(job: TrainingJob, fixed: Fixed) -> bool:
-    ej = job._estimate_job()
+    ej = job._estimate
     for c in _configs(job, fixed, fit_only=True):
         if E.memory(ej, replace(c, recompute_layers=None)).total <= job.hardware.memory_gib:
             return True
     return False
+
+
+def _fewest_gpus(job: TrainingJob, fixed: Fixed, most: int = 128) -> int | None:
+    """About the fewest GPUs (up to `most` x as many, whole nodes beyond one) on which `job`
+    fits: doubling until it fits, then bisecting the whole-node counts in between (assuming
+    that what fits on n GPUs fits on more)."""
+    node = job.gpus_per_node
+
+    def whole(n: int) -> int:
+        return n if n <= node else -(-n // node) * node
+
+    def fits(n: int) -> bool:
+        return _fits_somewhere(replace(job, gpus=n), fixed)
+
+    lo, hi = job.gpus, None
+    while whole(lo * 2) <= job.gpus * most:
+        if fits(whole(lo * 2)):
+            hi = whole(lo * 2)
+            break
+        lo = whole(lo * 2)
+    if hi is None:
+        return None
+    while hi > node and hi - lo > node:  # bisect over whole nodes
+        mid = whole((lo + hi) // 2 // node * node) if (lo + hi) // 2 > node else whole(hi // 2)
+        if mid <= lo or mid >= hi:
+            break
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _nothing_fits(job: TrainingJob, fixed: Fixed, seen: int, smallest: Candidate | None
@@ -410,12 +464,9 @@ def _nothing_fits(job: TrainingJob, fixed: Fixed, seen: int, smallest: Candidate
            f"(weights {smallest.memory.weights:.1f}, optimizer {smallest.memory.optimizer:.1f}, "
            f"activations {smallest.memory.activations:.1f}).")
     hints = []
-    step = job.gpus_per_node if job.gpus >= job.gpus_per_node else job.gpus
-    for mult in (2, 4, 8, 16, 32, 64, 128):
-        more = replace(job, gpus=max(job.gpus, step) * mult)
-        if _fits_somewhere(more, fixed):
-            hints.append(f"{more.gpus} x {hw.name} would fit")
-            break
+    fewest = _fewest_gpus(job, fixed)
+    if fewest:
+        hints.append(f"{fewest} x {hw.name} would fit")
     for other in sorted(PROFILES.values(), key=lambda p: p.memory_gib):
         if other.memory_gib > hw.memory_gib and job.precision in other.peak_tflops:
             if _fits_somewhere(replace(job, hardware=other), fixed):

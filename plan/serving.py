@@ -57,16 +57,17 @@ class ServingPlan:
     message: str = ""
 
 
-def _weight_bytes(model: ModelConfig, precision: str) -> tuple[float, float]:
-    """(transformer-body bytes, embedding + output bytes) of the whole model."""
+def _weight_bytes(model: ModelConfig, precision: str) -> tuple[float, float, float]:
+    """(transformer-body, embedding, output) bytes of the whole model; a tied output layer
+    counts as a second copy (the last pipeline stage holds one when pp > 1)."""
     if precision not in WEIGHT_BYTES:
         raise PlanError(f"unknown serving precision {precision!r}; choose one of "
                         f"{sorted(WEIGHT_BYTES)}")
     counts = F.parameter_counts(model)
     body = counts.num_layers * (counts.layer_dense + counts.layer_experts) + counts.final_norm
-    edge = counts.embedding + counts.output
     edge_bytes = 2.0 if precision == "fp8" else WEIGHT_BYTES[precision]
-    return body * WEIGHT_BYTES[precision], edge * edge_bytes
+    return (body * WEIGHT_BYTES[precision], counts.embedding * edge_bytes,
+            counts.output * edge_bytes)
 
 
 def plan_serving(
@@ -92,7 +93,8 @@ def plan_serving(
     if gpus < 1:
         raise PlanError(f"gpus must be >= 1, got {gpus}")
     context = context or model.max_position_embeddings
-    body, edge = _weight_bytes(model, precision)
+    body, emb, out = _weight_bytes(model, precision)
+    edge = emb + out
     kv_bytes = WEIGHT_BYTES[kv_precision or "bf16"]
     kv_per_seq = F.kv_cache_bytes(model, context, kv_bytes)
     bw = hardware.memory_gbps * 1e9
@@ -102,7 +104,8 @@ def plan_serving(
             if gpus % (tp * pp) or Layout(tp=tp, pp=pp).problems(model):
                 continue
             kv_rep = max(1, tp // model.num_kv_heads)  # replicated kv heads are stored twice
-            w = body / (tp * pp) + edge / tp  # the largest stage holds embedding or output
+            # The first stage holds the embedding, the last the output layer (pp 1: both).
+            w = body / (tp * pp) + (edge if pp == 1 else max(emb, out or emb)) / tp
             kv = batch * kv_per_seq * kv_rep / (tp * pp)
             cap = hardware.memory_gib * F.GIB
             over = hardware.framework_overhead_gib * F.GIB
@@ -113,7 +116,7 @@ def plan_serving(
             if tp > 1:
                 msg = F.allreduce_bytes(batch * model.hidden_size * 2, tp)
                 per = msg / (hardware.intra_node_gbps * 1e9 * hardware.comm_efficiency) + \
-                    2 * (tp - 1) * hardware.link_latency_us * 1e-6
+                    hardware.link_latency_us * 1e-6
                 step += 2 * model.num_layers * per
             if pp > 1:
                 step += (pp - 1) * hardware.link_latency_us * 1e-6
