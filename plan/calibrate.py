@@ -183,7 +183,8 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         for m, k, n in (QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
             # Without AMX (or AVX512-BF16) bf16 matmuls are emulated and ~100x slower: a shape
             # whose few runs would overrun the budget is skipped, not waited for.
-            if rows and 2 * m * k * n / (rows[-1]["tflops"] * 1e12) > budget / 2:
+            best = max((r["tflops"] for r in rows), default=0.0)
+            if best and 2 * m * k * n / (best * 1e12) > budget / 2:
                 say(f"  GEMM {dtype_name} {m}x{k}x{n}: skipped (too slow on this CPU)")
                 continue
             tflops = gemm_tflops(m, k, n, dtype_name, budget)

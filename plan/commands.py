@@ -114,8 +114,10 @@ def _train(args: argparse.Namespace) -> int:
                    f"{args.measure_warmup} left out, median step time")
         print("\n" + _measured_text(shown, measured, rho, setting))
     if args.output:
-        print(f"\nwrote {args.output}: tessera pretrain --config {args.output} --data PREFIX "
-              + (f"--nproc-per-node {gpus}" if per_node >= gpus else f"(on {gpus} GPUs)"))
+        run = f"-m tessera pretrain --config {args.output} --data PREFIX"
+        launch = (f"torchrun --nproc-per-node {gpus} {run}" if gpus <= per_node else
+                  f"torchrun --nnodes {gpus // per_node} --nproc-per-node {per_node} {run}")
+        print(f"\nwrote {args.output}; run it with\n  {launch}")
     return 0
 
 

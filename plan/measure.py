@@ -83,15 +83,19 @@ def measure_all(configs: Sequence[dict[str, Any]], workdir: Path, data: Path, *,
     (workdir / "spec.json").write_text(json.dumps(spec, indent=1))
     results = workdir / "results.json"
     results.unlink(missing_ok=True)
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, as `--calibrate` measures
+    # One thread per rank, as `--calibrate` measures; torch's deprecation notices from every
+    # rank would bury the progress lines.
+    ranks_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    saved = {k: os.environ.get(k) for k in ranks_env}
+    os.environ.update(ranks_env)
     try:
         code = launch_local_ranks("plan", ["--measure-worker", str(workdir)], nproc)
     finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     done = json.loads(results.read_text()) if results.is_file() else []
     out = [Measurement(**row) for row in done]
     reason = f"not run: the ranks stopped with exit code {code} (see the messages above)"
