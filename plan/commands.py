@@ -112,19 +112,15 @@ def _train(args: argparse.Namespace) -> int:
                  else f"{gpus} local GPUs")
         setting = (f"{where}, {args.measure_steps} steps each, the first "
                    f"{args.measure_warmup} left out, median step time")
-        print("\n" + _measured_text(shown, measured, rho, setting))
+        from tessera.plan.report import measured_text
+
+        print("\n" + measured_text(shown, measured, rho, setting))
     if args.output:
         run = f"-m tessera pretrain --config {args.output} --data PREFIX"
         launch = (f"torchrun --nproc-per-node {gpus} {run}" if gpus <= per_node else
                   f"torchrun --nnodes {gpus // per_node} --nproc-per-node {per_node} {run}")
         print(f"\nwrote {args.output}; run it with\n  {launch}")
     return 0
-
-
-def _measured_text(shown, measured, rho, setting) -> str:
-    from tessera.plan.report import measured_text
-
-    return measured_text(shown, measured, rho, setting)
 
 
 def _run_config(args, candidate, model_fields, precision) -> dict[str, Any]:
@@ -149,21 +145,33 @@ def _write_output(args, best, model_fields, precision, gpus) -> None:
 
 def _measure(args, shown, model, model_fields, precision, gpus):
     """Run each shown candidate for a few steps on `gpus` local ranks; (measurements, rho)."""
-    from tessera.plan.measure import measure_all, spearman, synthetic_data
+    from tessera.core.config import ConfigError
+    from tessera.plan.measure import Measurement, measure_all, spearman, synthetic_data
 
     steps = args.measure_steps
     if args.measure_warmup >= steps:
         raise PlanError(f"--measure-warmup ({args.measure_warmup}) must be below "
                         f"--measure-steps ({steps})")
-    configs = [_run_config(args, c, model_fields, precision) for c in shown]
+    # A candidate `tessera pretrain` cannot express (cp or ep > 1 for now) is reported as
+    # failed, like one that fails while running; the others still run.
+    configs: dict[int, dict[str, Any]] = {}
+    measured: list[Measurement | None] = []
+    for i, c in enumerate(shown):
+        try:
+            configs[i] = _run_config(args, c, model_fields, precision)
+            measured.append(None)
+        except ConfigError as exc:
+            measured.append(Measurement(False, error=str(exc)))
     labels = [f"{c.layout}, micro-batch {c.micro_batch}, recompute {c.recompute}"
-              for c in shown]
+              for i, c in enumerate(shown) if i in configs]
     with tempfile.TemporaryDirectory(prefix="tessera-plan-measure-") as tmp:
         tokens = steps * args.global_batch * (args.seq_len + 1) + 4096
         data = synthetic_data(Path(tmp), model.vocab_size, tokens)
         device = "cpu" if args.gpu == "cpu" else "cuda"
-        measured = measure_all(configs, Path(tmp), data, nproc=gpus, steps=steps,
-                               warmup=args.measure_warmup, device=device, labels=labels)
+        ran = iter(measure_all(list(configs.values()), Path(tmp), data, nproc=gpus,
+                               steps=steps, warmup=args.measure_warmup, device=device,
+                               labels=labels) if configs else [])
+    measured = [m if m is not None else next(ran) for m in measured]
     ok = [i for i, m in enumerate(measured) if m.ok]
     rho = spearman([shown[i].step_time_s for i in ok], [measured[i].step_time_s for i in ok])
     return measured, rho

@@ -210,3 +210,33 @@ def test_measured_table_puts_the_rankings_side_by_side():
     assert any(line.startswith("measured best: predicted #3") for line in text)
     assert text[-1] == ("Spearman rank correlation, predicted vs measured step time: -1.00 "
                         "over 2 candidates")
+
+
+def test_measure_reports_a_candidate_pretrain_cannot_express_and_runs_the_rest(
+        capsys, monkeypatch, tmp_path):
+    """No ranks here: the runner is replaced by one that records what it was given."""
+    from tessera.plan import measure
+
+    seen = {}
+
+    def fake_measure_all(configs, workdir, data, **kw):
+        seen["configs"], seen["kw"] = configs, kw
+        return [Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))]
+
+    monkeypatch.setattr(measure, "measure_all", fake_measure_all)
+    monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
+                         "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
+                         "--top", "5", "--json", "--measure-steps", "3")
+    assert code == 0
+    cands = json.loads(out)["candidates"]
+    with_cp = [c for c in cands if c["cp"] > 1]
+    assert with_cp and len(with_cp) < len(cands)  # the search puts both kinds in the top 5
+    for c in with_cp:
+        assert not c["measured"]["ok"] and "no context parallelism yet" in c["measured"]["error"]
+    runnable = [c for c in cands if c["cp"] == 1]
+    assert [c["measured"]["step_time_s"] for c in runnable] == \
+        [1.0 + i for i in range(len(runnable))]
+    assert [cfg["parallel"]["tp"] for cfg in seen["configs"]] == [c["tp"] for c in runnable]
+    assert seen["kw"]["nproc"] == 64 and seen["kw"]["device"] == "cuda"
+    assert seen["kw"]["steps"] == 3 and seen["kw"]["warmup"] == 2
