@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--context", type=_positive, metavar="C", default=None,
                        help="tokens of context per request (default: the model's maximum)")
     serve.add_argument("--concurrency", type=_positive, metavar="K", default=None,
-                       help="requests served at once (default: as many as fit)")
+                       help="sequences decoded at once per replica, for the time per token "
+                       "and the KV cache (default: 1; the table also shows the most that fit)")
     serve.add_argument("--max-latency-ms", type=float, metavar="L", default=None,
                        help="largest acceptable time per output token")
     serve.add_argument("--min-throughput", type=float, metavar="X", default=None,
