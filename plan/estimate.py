@@ -2,7 +2,7 @@
 
 The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 
-- GEMMs (the four weight GEMMs, the attention batched GEMMs, the output layer) at
+- GEMMs (the four weight GEMMs of a layer, the output layer) at
   `peak * gemm_fraction(m, n, k)` for their per-rank shapes; attention at
   `peak * attention_efficiency` (fused, flash) or `peak * unfused_attention_efficiency`;
 - the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
@@ -18,7 +18,8 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 - the data-parallel gradient reduction over the network, hidden behind the last micro-batch's
   backward when `overlap_grad_reduce`; and the optimizer step, memory bound.
 
-Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant), no
+Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
+attention rates), no
 tensor-parallel communication overlap, no network contention between concurrent groups beyond
 one NIC per GPU, and MoE load imbalance is ignored (perfectly balanced routing).
 """
