@@ -13,7 +13,7 @@ install:
 # walking its folder, and ours are mapped from top-level folders (package-dir), so it reads a
 # tree of links laid out as installed: build/import-tree/tessera/{__init__.py,core,...}.
 IMPORT_TREE = build/import-tree
-SUBPACKAGES = core training tuning converters serving clients
+SUBPACKAGES = core training tuning converters serving clients plan
 
 lint:
 	$(PYTHON) -m ruff check .

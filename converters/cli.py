@@ -1,10 +1,14 @@
-"""`tessera convert`: Hugging Face import/export, resharding to any layout, dtype casts, FP8.
+"""`tessera convert`: Hugging Face import/export, resharding to any layout, dtype casts, FP8,
+and LoRA adapters to and from Hugging Face `peft`.
 
-The parser has three groups: input/output (shared by every conversion), the Hugging Face
-direction (`--from hf` / `--to hf`), and the target layout (`--tp --pp --virtual-stages
---fp8`). A Tessera-to-Tessera conversion (any layout flag, or `--dtype` alone) goes to
-`converters/reshard.py`. Exit codes: 0 done, 1 the conversion failed (the message says why),
-2 a usage error.
+The parser has four groups: input/output (shared by every conversion), the Hugging Face
+direction (`--from hf|peft` / `--to hf|peft`), LoRA adapters (`--checkpoint`, the base a
+`peft` conversion needs, and `--hf-model`), and the target layout (`--tp --pp --virtual-stages
+--fp8`). The PEFT conversions live here, beside the HF model conversion whose module names they
+follow (`converters/peft_lora.py`), not under `tessera tune`: tuning may not be imported by
+converters, and an adapter is converted for the HF export of its base. A Tessera-to-Tessera
+conversion (any layout flag, or `--dtype` alone) goes to `converters/reshard.py`. Exit codes:
+0 done, 1 the conversion failed (the message says why), 2 a usage error.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ examples:
   tessera convert --input runs/x/checkpoints/step-00001000 --output ckpt/tp2 --tp 2
   tessera convert --input ckpt/tp8pp4 --output ckpt/serve-fp8 --tp 1 --pp 1 --fp8
   tessera convert --input ckpt/a --output ckpt/a-bf16 --dtype bf16
+  tessera convert --to peft --input runs/lora/adapter --checkpoint BASE --output peft-lora
+  tessera convert --from peft --input peft-lora --checkpoint BASE --output adapters/imported
 
 Hugging Face model types: gpt2, llama and mistral (plain RoPE, no rope scaling; a sliding
-window only if it spans every position), nemotron. Output directories are written atomically
-and an existing one is replaced only with --overwrite.
+window only if it spans every position), nemotron. A LoRA adapter converts for the Hugging
+Face export of its base (`--to hf` of the same --checkpoint). Output directories are written
+atomically and an existing one is replaced only with --overwrite.
 """
 
 LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "placement", "fp8")
@@ -53,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera convert",
         description="Convert checkpoints: import a Hugging Face model into a Tessera checkpoint, "
-        "or export a Tessera checkpoint as a Hugging Face model directory.",
+        "or export a Tessera checkpoint as a Hugging Face model directory; convert LoRA "
+        "adapters to and from Hugging Face peft.",
         epilog=EXAMPLES, formatter_class=HelpFormatter)
     io = parser.add_argument_group("input and output")
     io.add_argument("--input", required=True, type=Path, metavar="DIR",
-                    help="the directory to convert (HF model dir or Tessera checkpoint)")
+                    help="the directory to convert (HF model dir, Tessera checkpoint, or LoRA "
+                    "adapter)")
     io.add_argument("--output", required=True, type=Path, metavar="DIR",
                     help="the directory to write (written atomically)")
     io.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
@@ -65,13 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     hf = parser.add_argument_group("Hugging Face")
     direction = hf.add_mutually_exclusive_group()
-    direction.add_argument("--from", dest="from_format", choices=("hf",),
-                           help="--input is a Hugging Face model directory")
-    direction.add_argument("--to", dest="to_format", choices=("hf",),
-                           help="write --output as a Hugging Face model directory")
+    direction.add_argument("--from", dest="from_format", choices=("hf", "peft"),
+                           help="--input is a Hugging Face model directory (hf) or a peft LoRA "
+                           "adapter directory (peft, written as a Tessera adapter for --checkpoint)")
+    direction.add_argument("--to", dest="to_format", choices=("hf", "peft"),
+                           help="write --output as a Hugging Face model directory (hf) or, for a "
+                           "Tessera LoRA adapter --input, as a peft LoRA adapter (peft)")
     hf.add_argument("--shard-size", type=parse_size, default=parse_size(DEFAULT_SHARD_SIZE),
                     metavar="SIZE",
                     help=f"with --to hf: largest weights file, e.g. 2GB (default: {DEFAULT_SHARD_SIZE})")
+    lora = parser.add_argument_group("LoRA adapters (--from peft / --to peft)")
+    lora.add_argument("--checkpoint", type=Path, metavar="DIR",
+                      help="the Tessera base checkpoint the adapter belongs to (required)")
+    lora.add_argument("--hf-model", metavar="NAME",
+                      help="with --to peft: base_model_name_or_path for the adapter, the path "
+                      "or hub id of the HF export of --checkpoint (default: unset)")
     layout = parser.add_argument_group("target layout (resharding and FP8)")
     layout.add_argument("--tp", type=int, metavar="N",
                         help="tensor-parallel size (default: the input's)")
@@ -115,15 +132,49 @@ def _bytes_written(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _convert_peft(args: argparse.Namespace) -> int:
+    """A LoRA adapter: Tessera -> peft (`--to peft`) or peft -> Tessera (`--from peft`)."""
+    usage = None
+    if args.checkpoint is None:
+        usage = "--from/--to peft needs --checkpoint, the Tessera base checkpoint"
+    elif args.dtype is not None or any(getattr(args, f) is not None for f in LAYOUT_FLAGS):
+        usage = "--dtype and the layout flags do not apply to a LoRA adapter"
+    elif args.hf_model is not None and args.to_format != "peft":
+        usage = "--hf-model applies to --to peft only"
+    if usage:
+        print(f"tessera convert: error: {usage}", file=sys.stderr)
+        return 2
+    from tessera.converters.peft_lora import export_peft, import_peft
+
+    try:
+        if args.to_format == "peft":
+            out = export_peft(args.input, args.checkpoint, args.output, hf_model=args.hf_model,
+                              overwrite=args.overwrite)
+        else:
+            out = import_peft(args.input, args.checkpoint, args.output, overwrite=args.overwrite)
+    except (OSError, ValueError) as exc:  # PeftLoraError, AdapterError, CheckpointError, ...
+        print(f"tessera convert: error: {exc}", file=sys.stderr)
+        return 1
+    what = "peft LoRA adapter" if args.to_format == "peft" else "Tessera LoRA adapter"
+    print(f"wrote {what} {out} (base {args.checkpoint}), {_bytes_written(out):,} bytes")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if "peft" in (args.from_format, args.to_format):
+        return _convert_peft(args)
+    if args.checkpoint is not None or args.hf_model is not None:
+        print("tessera convert: error: --checkpoint and --hf-model belong to --from/--to peft",
+              file=sys.stderr)
+        return 2
     cast_only = args.dtype is not None and not (args.from_format or args.to_format)
     if cast_only or any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
         return _convert_layout(args)
     if not (args.from_format or args.to_format):
         parser.print_usage(sys.stderr)
-        print("tessera convert: error: say what to convert: --from hf or --to hf",
+        print("tessera convert: error: say what to convert: --from hf|peft or --to hf|peft",
               file=sys.stderr)
         return 2
     from tessera.converters.hf_io import export_hf, import_hf

@@ -134,6 +134,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "nemotron4-15b": {**_NEMOTRON, "vocab_size": 256000, "hidden_size": 6144, "num_layers": 32,
                       "num_heads": 48, "num_kv_heads": 8, "ffn_hidden_size": 24576,
                       "max_position_embeddings": 4096},
+    "nemotron4-340b": {**_NEMOTRON, "vocab_size": 256000, "hidden_size": 18432, "num_layers": 96,
+                       "num_heads": 96, "num_kv_heads": 8, "ffn_hidden_size": 73728,
+                       "max_position_embeddings": 4096},
+    # The GPT shapes of Narayanan et al. 2021 (PTD-P) Table 1 and GPT-3 (Brown et al. 2020)
+    # as Megatron trains them: sequence 2048, vocabulary padded to 51200, for `tessera plan`.
+    "gpt-1.7b": {**_GPT2, "vocab_size": 51200, "hidden_size": 2304, "num_layers": 24,
+                 "num_heads": 24, "ffn_hidden_size": 9216, "max_position_embeddings": 2048},
+    "gpt-18.4b": {**_GPT2, "vocab_size": 51200, "hidden_size": 6144, "num_layers": 40,
+                  "num_heads": 48, "ffn_hidden_size": 24576, "max_position_embeddings": 2048},
+    "gpt-145.6b": {**_GPT2, "vocab_size": 51200, "hidden_size": 12288, "num_layers": 80,
+                   "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
+    "gpt3-175b": {**_GPT2, "vocab_size": 51200, "hidden_size": 12288, "num_layers": 96,
+                  "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
 }
 PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]

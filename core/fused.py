@@ -66,15 +66,23 @@ def _wanted(x: torch.Tensor) -> bool:
 
 
 def fusable(fn: F_) -> F_:
-    """`fn` itself, or its TorchInductor-compiled version when training (see the module doc)."""
-    compiled = torch.compile(fn, dynamic=None)
+    """`fn` itself, or its TorchInductor-compiled version when training (see the module doc).
+
+    The compiled version is made on the first call that wants it: `torch.compile` imports
+    TorchDynamo and Inductor, seconds of CPU that inference, the converters and every `--help`
+    would otherwise pay at import.
+    """
+    compiled: Callable[..., torch.Tensor] | None = None
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         global _failed
+        nonlocal compiled
         if not _wanted(x):
             return fn(x, *args, **kwargs)
         try:
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=None)
             return compiled(x, *args, **kwargs)
         except Exception as error:  # compile failures surface on the first call
             if mode() == "on":

@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "serve": ("tessera.serving.cli:main", "run the HTTP text-generation server"),
     "generate": ("tessera.__main__:generate", "generate text from a server or a local checkpoint"),
     "models": ("tessera.core.presets:main", "list the model presets with their sizes"),
+    "plan": ("tessera.plan.cli:main", "pick the parallel layout, micro-batch and recompute"),
 }
 
 

@@ -17,6 +17,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Few threads: CPU results stay reproducible and spawned gloo ranks don't fight over 2 cores.
 torch.set_num_threads(2)
 
+# The suite runs the eager formulas: compiling the fused kernels costs seconds in every process
+# that trains (each spawned rank too, and all of it again on a clean checkout's cold Inductor
+# cache), and what the suite checks is parity between layouts, which eager shows as well.
+# tests/unit/core/test_fused.py checks the compiled kernels against eager; tests that need them
+# (or the default `auto` end to end) ask for the `compiled_kernels` fixture.
+os.environ.setdefault("TESSERA_FUSED_KERNELS", "off")
+
 GPU_DIR = Path(__file__).parent / "gpu"
 
 
@@ -67,3 +74,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     from tests.pretrain_helper import make_tiny_data
 
     return make_tiny_data(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels():
+    """The fused kernels in their default `auto` mode (compiled when training) for a module."""
+    from tessera.core import fused
+
+    fused.set_mode("auto")
+    yield
+    fused.set_mode(None)

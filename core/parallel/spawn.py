@@ -11,8 +11,12 @@
 A failing rank's traceback is raised in the caller as a RuntimeError; a run that outlives `timeout`
 is killed and raised as a TimeoutError naming the ranks that had not finished. `timeout` counts
 from the moment every rank has joined the process group, so a busy machine's slow start (spawning,
-importing torch) does not eat it; joining has its own bound, `startup_timeout`. Spawning costs about
-a second per rank, so put several checks in one body rather than one body per check.
+importing torch) does not eat it; joining has its own bound, `startup_timeout`.
+
+Ranks are forked from a forkserver that has imported torch once (a fraction of a second per rank),
+and take the caller's environment as it is at the call. A run given `env` is spawned instead,
+each rank importing torch itself (seconds per rank), because `env` must be in place before torch
+is imported. Either way, put several checks in one body rather than one body per check.
 """
 
 from __future__ import annotations
@@ -36,7 +40,25 @@ import torch.multiprocessing as mp
 GLOO_TIMEOUT = timedelta(seconds=60)
 
 
-def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple, results):
+# What the forkserver imports once, so that forked ranks start with it loaded.
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing"]
+
+
+def _context(env: dict[str, str] | None):
+    if env:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first call)
+    return ctx
+
+
+def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple, results,
+            environ: dict[str, str] | None = None):
+    if environ is not None:
+        # A forked rank inherits the forkserver's environment, frozen when it started: use the
+        # caller's instead (tests set variables with monkeypatch before calling run_ranks).
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -68,12 +90,14 @@ def run_ranks(
     `fn` and `args` must be picklable (`fn` defined at module level); so must its return value.
     `env` is added to the ranks' environment before they start (before torch is imported there).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(env)
+    environ = None if env else dict(os.environ)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_method = f"file://{tmp}/rendezvous"  # a fresh file per run: no port races
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_method, fn, args, results))
+            ctx.Process(target=_worker,
+                        args=(r, world_size, init_method, fn, args, results, environ))
             for r in range(world_size)
         ]
         started = []

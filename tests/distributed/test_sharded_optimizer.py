@@ -30,7 +30,6 @@ from tests.pretrain_helper import TinyData, pretrain_argv, read_losses, rewind_r
 
 STEPS = 8
 SAME = 1e-6  # the bar for "equal to ddp": relative loss difference over 8 steps
-ENV = {"TESSERA_FUSED_KERNELS": "off"}  # no kernel compilation in every spawned rank
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,7 +84,7 @@ def dp2(tiny: TinyData, root: Path) -> dict[str, Path]:
     for name, (flags, source) in DP2_RESUMED.items():
         jobs.append(("rewind", str(runs[source]), str(runs[name])))
         jobs.append(("train", pretrain_argv(tiny, runs[name], *flags, "--resume")))
-    run_ranks(_run_jobs, 2, jobs, timeout=900, env=ENV)
+    run_ranks(_run_jobs, 2, jobs, timeout=900)
     return runs
 
 
@@ -159,7 +158,7 @@ def four(tiny: TinyData, root: Path, dp2: dict[str, Path]) -> dict[str, Path]:
     jobs.append(("rewind", str(dp2["zero1"]), str(runs["dp4-zero1-resumed"])))
     jobs.append(("train", pretrain_argv(tiny, runs["dp4-zero1-resumed"],
                                         *_flags("zero1", "--dp", "4"), "--resume")))
-    run_ranks(_run_jobs, 4, jobs, timeout=1200, env=ENV)
+    run_ranks(_run_jobs, 4, jobs, timeout=1200)
     return runs
 
 

@@ -74,7 +74,7 @@ def runs(setting) -> dict[str, tuple[Path, list[float]]]:
     jobs = [(f, _argv(setting, root / f, f), None) for f in FLAVOURS]
     for name, (flavour, source) in RESUMED.items():
         jobs.append((name, _argv(setting, root / name, flavour, "--resume"), str(root / source)))
-    losses = run_ranks(_body, 2, jobs, timeout=900, env={"TESSERA_FUSED_KERNELS": "off"})[0]
+    losses = run_ranks(_body, 2, jobs, timeout=900)[0]
     return {name: (root / name, losses[name]) for name in losses}
 
 

@@ -56,7 +56,7 @@ def make_tiny_checkpoint(directory: Path) -> Path:
     return save_checkpoint(directory / "tiny", model, tokenizer=directory / "tokenizer.model")
 
 
-def start_server(checkpoint: Path, *extra: str, timeout_s: float = 60.0) -> Server:
+def start_server(checkpoint: Path, *extra: str, timeout_s: float = 180.0) -> Server:
     real = real_engine_available()
     port = free_port()
     argv = [sys.executable, "-m", "tests.e2e.serve_tiny", "--checkpoint", str(checkpoint),

@@ -18,8 +18,9 @@ from tessera.tuning.loop import tune
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.usefixtures("compiled_kernels")  # the demo as users run it: default kernels
 def test_p_tuning_on_the_demo_base(tmp_path, capsys):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FUSED_KERNELS": "auto"}
     subprocess.run([sys.executable, "-m", "tessera", "pretrain", "--output",
                     str(tmp_path / "demo"), "--progress", "false"], check=True, env=env)
     base = tmp_path / "demo" / "checkpoints" / "step-00000300"

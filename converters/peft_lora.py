@@ -1,0 +1,378 @@
+"""LoRA adapters between Tessera (`core.lora_format`) and Hugging Face `peft`, both ways.
+
+`export_peft` writes a Tessera adapter as a PEFT LoRA directory that
+`peft.PeftModel.from_pretrained(model, DIR)` loads on the Hugging Face export of the same base
+(`tessera convert --to hf`); `import_peft` reads a LoRA adapter trained with `peft` on that HF
+model into a Tessera adapter directory for a given Tessera base checkpoint.
+
+Modules. The HF modules a Tessera linear layer is made of come from the base weight map
+(`hf_mapping.NAME_MAPS`), so the adapter maps exactly as the base does: a fused Tessera module
+whose base weight stacks several HF weights along its rows (Llama's `attention.wqkv` =
+`[q_proj; k_proj; v_proj]`, SwiGLU's `feed_forward.w1` = `[gate_proj; up_proj]`) has B split by
+those rows (sizes from `sharding.shard_spec`) and A copied to each part, since
+`[B_q; B_k; B_v] A x` is `[B_q A x; B_k A x; B_v A x]`. The base map permutes no rows (Tessera's
+RoPE uses HF's rotate-half layout), so neither does this one. GPT-2's `Conv1D` stores its weight
+`(in, out)`, but PEFT's LoRA on a `Conv1D` keeps `lora_A (r, in)` and `lora_B (out, r)` like a
+`Linear` (`fan_in_fan_out` only transposes the merged delta), so A and B go across unchanged and
+the fused `c_attn` stays one module. Importing reverses it: q/k/v (or gate/up) factors become one
+fused module with `A = [A_q; A_k; A_v]` (the parts' ranks side by side) and a block-diagonal B
+(q's rows use only A_q's block); a part PEFT did not adapt (e.g. k when only q and v were
+targeted) gets zero rows. Exporting drops the all-zero columns of each part's B (with A's
+matching rows) and parts whose B is all zero (unless all of B is: a fresh adapter exports
+whole), so an imported adapter exports back with its original modules and ranks.
+
+Scaling. Tessera scales every module by `alpha / rank`; PEFT by `lora_alpha / r` per module
+(`alpha_pattern` / `rank_pattern` override both per module, `use_rslora` divides by `sqrt(r)`).
+Export keeps B as it is: `r = rank`, `lora_alpha = alpha`, and every module whose rank differs
+from `rank` gets `rank_pattern[m] = r_m` and `alpha_pattern[m] = (alpha / rank) * r_m`, so PEFT's
+scale is Tessera's. Import takes `rank = r` and `alpha` = PEFT's default scale times `r`, and
+folds any module's other scale (a pattern, rsLoRA) into its B: `B * (s_m / s)`.
+
+Dropout (`lora_dropout` <-> `dropout`) acts only in training, and a little differently: Tessera
+drops a fused module's input once, PEFT each of q/k/v's separately. Inference is the same.
+
+Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bias`),
+`modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
+initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with no
+Tessera LoRA equivalent (embeddings, `lm_head`, norms), and factors whose shapes do not fit the
+base (an adapter trained on another model). PEFT records no fingerprint of the base; export puts
+the Tessera base's fingerprint in the safetensors metadata (`tessera_base_fingerprint`, which
+peft ignores), so an exported adapter imported onto another same-shaped base is refused too. A
+LoRA saved by peft itself cannot be checked beyond its shapes; the Tessera adapter written gets
+the fingerprint of the base checkpoint given.
+
+Nothing here imports `peft`: both formats are JSON plus safetensors. Outputs are atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tessera.converters.hf_mapping import NAME_MAPS, ConversionError, config_to_hf
+from tessera.core.checkpoint import atomic_directory, read_manifest
+from tessera.core.config import ModelConfig
+from tessera.core.files import save_safetensors
+from tessera.core.fingerprint import base_fingerprint
+from tessera.core.lora_format import (
+    AdapterConfig,
+    check_base,
+    load_adapter,
+    lora_names,
+    save_adapter,
+)
+from tessera.core.parallel.sharding import global_param_shapes, shard_spec
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_WEIGHTS_BIN = "adapter_model.bin"  # older peft versions
+FINGERPRINT_KEY = "tessera_base_fingerprint"  # safetensors metadata of an exported adapter
+PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF *ForCausalLM
+LORA_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
+_LAYER_MODULE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_KEY = re.compile(r"^(?P<module>.+)\.(?P<factor>lora_A|lora_B)\.weight$")
+
+# PEFT config fields that change what the adapter computes in ways a Tessera LoRA cannot.
+# Each maps to its harmless value(s) and the reason it is refused otherwise.
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_dora": ((False, None), "DoRA adds a learned magnitude per output"),
+    "bias": (("none", None), "LoRA-trained biases have no place in a Tessera adapter"),
+    "lora_bias": ((False, None), "a bias on lora_B has no place in a Tessera adapter"),
+    "modules_to_save": ((None, []), "fully trained modules are not LoRA factors"),
+    "trainable_token_indices": ((None, [], {}), "trained token embeddings are not LoRA factors"),
+    "layer_replication": ((None, []), "replicated layers change the base model"),
+    "target_parameters": ((None, []), "LoRA on raw parameters (e.g. MoE experts) is not mapped"),
+    "alora_invocation_tokens": ((None, []), "activated LoRA depends on the prompt's tokens"),
+    "use_qalora": ((False, None), "QA-LoRA pools the input, unlike a plain LoRA"),
+    "use_bdlora": ((None, False, {}), "block-diagonal LoRA is another product"),
+    "arrow_config": ((None, {}), "Arrow routing mixes several adapters"),
+    "kasa_config": ((None, {}), "KaSA is another product"),
+    "velora_config": ((None, {}), "VeLoRA changes the backward pass it was trained with"),
+    "monteclora_config": ((None, {}), "MonteCLoRA samples its factors"),
+}
+# Initializations that rewrite the base weights (an adapter saved without converting it back
+# only works on that rewritten base).
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+class PeftLoraError(ConversionError):
+    """A LoRA adapter that cannot be converted as asked; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------------- mapping
+
+
+def _linear_map(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Tessera linear leaf (`attention.wqkv`) -> its HF module leaves under one layer, in the
+    order the base map stacks them along the rows (`model.layers.{}.self_attn.q_proj`, ...)."""
+    names = NAME_MAPS.get(config.family)
+    if names is None:
+        raise PeftLoraError(f"family {config.family!r} has no Hugging Face mapping; known: "
+                            f"{', '.join(NAME_MAPS)}")
+    return {leaf: tuple(n.removesuffix(".weight") for n in names[f"layers.{{}}.{leaf}.weight"])
+            for leaf in LORA_LINEARS}
+
+
+def hf_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:
+    """The HF modules (full names in the *ForCausalLM) that Tessera `module` is made of, with
+    the number of B's rows each takes, in row order."""
+    m = _LAYER_MODULE.match(module)
+    if not m or m.group(2) not in LORA_LINEARS or int(m.group(1)) >= config.num_layers:
+        raise PeftLoraError(f"{module} is not a linear layer of this {config.num_layers}-layer "
+                            f"model; LoRA modules are layers.N.{{{','.join(LORA_LINEARS)}}}")
+    layer, leaf = m.groups()
+    targets = _linear_map(config)[leaf]
+    parts = shard_spec(f"{module}.weight", config).parts
+    rows = list(parts) if len(targets) > 1 else [global_param_shapes(config)[f"{module}.weight"][0]]
+    return [(t.format(layer), r) for t, r in zip(targets, rows, strict=True)]
+
+
+def _hf_index(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """HF module -> (Tessera module, its part index) for every layer."""
+    index = {}
+    for i in range(config.num_layers):
+        for leaf in LORA_LINEARS:
+            module = f"layers.{i}.{leaf}"
+            for part, (name, _) in enumerate(hf_modules(config, module)):
+                index[name] = (module, part)
+    return index
+
+
+def _target_names(config: ModelConfig, modules: list[str]) -> list[str]:
+    """PEFT `target_modules` matching exactly `modules` (HF names): the short leaf names (with
+    their parent where a leaf alone is ambiguous, GPT-2's `attn.c_proj` / `mlp.c_proj`) when
+    every layer has the same set, else the full names."""
+    patterns = [t for ts in _linear_map(config).values() for t in ts]
+    last = [p.rsplit(".", 1)[-1] for p in patterns]
+    short = {p: (leaf if last.count(leaf) == 1 else ".".join(p.rsplit(".", 2)[-2:]))
+             for p, leaf in zip(patterns, last, strict=True)}
+    by_pattern: dict[str, set[str]] = {}
+    for p in patterns:
+        names = {p.format(i) for i in range(config.num_layers)}
+        if names & set(modules):
+            by_pattern[p] = names
+    if set().union(*by_pattern.values()) == set(modules):
+        return sorted(short[p] for p in by_pattern)
+    return sorted(modules)
+
+
+# ---------------------------------------------------------------------------------- export
+
+
+def _nonzero_columns(b: torch.Tensor) -> torch.Tensor:
+    """B's columns that are not all zero (all of them if none is): a fused module imported
+    from separate PEFT modules has zero blocks outside each part's own rank columns."""
+    keep = (b != 0).any(dim=0).nonzero().flatten()
+    return keep if keep.numel() else torch.arange(b.shape[1])
+
+
+def _check_fits(config: ModelConfig, module: str, a: torch.Tensor, b: torch.Tensor,
+                where: str) -> None:
+    out_f, in_f = global_param_shapes(config)[f"{module}.weight"]
+    if a.shape[1] != in_f or b.shape[0] != out_f:
+        raise PeftLoraError(
+            f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but the "
+            f"base's {module}.weight is ({out_f}, {in_f}); this adapter was made for another "
+            "model")
+
+
+def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLike,
+                out_dir: str | os.PathLike, *, hf_model: str | None = None,
+                overwrite: bool = False) -> Path:
+    """Write the Tessera adapter at `adapter_dir` (tuned on `base_checkpoint`) as a PEFT LoRA
+    directory `out_dir` for the Hugging Face export of that base; `hf_model` fills
+    `base_model_name_or_path` (the HF export's path or hub id). Atomic; returns `out_dir`.
+
+    Raises:
+        AdapterError: the adapter is damaged or was tuned on another base.
+        PeftLoraError: the base has no HF mapping, or the adapter does not fit it.
+    """
+    adapter, tensors = load_adapter(adapter_dir)
+    fingerprint = base_fingerprint(base_checkpoint)
+    check_base(adapter, fingerprint, base_checkpoint)
+    config = read_manifest(base_checkpoint).model
+    try:
+        config_to_hf(config)  # a base with no HF equivalent has no PEFT adapter either
+    except ConversionError as exc:
+        raise PeftLoraError(str(exc)) from None
+    out: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+    for module in adapter.modules:
+        a, b = (tensors[n] for n in lora_names(module))
+        _check_fits(config, module, a, b, str(adapter_dir))
+        layout = hf_modules(config, module)
+        whole = bool(b.count_nonzero())
+        for name, part in zip((n for n, _ in layout), b.split([r for _, r in layout]),
+                              strict=True):
+            if whole and not part.count_nonzero():
+                continue  # a part the adapter leaves alone (imported from q/v-only LoRA)
+            keep = _nonzero_columns(part)
+            out[f"{PREFIX}{name}.lora_A.weight"] = a[keep].contiguous()
+            out[f"{PREFIX}{name}.lora_B.weight"] = part[:, keep].contiguous()
+            ranks[name] = int(keep.numel())
+    # Full module names as pattern keys: peft matches `(.*\.)?(KEY)$`, so each hits one module.
+    rank_pattern = {n: r for n, r in ranks.items() if r != adapter.rank}
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hf_model,
+        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": adapter.dropout,
+        "target_modules": _target_names(config, list(ranks)),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {n: adapter.scaling * r for n, r in rank_pattern.items()},
+        "fan_in_fan_out": config.family == "gpt2",  # Conv1D; peft sets it itself, and warns
+        "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
+        "layers_pattern": None, "exclude_modules": None, "revision": None,
+    }
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        save_safetensors(out, str(tmp / PEFT_WEIGHTS),
+                         metadata={"format": "pt", FINGERPRINT_KEY: fingerprint})
+        (tmp / PEFT_CONFIG).write_text(json.dumps(peft_config, indent=2) + "\n")
+    return Path(out_dir)
+
+
+# ---------------------------------------------------------------------------------- import
+
+
+def _read_peft(peft_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], str | None]:
+    """The adapter config, its tensors, and the Tessera base fingerprint if we exported it."""
+    file = peft_dir / PEFT_CONFIG
+    if not file.is_file():
+        raise PeftLoraError(f"{peft_dir} is not a PEFT adapter directory ({PEFT_CONFIG} is "
+                            "missing); save one with `peft_model.save_pretrained(DIR)`")
+    try:
+        cfg = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise PeftLoraError(f"{file} is not valid JSON ({exc})") from exc
+    fingerprint = None
+    if (peft_dir / PEFT_WEIGHTS).is_file():
+        with safe_open(str(peft_dir / PEFT_WEIGHTS), "pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            fingerprint = (fh.metadata() or {}).get(FINGERPRINT_KEY)
+    elif (peft_dir / PEFT_WEIGHTS_BIN).is_file():
+        tensors = torch.load(peft_dir / PEFT_WEIGHTS_BIN, map_location="cpu", weights_only=True)
+    else:
+        raise PeftLoraError(f"{peft_dir} has no adapter weights ({PEFT_WEIGHTS} or "
+                            f"{PEFT_WEIGHTS_BIN})")
+    return cfg, tensors, fingerprint
+
+
+def _check_supported(cfg: dict[str, Any], where: Path) -> None:
+    if cfg.get("peft_type") != "LORA":
+        raise PeftLoraError(f"{where} is a {cfg.get('peft_type')} adapter; only LoRA adapters "
+                            "import here (prompt tuning: `tessera tune --import-peft`)")
+    for key, (allowed, why) in _UNSUPPORTED.items():
+        if cfg.get(key) not in allowed:
+            raise PeftLoraError(f"{where}: {key}={cfg[key]!r} cannot be represented as a "
+                                f"Tessera LoRA adapter ({why}); train the adapter without it")
+    init = str(cfg.get("init_lora_weights", True)).lower()
+    if init.startswith(_BASE_CHANGING_INITS):
+        raise PeftLoraError(f"{where}: init_lora_weights={cfg['init_lora_weights']!r} rewrites "
+                            "the base weights, so the adapter fits only that rewritten base; save "
+                            "it with `save_pretrained(..., path_initial_model_for_weight_conversion"
+                            "=...)` to get a plain LoRA of the original base")
+
+
+def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    """peft's own lookup (`get_pattern_key`): the first key matching `(.*\\.)?(KEY)$`."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def _peft_factors(tensors: dict[str, torch.Tensor],
+                  where: Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(HF module name, A, B) per adapted module; any other tensor is refused."""
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key.removeprefix(PREFIX))
+        if not m:
+            raise PeftLoraError(f"{where}: tensor {key} is not a LoRA factor of a linear layer "
+                                "(embedding LoRA, DoRA magnitudes, biases or saved modules "
+                                "cannot be represented as a Tessera LoRA adapter)")
+        factors.setdefault(m["module"], {})[m["factor"]] = tensor
+    for module, pair in sorted(factors.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise PeftLoraError(f"{where}: {module} has {sorted(pair)} but not both lora_A and "
+                                "lora_B; the adapter is incomplete")
+        yield module, pair["lora_A"].float(), pair["lora_B"].float()
+
+
+def import_peft(peft_dir: str | os.PathLike, base_checkpoint: str | os.PathLike,
+                out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Convert the PEFT LoRA adapter at `peft_dir`, trained on the Hugging Face export of the
+    Tessera checkpoint `base_checkpoint`, into a Tessera adapter directory `out_dir` (with that
+    base's fingerprint). Atomic; returns `out_dir`.
+
+    Raises:
+        PeftLoraError: a PEFT feature a Tessera adapter cannot represent, a module with no
+            Tessera equivalent, or factors whose shapes do not fit the base.
+    """
+    peft_dir = Path(peft_dir)
+    cfg, tensors, exported_from = _read_peft(peft_dir)
+    _check_supported(cfg, peft_dir)
+    config = read_manifest(base_checkpoint).model
+    fingerprint = base_fingerprint(base_checkpoint)
+    if exported_from is not None and exported_from != fingerprint:
+        raise PeftLoraError(
+            f"{peft_dir} was exported by Tessera from an adapter of another base (fingerprint "
+            f"{exported_from[:12]}), not {base_checkpoint} (fingerprint {fingerprint[:12]}); an "
+            "adapter only works on the model it was tuned on")
+    index = _hf_index(config)
+    r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    rslora = bool(cfg.get("use_rslora"))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    scale = alpha / (math.sqrt(r) if rslora else r)  # PEFT's scale of a module with no pattern
+    parts: dict[str, dict[int, tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for name, a, b in _peft_factors(tensors, peft_dir):
+        if name not in index:
+            raise PeftLoraError(
+                f"{peft_dir}: {name} has no Tessera LoRA equivalent in this "
+                f"{config.num_layers}-layer {config.family} model (LoRA maps onto the attention "
+                "and MLP linear layers only; embeddings, lm_head and norms are not adapted)")
+        r_m = int(_pattern_value(rank_pattern, name, r))
+        if a.shape[0] != r_m or b.shape[1] != r_m:
+            raise PeftLoraError(f"{peft_dir}: {name} has lora_A {tuple(a.shape)} and lora_B "
+                                f"{tuple(b.shape)}, but its rank is {r_m} by the config")
+        s_m = float(_pattern_value(alpha_pattern, name, alpha)) / (
+            math.sqrt(r_m) if rslora else r_m)
+        module, part = index[name]
+        parts.setdefault(module, {})[part] = (r_m, a, b * (s_m / scale))  # one scale: fold
+    if not parts:
+        raise PeftLoraError(f"{peft_dir}: the adapter holds no LoRA factors")
+    out: dict[str, torch.Tensor] = {}
+    for module, got in parts.items():
+        layout = hf_modules(config, module)
+        out_f, in_f = global_param_shapes(config)[f"{module}.weight"]
+        rank = sum(r_m for r_m, _, _ in got.values())
+        a_full, b_full = torch.zeros(rank, in_f), torch.zeros(out_f, rank)
+        row = col = 0
+        for part, (name, rows) in enumerate(layout):
+            if part in got:
+                r_m, a, b = got[part]
+                if a.shape[1] != in_f or b.shape[0] != rows:
+                    raise PeftLoraError(
+                        f"{peft_dir}: {name} has lora_A {tuple(a.shape)} and lora_B "
+                        f"{tuple(b.shape)}, but in the base {base_checkpoint} that module is "
+                        f"({rows}, {in_f}); this adapter was trained on another model")
+                a_full[col:col + r_m] = a
+                b_full[row:row + rows, col:col + r_m] = b
+                col += r_m
+            row += rows
+        out[lora_names(module)[0]], out[lora_names(module)[1]] = a_full, b_full
+    order = [n.removesuffix(".weight") for n in global_param_shapes(config)]
+    modules = tuple(m for m in order if m in parts)
+    targets = tuple(sorted({m.rsplit(".", 1)[-1] for m in modules}))
+    adapter = AdapterConfig(rank=r, alpha=scale * r, modules=modules, targets=targets,
+                            dropout=float(cfg.get("lora_dropout") or 0.0),
+                            base_checkpoint=str(base_checkpoint),
+                            base_fingerprint=fingerprint)
+    return save_adapter(out_dir, adapter, out, overwrite=overwrite)

@@ -1,0 +1,234 @@
+"""`tessera plan --calibrate`: measure this machine so the planner's `cpu` profile is its own.
+
+One rank of `tessera pretrain --nproc-per-node N` on a CPU is one process running one thread
+(the launcher sets OMP_NUM_THREADS=1), so that is what is measured:
+
+- GEMM throughput of one thread, fp32 and bf16, at a few transformer-like shapes (best of the
+  repeats that fit a short time budget, after a warm-up);
+- gloo all-reduce between two local ranks (`core.parallel.spawn.run_ranks`): the bus bandwidth
+  at the largest message, 2(n-1)/n x bytes / time as nccl-tests reports it, and the latency of
+  a small message (tiny models are latency-bound);
+- the instruction set the kernels can use (AVX2 / AVX512 / AMX, from /proc/cpuinfo), the core
+  count and the memory size;
+- the bandwidth of a one-thread memory copy (what the memory-bound ops see).
+
+The result is a flat JSON object (`hardware.CALIBRATION_KEYS` at least) that
+`tessera.plan.hardware.load_hardware("cpu", path)` reads; `default_path()` is where it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# (m, k, n) GEMMs: a small projection, a square one and an MLP-shaped one.
+GEMM_SHAPES = ((256, 256, 1024), (512, 512, 512), (1024, 1024, 1024), (512, 1024, 4096))
+QUICK_GEMM_SHAPES = ((64, 64, 64), (128, 128, 256))
+ALLREDUCE_BYTES = (4 * 2**10, 4 * 2**20, 32 * 2**20)  # latency, middle, bandwidth
+QUICK_ALLREDUCE_BYTES = (4 * 2**10, 256 * 2**10)
+
+
+def default_path() -> Path:
+    """`$TESSERA_CACHE/plan-cpu.json`, else `~/.cache/tessera/plan-cpu.json`."""
+    root = os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera"
+    return Path(root) / "plan-cpu.json"
+
+
+def cpu_isa(cpuinfo: str | None = None) -> str:
+    """The widest matrix/vector instruction set the CPU reports: AMX, AVX512, AVX2, AVX, or
+    the machine name when /proc/cpuinfo is absent (not Linux). `cpuinfo` is the file's text."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.machine() or "unknown"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"amx_bf16", "amx_tile"} & flags:
+        return "AMX"
+    if "avx512f" in flags:
+        return "AVX512"
+    for isa in ("avx2", "avx"):
+        if isa in flags:
+            return isa.upper()
+    return platform.machine() or "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> float:
+    """Physical memory of the machine in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def gemm_tflops(m: int, k: int, n: int, dtype_name: str, seconds: float) -> float:
+    """Best TFLOP/s of an (m x k) @ (k x n) matmul on one thread within `seconds`."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b  # warm-up: first-call dispatch and packing
+        best, deadline = float("inf"), time.perf_counter() + seconds
+        while True:
+            tic = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - tic)
+            if time.perf_counter() >= deadline:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * m * k * n / best / 1e12
+
+
+def copy_gbps(nbytes: int, seconds: float) -> float:
+    """Best GB/s of one thread copying `nbytes` (read + write counted): the bandwidth the
+    memory-bound ops (norms, activations, the optimizer step) see."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        dst.copy_(src)
+        best, deadline = float("inf"), time.perf_counter() + seconds
+        while True:
+            tic = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - tic)
+            if time.perf_counter() >= deadline:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * nbytes / best / 1e9
+
+
+def _allreduce_body(rank: int, world: int, sizes: tuple[int, ...], seconds: float
+                    ) -> list[tuple[int, float]]:
+    """(bytes, best seconds) of a float32 gloo all-reduce at each size (spawned by run_ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        dist.all_reduce(x)  # warm-up: connects the pair
+        best, repeats = float("inf"), 0
+        deadline = time.perf_counter() + seconds
+        while True:
+            dist.barrier()
+            tic = time.perf_counter()
+            dist.all_reduce(x)
+            best = min(best, time.perf_counter() - tic)
+            repeats += 1
+            # Every rank runs the same number of repeats: rank 0 decides when to stop.
+            more = torch.tensor(float(time.perf_counter() < deadline and repeats < 50))
+            dist.broadcast(more, 0)
+            if not more:
+                break
+        best_all = torch.tensor(best)
+        dist.all_reduce(best_all, op=dist.ReduceOp.MAX)  # the pair is as slow as its slower rank
+        out.append((nbytes, float(best_all)))
+    return out
+
+
+def measure_allreduce(world: int, sizes: tuple[int, ...], seconds: float
+                      ) -> list[tuple[int, float]]:
+    """(bytes, best seconds) of a gloo all-reduce over `world` fresh local ranks per size."""
+    from tessera.core.parallel.spawn import run_ranks
+
+    return run_ranks(_allreduce_body, world, sizes, seconds)[0]
+
+
+def calibrate(path: Path | None = None, *, quick: bool = False,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure this machine, write the calibration JSON to `path` (default `default_path()`),
+    and return it. `quick` uses tiny shapes (seconds; for tests, not for planning).
+    `progress` receives one line per measurement (default: stderr)."""
+    say = progress or (lambda text: print(text, file=sys.stderr, flush=True))
+    path = Path(path) if path else default_path()
+    isa, cores = cpu_isa(), cpu_cores()
+    say(f"calibrating {cpu_name()} ({isa}, {cores} cores) for the planner's cpu profile")
+    budget = 0.05 if quick else 0.4
+    gemms: dict[str, list[dict[str, Any]]] = {}
+    for dtype_name in ("fp32", "bf16"):
+        rows: list[dict[str, Any]] = []
+        for m, k, n in (QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
+            # Without AMX (or AVX512-BF16) bf16 matmuls are emulated and ~100x slower: a shape
+            # whose few runs would overrun the budget is skipped, not waited for.
+            best = max((r["tflops"] for r in rows), default=0.0)
+            if best and 2 * m * k * n / (best * 1e12) > budget / 2:
+                say(f"  GEMM {dtype_name} {m}x{k}x{n}: skipped (too slow on this CPU)")
+                continue
+            tflops = gemm_tflops(m, k, n, dtype_name, budget)
+            say(f"  GEMM {dtype_name} {m}x{k}x{n} (1 thread): {tflops * 1e3:.1f} GFLOP/s")
+            rows.append({"m": m, "k": k, "n": n, "tflops": tflops})
+        gemms[dtype_name] = rows
+    memory_gbps = copy_gbps(2**20 if quick else 64 * 2**20, budget)
+    say(f"  memory copy (1 thread): {memory_gbps:.1f} GB/s")
+    say("  gloo all-reduce between 2 local ranks (starting them takes a few seconds) ...")
+    sizes = QUICK_ALLREDUCE_BYTES if quick else ALLREDUCE_BYTES
+    world = 2
+    timings = measure_allreduce(world, sizes, 0.05 if quick else 0.5)
+    allreduce = [{"bytes": b, "seconds": s, "bus_gbps": 2 * (world - 1) / world * b / s / 1e9}
+                 for b, s in timings]
+    for row in allreduce:
+        say(f"  all-reduce {row['bytes'] / 2**10:,.0f} KiB: {row['seconds'] * 1e6:,.0f} us, "
+            f"bus {row['bus_gbps']:.2f} GB/s")
+    result = {
+        # The profile's inputs: per rank (one thread), as `tessera pretrain` ranks run.
+        "gemm_tflops": max(r["tflops"] for r in gemms["fp32"]),
+        "gemm_tflops_bf16": max(r["tflops"] for r in gemms["bf16"]),
+        "allreduce_gbps": allreduce[-1]["bus_gbps"],
+        "memory_gib": memory_gib(),
+        "memory_gbps": memory_gbps,
+        # A small all-reduce is latency only: 2 (n - 1) ring steps, as the time model counts.
+        "link_latency_us": allreduce[0]["seconds"] / (2 * (world - 1)) * 1e6,
+        # For people, and for a planner that wants the detail.
+        "isa": isa, "cpu": cpu_name(), "cores": cores, "threads_per_rank": 1,
+        "gemm": gemms, "allreduce": allreduce, "quick": quick,
+        "torch": _torch_version(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                time.gmtime()),
+    }
+    from tessera.core.files import atomic_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+    say(f"  -> {path}: GEMM {result['gemm_tflops'] * 1e3:.1f} GFLOP/s fp32, "
+        f"{result['gemm_tflops_bf16'] * 1e3:.1f} bf16 per rank; all-reduce "
+        f"{result['allreduce_gbps']:.2f} GB/s; {result['memory_gib']:.1f} GiB ({isa})")
+    return result
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

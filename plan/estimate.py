@@ -1,0 +1,372 @@
+"""Memory and step time of one training configuration, from `formulas` and a `Hardware`.
+
+The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
+
+- GEMMs (the four weight GEMMs of a layer, the output layer) at
+  `peak * gemm_fraction(m, n, k)` for their per-rank shapes; attention at
+  `peak * attention_efficiency` (fused, flash) or `peak * unfused_attention_efficiency`;
+- the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
+  scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
+  counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
+- backward = 2 x forward (GEMMs for input and weight gradients); a full recompute repeats the
+  forward, a selective one the attention scores' part [Korthikanti section 5];
+- tensor-parallel collectives (`formulas.tp_layer_comm_bytes`) over NVLink, not overlapped
+  (Megatron as in both papers); context-parallel K/V exchange overlapped with attention (ring),
+  exposed only where it exceeds it; expert-parallel all-to-alls exposed;
+- the pipeline: `(m + (p - 1)/v)` micro-batch slots of the slowest rank (the last, which adds
+  the output layer) [PTD-P section 2.2], p2p sends of each chunk boundary on the critical path;
+- the data-parallel gradient reduction over the network, hidden behind the last micro-batch's
+  backward when `overlap_grad_reduce`; and the optimizer step, memory bound.
+
+Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
+attention rates), no
+tensor-parallel communication overlap, no network contention between concurrent groups beyond
+one NIC per GPU, and MoE load imbalance is ignored (perfectly balanced routing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tessera.core.config import ModelConfig
+from tessera.plan import formulas as F
+from tessera.plan.hardware import Hardware
+
+# How many times the memory-bound ops move the bytes of a layer's stored activations in a
+# forward pass. Fused kernels (bias-GeLU, bias-dropout-add, scale-mask-softmax, as Megatron
+# runs them) touch each stored tensor about once; fitted with the GEMM constants on PTD-P.
+ELEMENTWISE_PASSES = 1.0
+# Bytes per gradient element in the data-parallel reduction (fp32 main grads, as Megatron
+# keeps for bf16 training) and per weight element in a sharded optimizer's all-gather.
+GRAD_REDUCE_BYTES = 4
+PARAM_GATHER_BYTES = 2
+# Bytes an Adam step moves per parameter: reads 16-bit weight, fp32 grad, master, m, v (18),
+# writes 16-bit weight, master, m, v (14).
+OPTIMIZER_STEP_BYTES = 32
+# Bytes per element of the fp32 logits the cross-entropy reads and writes, and how often.
+LOGITS_PASSES = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search space (every dimension fixed)."""
+
+    tp: int
+    pp: int
+    virtual_stages: int
+    cp: int
+    ep: int
+    dp: int
+    micro_batch: int
+    sequence_parallel: bool
+    recompute: str  # none | selective | full
+    recompute_layers: int | None  # full: layers recomputed per stage (None: all)
+    sharded_optimizer: bool
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak memory of the most loaded rank, GiB."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step, seconds, split by cause; `total` is their sum. `compute` includes the
+    recomputed forward (also shown alone as `recompute`, not added twice)."""
+
+    compute: float
+    recompute: float
+    bubble: float
+    tp: float
+    pp: float
+    dp: float  # exposed part of the data-parallel reduction
+    cp: float
+    ep: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.bubble + self.tp + self.pp + self.dp + self.cp + self.ep
+                + self.optimizer)
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class Job:
+    """What `estimate` needs of a training job (see `search.TrainingJob`)."""
+
+    model: ModelConfig
+    hardware: Hardware
+    global_batch: int
+    seq_len: int
+    gpus_per_node: int
+    precision: str
+    flash_attention: bool
+    overlap_grad_reduce: bool
+    grad_reduce_bytes: int = GRAD_REDUCE_BYTES
+    # Per-job values every configuration shares (parameter counts, FLOPs), computed once.
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def counts(self) -> F.ParameterCounts:
+        if "counts" not in self.cache:
+            self.cache["counts"] = counts_of(self.model)
+        return self.cache["counts"]
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element: 4 in fp32 (CPU runs), else 2."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def act_scale(self) -> float:
+        """Activation bytes relative to the papers' 16-bit counts."""
+        return self.act_bytes / 2
+
+    def units(self) -> F.LayerActivations:
+        if "units" not in self.cache:
+            self.cache["units"] = F.layer_activation_units(self.model, self.flash_attention)
+        return self.cache["units"]
+
+
+def moe_fields(model: ModelConfig) -> tuple[int, int, int | None]:
+    """(num_experts, experts_per_token, moe_ffn_hidden_size) of `model`, zeros for a dense model
+    (read by name so that MoE `ModelConfig` fields, when they land, are picked up)."""
+    experts = int(getattr(model, "num_experts", 0) or 0)
+    topk = int(getattr(model, "experts_per_token", 0) or getattr(model, "moe_top_k", 0) or 0)
+    ffn = getattr(model, "moe_ffn_hidden_size", None)
+    return experts, (topk or (1 if experts else 0)), ffn
+
+
+def counts_of(model: ModelConfig) -> F.ParameterCounts:
+    experts, topk, ffn = moe_fields(model)
+    return F.parameter_counts(model, num_experts=experts, experts_per_token=topk,
+                              moe_ffn_hidden_size=ffn)
+
+
+def micro_batches(job: Job, c: Config) -> int:
+    return job.global_batch // (c.dp * c.micro_batch)
+
+
+def memory(job: Job, c: Config) -> Memory:
+    """Peak memory per GPU: the larger of the first pipeline rank (embedding, the most
+    micro-batches in flight) and the last (output layer and logits, one in flight)."""
+    model, s, b = job.model, job.seq_len, c.micro_batch
+    h, L = model.hidden_size, model.num_layers
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
+    w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer, job.precision)
+
+    def act(recompute: str) -> float:
+        return F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
+                                        c.cp, job.flash_attention, job.units())
+
+    layers_per_chunk = L // (c.pp * c.virtual_stages)
+    if c.recompute == "full":
+        n = layers_per_chunk if c.recompute_layers is None else min(c.recompute_layers,
+                                                                   layers_per_chunk)
+        chunk = n * act("full") + (layers_per_chunk - n) * act("none")
+        working = act("none") if n else 0.0  # one layer's activations while recomputing it
+    else:
+        chunk = layers_per_chunk * act(c.recompute)
+        working = act("none") - act("selective") if c.recompute == "selective" else 0.0
+    per_mb_rank = c.virtual_stages * chunk  # one micro-batch through all of this rank's layers
+    m = micro_batches(job, c)
+    sl = s // c.cp
+    emb = F.embedding_activation_bytes(sl, b, h, c.tp)
+    logits = F.logits_activation_bytes(sl, b, h, model.vocab_size, c.tp)
+    first = F.inflight_microbatches(c.pp, m, c.virtual_stages) * (per_mb_rank + emb) + working
+    last = per_mb_rank + logits + working
+    activations = first + logits if c.pp == 1 else max(first, last)
+    return Memory(weights=w / F.GIB, gradients=g / F.GIB, optimizer=o / F.GIB,
+                  activations=activations * job.act_scale / F.GIB,
+                  overhead=job.hardware.framework_overhead_gib)
+
+
+def _bandwidth(hw: Hardware, intra: bool) -> float:
+    """Achievable bytes/s of one rank's link for a ring collective."""
+    return (hw.intra_node_gbps if intra else hw.inter_node_gbps) * 1e9 * hw.comm_efficiency
+
+
+def _collective_time(bytes_: float, n: int, hw: Hardware, bw: float, ops: int) -> float:
+    """`ops` collectives over n ranks moving `bytes_` per rank in all: bandwidth plus a fixed
+    start-up latency per operation."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return bytes_ / bw + ops * hw.link_latency_us * 1e-6
+
+
+def _gemm_time(flops: float, shape: tuple[float, float, float], peak: float, hw: Hardware
+               ) -> float:
+    return flops / (peak * hw.gemm_fraction(*shape)) if flops else 0.0
+
+
+@dataclass(frozen=True)
+class _LayerTimes:
+    gemm: float  # forward GEMMs
+    attention: float  # forward attention GEMMs (part of gemm)
+    elementwise: float  # forward memory-bound ops
+    scores: float  # forward elementwise over unfused attention scores (part of elementwise)
+    tp: float  # forward tensor-parallel collectives
+    cp: float  # forward context-parallel exchange, exposed
+    ep: float  # forward expert all-to-alls
+
+
+def _layer_times(job: Job, c: Config) -> _LayerTimes:
+    model, hw, s, b = job.model, job.hardware, job.seq_len, c.micro_batch
+    peak = hw.peak(job.precision) * 1e12
+    h, hd, a, kv = model.hidden_size, model.head_dim, model.num_heads, model.num_kv_heads
+    tp, cp = c.tp, c.cp
+    sl = s // cp
+    T = b * sl  # tokens of one micro-batch on this rank
+    experts, topk, moe_ffn = moe_fields(model)
+    qkv_n = (a + 2 * kv) * hd / tp
+    gemm = (_gemm_time(2 * T * h * qkv_n, (T, qkv_n, h), peak, hw)
+            + _gemm_time(2 * T * a * hd / tp * h, (T, h, a * hd / tp), peak, hw))
+    up = 2 if model.gated else 1
+    if experts:
+        f = moe_ffn or model.ffn_hidden_size
+        per_expert_tokens = T * topk * c.ep / experts
+        mlp_flops = 2 * T * topk * (up + 1) * f * h / tp
+        gemm += _gemm_time(mlp_flops, (per_expert_tokens, f / tp, h), peak, hw)
+    else:
+        f = model.ffn_hidden_size
+        gemm += (_gemm_time(2 * T * h * up * f / tp, (T, up * f / tp, h), peak, hw)
+                 + _gemm_time(2 * T * f / tp * h, (T, h, f / tp), peak, hw))
+    att_flops = 4 * T * s * (a / tp) * hd
+    if job.flash_attention:  # one fused kernel: its own achievable rate, no score tensors
+        attention = att_flops / (peak * hw.attention_efficiency)
+    else:  # batched GEMMs per head around a separate softmax
+        attention = att_flops / (peak * hw.unfused_attention_efficiency)
+    gemm += attention
+
+    stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
+                                      job.flash_attention, job.units())
+    bw_hbm = hw.memory_gbps * 1e9
+    elementwise = ELEMENTWISE_PASSES * stored * job.act_scale / bw_hbm
+    u = job.units()
+    scores = ELEMENTWISE_PASSES * (sl * b * h) * u.scores * a * s / h / tp / bw_hbm * job.act_scale
+
+    node = job.gpus_per_node
+    tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel, job.act_bytes)
+    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True),
+                               ops=4 if c.sequence_parallel else 2)
+    cp_time = 0.0
+    if cp > 1:
+        local_kv = max(1, kv // tp)  # kv heads of this tp rank (replicated when tp > kv)
+        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp, job.act_bytes)
+        comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
+        cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
+    ep_time = 0.0
+    if experts and c.ep > 1:
+        ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep, job.act_bytes)
+        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
+    return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
+                       tp=tp_time, cp=cp_time, ep=ep_time)
+
+
+def hardware_flops(job: Job, recompute: str) -> float:
+    """FLOPs one step executes for the whole batch, counting a recomputed forward as PTD-P's
+    eq. 3 does: layer forward x (3, + the attention part for selective, + 1 for full) plus the
+    output layer x 3. For a GPT shape this is exactly `formulas.ptdp_flops_per_iteration`."""
+    key = ("flops", recompute)
+    if key not in job.cache:
+        job.cache[key] = _step_flops(job, recompute)
+    return job.cache[key]
+
+
+def _step_flops(job: Job, recompute: str) -> float:
+    model = job.model
+    tokens = job.global_batch * job.seq_len
+    experts, topk, moe_ffn = moe_fields(model)
+    active_mlp = None
+    if experts:
+        f = moe_ffn or model.ffn_hidden_size
+        active_mlp = topk * f * model.hidden_size * (3 if model.gated else 2)
+    lf = F.layer_forward_flops(model, tokens, job.seq_len, active_mlp)
+    extra = {"none": 0.0, "selective": lf.attention, "full": lf.total}[recompute]
+    logits = F.logits_forward_flops(tokens, model.hidden_size, model.vocab_size)
+    return model.num_layers * (3 * lf.total + extra) + 3 * logits
+
+
+def step_time(job: Job, c: Config) -> StepTime:
+    """Predicted time of one training step of `c`, split by cause (see the module doc)."""
+    model, hw = job.model, job.hardware
+    peak = hw.peak(job.precision) * 1e12
+    lt = _layer_times(job, c)
+    fwd = lt.gemm + lt.elementwise
+    bwd = 2 * fwd
+    layers_per_chunk = model.num_layers // (c.pp * c.virtual_stages)
+    layers_rank = model.num_layers // c.pp
+    if c.recompute == "full":
+        n = layers_per_chunk if c.recompute_layers is None else min(c.recompute_layers,
+                                                                   layers_per_chunk)
+        rc_layers = n * c.virtual_stages
+        rc = fwd + lt.tp + lt.cp + lt.ep  # the whole forward again, collectives included
+    elif c.recompute == "selective":
+        rc_layers, rc = layers_rank, lt.attention + lt.scores
+    else:
+        rc_layers, rc = 0, 0.0
+    body_compute = layers_rank * (fwd + bwd)
+    body_recompute = rc_layers * rc
+    # The output layer and the cross-entropy on the last rank: forward, and 2x backward.
+    sl = job.seq_len // c.cp
+    T = c.micro_batch * sl
+    v_tp = model.vocab_size / c.tp
+    h = model.hidden_size
+    logits = 3 * _gemm_time(F.logits_forward_flops(T, h, model.vocab_size) / c.tp,
+                            (T, v_tp, h), peak, hw)
+    logits += LOGITS_PASSES * 4 * T * v_tp / (hw.memory_gbps * 1e9)
+    per_mb_compute = body_compute + logits
+    per_mb_comm_tp = layers_rank * 2 * lt.tp  # forward and backward
+    per_mb_cp = layers_rank * 2 * lt.cp
+    per_mb_ep = layers_rank * 2 * lt.ep
+    per_mb = per_mb_compute + body_recompute + per_mb_comm_tp + per_mb_cp + per_mb_ep
+    m = micro_batches(job, c)
+    bubble = (c.pp - 1) / c.virtual_stages * per_mb
+
+    pp_time = 0.0
+    if c.pp > 1:
+        intra = c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
+        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True, job.act_bytes)
+        one = p2p / _bandwidth(hw, intra) + hw.link_latency_us * 1e-6
+        pp_time = 2 * c.virtual_stages * m * one
+
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
+    n_dp = c.dp * c.cp
+    dp_time = 0.0
+    if n_dp > 1:
+        per_node = max(1, job.gpus_per_node // (c.tp * c.cp))
+        bw = (_bandwidth(hw, True) if n_dp <= per_node else
+              min(_bandwidth(hw, True), per_node * _bandwidth(hw, False)))
+        if c.sharded_optimizer:
+            vol = (F.allgather_bytes(params * job.grad_reduce_bytes, n_dp)
+                   + F.allgather_bytes(params * PARAM_GATHER_BYTES, n_dp))
+        else:
+            vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n_dp)
+        dp_full = _collective_time(vol, n_dp, hw, bw, ops=2)
+        window = layers_rank * (bwd + lt.tp) if job.overlap_grad_reduce else 0.0
+        dp_time = max(0.0, dp_full - window)
+    opt_params = params / (n_dp if c.sharded_optimizer else 1)
+    optimizer = OPTIMIZER_STEP_BYTES * opt_params / (hw.memory_gbps * 1e9)
+    return StepTime(compute=m * (per_mb_compute + body_recompute), recompute=m * body_recompute,
+                    bubble=bubble, tp=m * per_mb_comm_tp, pp=pp_time, dp=dp_time,
+                    cp=m * per_mb_cp, ep=m * per_mb_ep, optimizer=optimizer)
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    return obj.to_dict() if hasattr(obj, "to_dict") else asdict(obj)

@@ -1,0 +1,381 @@
+"""The planner's analytic formulas: small pure functions, each citing where it comes from.
+
+Sources:
+- [PTD-P] Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", SC'21, arXiv 2104.04473: parameters and FLOPs (section 5.1, eq. 2-4), pipeline
+  bubbles (section 2.2), communication of each parallelism (sections 2.3, 3).
+- [Korthikanti] Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", arXiv 2205.05198: activation memory per layer (section 4, Table 2), the pipeline's
+  in-flight activations (section 4.2.3), selective recomputation (section 5).
+- [ZeRO] Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+  Models", arXiv 1910.02054: bytes per parameter of mixed-precision Adam, sharded optimizer
+  states (section 3.1, 5.1).
+- [Ring] Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", JPDC 2009: a ring all-reduce sends 2(n-1)/n of the buffer per rank; an
+  all-gather or a reduce-scatter (n-1)/n.
+
+Notation as in the papers: s sequence, b micro-batch, h hidden, a heads, L layers, V vocabulary,
+t tensor-parallel size, p pipeline stages (ranks), v virtual stages per rank, m micro-batches,
+B global batch. Activation bytes assume 16-bit activations and 1-byte dropout masks.
+
+The `layer_*` functions generalise the GPT-shaped paper formulas to grouped-query attention, a
+gated MLP and any FFN size; for a GPT shape (kv heads = heads, ffn = 4h, GeLU) they equal the
+papers' rows exactly (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.core.config import ModelConfig
+
+GIB = 2**30
+
+# --- parameters ----------------------------------------------------------------------------
+
+
+def ptdp_parameters(num_layers: int, hidden: int, vocab: int, seq_len: int) -> float:
+    """GPT parameter count [PTD-P section 5.1, eq. 2]:
+    `P = 12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h))` (learned positions, tied embeddings)."""
+    L, h = num_layers, hidden
+    return 12 * L * h**2 * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * L * h))
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of a model by where they live. `layer_dense` is one layer's attention, norms
+    and dense MLP (or shared experts); `layer_experts` one layer's routed experts (all of them);
+    `layer_active` what one token uses in one layer."""
+
+    embedding: int  # token (and learned position) embeddings
+    word_embedding: int  # the token embedding alone (V h), what a tied output layer copies
+    output: int  # output projection, 0 when tied to the embedding
+    final_norm: int
+    layer_dense: int
+    layer_experts: int
+    layer_active: int
+    num_layers: int
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.output + self.final_norm
+                + self.num_layers * (self.layer_dense + self.layer_experts))
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (MoE: only its top-k experts)."""
+        return self.embedding + self.output + self.final_norm + self.num_layers * self.layer_active
+
+
+def mlp_parameters(hidden: int, ffn: int, gated: bool, bias: bool) -> int:
+    """One MLP: `h -> ffn (x2 when gated) -> h` [PTD-P eq. 2 counts 8h^2 + 5h for ffn = 4h]."""
+    up = ffn * (2 if gated else 1)
+    return hidden * up + ffn * hidden + ((up + hidden) if bias else 0)
+
+
+def parameter_counts(
+    model: ModelConfig,
+    num_experts: int = 0,
+    experts_per_token: int = 0,
+    moe_ffn_hidden_size: int | None = None,
+    shared_experts: int = 0,
+) -> ParameterCounts:
+    """Parameter counts of `model` by shape, as `core.parallel.sharding.global_param_shapes`
+    lays the weights out (fused QKV with kv heads, gated MLP halves, norm biases for layernorm).
+
+    MoE (designed in ahead of the ModelConfig fields): with `num_experts` > 0 each layer's MLP
+    is replaced by a router (h x E), `num_experts` routed experts of FFN size
+    `moe_ffn_hidden_size` (default `ffn_hidden_size`) and `shared_experts` always-on experts;
+    a token uses `experts_per_token` routed experts [Megatron-Core
+    theoretical_memory_usage.py counts routed, active and shared expert parameters alike].
+    """
+    h, hd = model.hidden_size, model.head_dim
+    qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
+    attn = h * qkv_out + model.num_heads * hd * h + ((qkv_out + h) if model.bias else 0)
+    norm = h * (1 if model.norm == "rmsnorm" else 2)
+    dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
+    if num_experts:
+        f = moe_ffn_hidden_size or model.ffn_hidden_size
+        expert = mlp_parameters(h, f, model.gated, model.bias)
+        layer_dense = attn + 2 * norm + h * num_experts + shared_experts * expert
+        layer_experts = num_experts * expert
+        layer_active = layer_dense + experts_per_token * expert
+    else:
+        layer_dense = attn + 2 * norm + dense_mlp
+        layer_experts = 0
+        layer_active = layer_dense
+    embedding = model.vocab_size * h + (model.max_position_embeddings * h
+                                        if model.position == "learned" else 0)
+    output = 0 if model.tied_embeddings else model.vocab_size * h
+    return ParameterCounts(embedding=embedding, word_embedding=model.vocab_size * h,
+                           output=output, final_norm=norm, layer_dense=layer_dense,
+                           layer_experts=layer_experts, layer_active=layer_active,
+                           num_layers=model.num_layers)
+
+
+def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1) -> int:
+    """Parameters held by the most loaded rank [PTD-P section 2: tensor parallelism splits every
+    layer's weights over t ranks, pipeline parallelism gives each rank L/p layers].
+
+    The first pipeline rank holds the embedding, the last the output projection (with tied
+    embeddings and p > 1 both hold a copy, as Megatron does); norms are replicated over tp
+    and counted whole (slightly pessimistic). Routed experts split over `ep` and then tp."""
+    layers = counts.num_layers / pp
+    body = layers * (counts.layer_dense / tp + counts.layer_experts / (tp * ep))
+    emb = counts.embedding / tp
+    out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp
+    if pp == 1:
+        return round(body + emb + out + counts.final_norm)
+    return round(body + max(emb, out + counts.final_norm))
+
+
+# --- weights, gradients, optimizer ---------------------------------------------------------
+
+# Mixed-precision Adam [ZeRO section 3.1]: 16-bit weights (2 bytes), fp32 gradients kept for
+# accumulation as Megatron's main grads (4), fp32 master weights, momentum and variance (12).
+WEIGHT_BYTES = 2
+GRAD_BYTES = 4
+OPTIMIZER_BYTES = 12
+
+
+def model_state_bytes(params: float, dp: int = 1, sharded_optimizer: bool = False,
+                      precision: str = "bf16") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes for `params` parameters on one rank:
+    2 + 4 + 12 = 18 bytes per parameter, or 6 + 12/dp with the optimizer states sharded over
+    the data-parallel group (ZeRO stage 1 / Megatron's distributed optimizer) [ZeRO 5.1].
+    In plain fp32 (CPU runs) there is no master copy: 4 + 4 + 8 (Adam's two moments)."""
+    weight, grad, opt = (4, 4, 8) if precision == "fp32" else (
+        WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
+    return weight * params, grad * params, opt * params / (dp if sharded_optimizer else 1)
+
+
+# --- activations ---------------------------------------------------------------------------
+
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
+                                 sequence_parallel: bool = False,
+                                 recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer [Korthikanti Table 2]:
+
+    | no parallelism                | s b h (34 + 5 a s / h)                |
+    | tensor parallel               | s b h (10 + 24/t + 5 a s / (h t))     |
+    | tensor + sequence parallel    | s b h / t (34 + 5 a s / h)            |
+    | tensor parallel + selective   | s b h (10 + 24/t)                     |
+    | tensor + sequence + selective | s b h 34 / t                          |
+    | full recomputation            | 2 s b h (2 s b h / t with sequence parallel) |
+
+    `t = 1` gives the no-parallelism row.
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attn = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + attn)
+    return sbh * (10 + 24 / t + attn / t)
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """One layer's stored activations in bytes per (s b h) unit split by how tp shards them:
+    `replicated` stays whole without sequence parallelism (norm inputs, dropout masks, the
+    inputs of the column-parallel GEMMs), `split` is always divided by t (per-head and per-FFN
+    tensors), `scores` is the attention-score term's coefficient of `a s / h` (softmax output,
+    its dropout mask and output: 5 a s^2 b, none with a fused attention kernel)."""
+
+    replicated: float
+    split: float
+    scores: float
+
+
+def layer_activation_units(model: ModelConfig, flash_attention: bool = False
+                           ) -> LayerActivations:
+    """Korthikanti's per-layer count [section 4.1] for any `ModelConfig`:
+
+    replicated 10 = two norm inputs (4) + QKV input (2) + MLP input (2) + two dropout masks (2);
+    split 24 = Q, K (4) + V (2) + projection input (2) + the MLP's activation input and output
+    (2 ffn/h each, 16 at ffn = 4h). With grouped-query attention K and V shrink to kv/a of Q;
+    a gated MLP also stores its two halves (6 ffn/h in all). A fused (flash) attention kernel
+    keeps no s^2 scores but its output's softmax statistics (negligible)."""
+    h = model.hidden_size
+    q = model.num_heads * model.head_dim / h
+    kv = model.num_kv_heads * model.head_dim / h
+    mlp = (6 if model.gated else 4) * model.ffn_hidden_size / h
+    split = 2 * q + 4 * kv + 2 * q + mlp
+    return LayerActivations(replicated=10.0, split=split, scores=0.0 if flash_attention else 5.0)
+
+
+def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
+                           sequence_parallel: bool = False, recompute: str = "none",
+                           cp: int = 1, flash_attention: bool = False,
+                           units: LayerActivations | None = None) -> float:
+    """Stored activation bytes of one layer on one rank, [Korthikanti Table 2] generalised by
+    `layer_activation_units`; context parallelism divides the sequence a rank holds by `cp`
+    (and the score matrix by cp as well: each rank scores its s/cp queries against s keys).
+    Full recomputation keeps only the layer input, 2 s b h (/t with sequence parallelism).
+    `units`: `layer_activation_units(model, flash_attention)`, when the caller has it."""
+    sl = s / cp
+    sbh = sl * b * model.hidden_size
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    u = units or layer_activation_units(model, flash_attention)
+    scores = 0.0 if recompute == "selective" else u.scores * model.num_heads * s / model.hidden_size
+    replicated = u.replicated / (t if sequence_parallel else 1)
+    return sbh * (replicated + (u.split + scores) / t)
+
+
+def inflight_microbatches(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches of a stage's activations the first pipeline rank holds at its peak, in
+    units of one micro-batch through all L/p of its layers [Korthikanti section 4.2.3]:
+    1F1B keeps p in flight (so the first stage stores L layers' worth in all), the interleaved
+    schedule p (1 + (p - 1)/(p v)); with fewer micro-batches than stages, only m."""
+    if pp == 1:
+        return 1.0
+    factor = pp * (1 + (pp - 1) / (pp * virtual_stages)) if virtual_stages > 1 else float(pp)
+    return factor * min(1.0, micro_batches / pp)
+
+
+def embedding_activation_bytes(s: int, b: int, h: int, t: int = 1) -> float:
+    """Embedding input ids and dropout [Megatron-LM theoretical_memory_usage.py]: `8 s b`
+    (int64 ids) + `s b h` (dropout mask), on the first stage, divided by t."""
+    return (8 * s * b + s * b * h) / t
+
+
+def logits_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1) -> float:
+    """Output layer and cross-entropy on the last stage [Megatron-LM theoretical_memory_usage.py,
+    after Korthikanti 4.2.2]: `4 s b h (1 + V/h)` / t (its input and the fp32 logits)."""
+    return 4 * s * b * h * (1 + vocab / h) / t
+
+
+# --- FLOPs ---------------------------------------------------------------------------------
+
+
+def ptdp_flops_per_iteration(B: int, s: int, L: int, h: int, V: int,
+                             recompute: str = "full") -> float:
+    """FLOPs of one iteration [PTD-P eq. 3, Korthikanti section 6]:
+
+    - full recompute: `96 B s L h^2 (1 + s/(6h) + V/(16 L h))` (forward twice, backward once);
+    - none (the *model* FLOPs behind MFU): `72 B s L h^2 (1 + s/(6h) + V/(12 L h))`;
+    - selective: none plus the attention scores' forward again, `4 B s^2 h` per layer:
+      `72 B s L h^2 (1 + 2s/(9h) + V/(12 L h))`.
+    """
+    if recompute == "full":
+        return 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    if recompute == "selective":
+        return 72 * B * s * L * h**2 * (1 + 2 * s / (9 * h) + V / (12 * L * h))
+    return 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs of one layer for `tokens` tokens: `dense` (the four weight GEMMs, with MoE
+    the active experts), `attention` (Q K^T and scores x V)."""
+
+    dense: float
+    attention: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.attention
+
+
+def layer_forward_flops(model: ModelConfig, tokens: float, s: int, active_mlp_params: float
+                        | None = None) -> LayerFlops:
+    """Forward FLOPs of one layer [PTD-P section 5.1: 24 B s h^2 + 4 B s^2 h for GPT]:
+    2 FLOPs per multiply-add over the QKV, projection and MLP weights (`active_mlp_params` with
+    MoE) and `4 s a d` per token for the two attention batched GEMMs over the full sequence
+    (Megatron counts causal attention in full, as here)."""
+    h, hd = model.hidden_size, model.head_dim
+    attn_w = h * (model.num_heads + 2 * model.num_kv_heads) * hd + model.num_heads * hd * h
+    mlp_w = (active_mlp_params if active_mlp_params is not None
+             else model.ffn_hidden_size * h * (3 if model.gated else 2))
+    return LayerFlops(dense=2 * tokens * (attn_w + mlp_w),
+                      attention=4 * tokens * s * model.num_heads * hd)
+
+
+def logits_forward_flops(tokens: float, h: int, vocab: int) -> float:
+    """Forward FLOPs of the output projection [PTD-P section 5.1]: `2 B s h V`."""
+    return 2 * tokens * h * vocab
+
+
+def training_days_ptdp(tokens: float, params: float, gpus: int, tflops_per_gpu: float) -> float:
+    """End-to-end training time [PTD-P eq. 4]: `8 T P / (n X)` seconds, in days."""
+    return 8 * tokens * params / (gpus * tflops_per_gpu * 1e12) / 86400
+
+
+# --- pipeline ------------------------------------------------------------------------------
+
+
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Pipeline bubble over ideal time [PTD-P section 2.2]: `(p - 1)/m` for GPipe and 1F1B,
+    `(p - 1)/(v m)` for the interleaved schedule with v chunks per rank."""
+    return (pp - 1) / (virtual_stages * micro_batches)
+
+
+# --- communication volumes (bytes each rank sends) -----------------------------------------
+
+
+def allreduce_bytes(size: float, n: int) -> float:
+    """Ring all-reduce of a `size`-byte buffer over n ranks [Ring]: `2 (n - 1)/n * size`."""
+    return 2 * (n - 1) / n * size
+
+
+def allgather_bytes(size: float, n: int) -> float:
+    """Ring all-gather (or reduce-scatter) whose full result is `size` bytes [Ring]:
+    `(n - 1)/n * size`."""
+    return (n - 1) / n * size
+
+
+def tp_layer_comm_bytes(s: int, b: int, h: int, t: int, sequence_parallel: bool,
+                        dtype_bytes: int = 2) -> float:
+    """Bytes one rank sends for one layer's forward [PTD-P section 3.2 / Korthikanti
+    section 4.2.2]: two all-reduces of the `s b h` activations (after attention and after the
+    MLP), or with sequence parallelism two all-gathers and two reduce-scatters, which move the
+    same bytes. The backward moves as much again; a full recompute repeats the forward's."""
+    size = s * b * h * dtype_bytes
+    if t == 1:
+        return 0.0
+    if sequence_parallel:
+        return 2 * (allgather_bytes(size, t) + allgather_bytes(size, t))
+    return 2 * allreduce_bytes(size, t)
+
+
+def pp_p2p_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: bool = False,
+                 dtype_bytes: int = 2) -> float:
+    """Bytes one stage boundary sends per micro-batch in one direction [PTD-P section 4.1]:
+    `s b h`, divided by t with the scatter/gather optimisation or sequence parallelism (each
+    tp rank sends its slice)."""
+    return s * b * h * dtype_bytes / t
+
+
+def dp_grad_bytes(params: float, n: int, grad_bytes: int = 2) -> float:
+    """Gradient all-reduce per rank per step over the n data-parallel ranks [Ring]:
+    `2 (n - 1)/n * params * grad_bytes`; a sharded optimizer's reduce-scatter of gradients and
+    all-gather of weights move the same bytes [ZeRO section 7.2.1]."""
+    return allreduce_bytes(params * grad_bytes, n)
+
+
+def cp_layer_comm_bytes(s: int, b: int, kv_heads: int, head_dim: int, cp: int,
+                        dtype_bytes: int = 2) -> float:
+    """Bytes one rank receives per layer forward under context parallelism [Megatron-Core
+    context_parallel.md; Liu et al., Ring Attention, arXiv 2310.01889]: every rank needs all
+    K and V, `2 s b kv d` bytes x 2, of which it lacks (cp - 1)/cp; the backward
+    reduce-scatters dK and dV, the same again."""
+    return allgather_bytes(2 * s * b * kv_heads * head_dim * dtype_bytes, cp)
+
+
+def ep_layer_comm_bytes(tokens: float, h: int, experts_per_token: int, ep: int,
+                        dtype_bytes: int = 2) -> float:
+    """Bytes one rank sends per MoE layer forward under expert parallelism [Lepikhin et al.,
+    GShard, arXiv 2006.16668; Megatron-Core MoE all-to-all dispatcher]: dispatch and combine
+    all-to-alls of its tokens' top-k copies, of which (ep - 1)/ep leave the rank."""
+    return 2 * tokens * experts_per_token * h * dtype_bytes * (ep - 1) / ep
+
+
+# --- serving -------------------------------------------------------------------------------
+
+
+def kv_cache_bytes(model: ModelConfig, tokens: int, dtype_bytes: float = 2) -> float:
+    """KV cache of `tokens` tokens (batch x context): `2 L kv d` values per token [Pope et al.,
+    "Efficiently Scaling Transformer Inference", arXiv 2211.05102, section 2]."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * tokens * dtype_bytes

@@ -1,0 +1,172 @@
+"""Hardware profiles for the planner: peak FLOP/s, memory, and link bandwidths, as data.
+
+The GPU profiles are datasheet numbers (dense Tensor Core peaks, no sparsity) of the SXM parts in
+DGX-style nodes: 8 GPUs on NVLink, one InfiniBand port per GPU. Two fitted constants turn peaks
+into achievable rates, the same for every row of every table the planner is checked against:
+
+- `gemm_efficiency`: the fraction of peak a large GEMM reaches (cuBLAS on big, square-ish
+  shapes), scaled down for thin shapes by `gemm_fraction` (see there); fitted once, on
+  PTD-P Table 1 (A100), see README "The analytic model";
+- `attention_efficiency`: the fraction of peak a fused attention kernel reaches (Dao,
+  "FlashAttention-2", arXiv 2307.08691: 50-73% of peak on A100 forward, less backward; about
+  35-50% for FlashAttention-2 on H100); `unfused_attention_efficiency` the same for the
+  unfused per-head batched GEMMs (Q K^T with an inner dimension of one head, 64-128, does about
+  d FLOP per byte of scores it writes, below the A100's 153 FLOP/byte ridge: memory bound);
+- `comm_efficiency`: the fraction of the link bandwidth a ring collective reaches (NCCL "bus
+  bandwidth" over the link rate).
+
+The `cpu` profile is measured on this machine by `tessera plan --calibrate`, which writes a JSON
+file (`load_hardware("cpu", calibration=path)`); a JSON file with every `Hardware` field can also
+stand in for any GPU (`load_hardware("my-gpu.json")`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.plan.errors import PlanError
+
+# Where `tessera plan --calibrate` saves the cpu profile unless told otherwise.
+DEFAULT_CALIBRATION = Path("~/.cache/tessera/plan-cpu.json").expanduser()
+CALIBRATION_KEYS = ("gemm_tflops", "allreduce_gbps", "memory_gib")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator kind and the links between them. Rates are per GPU, in units of 10^12
+    FLOP/s (TFLOP/s) and 10^9 bytes/s (GB/s); sizes in GiB (2^30 bytes)."""
+
+    name: str
+    peak_tflops: dict[str, float]  # dense peak by precision: "bf16", "fp8", "fp32"
+    memory_gib: float  # HBM one process can use
+    memory_gbps: float  # HBM bandwidth
+    intra_node_gbps: float  # NVLink per GPU, one direction
+    inter_node_gbps: float  # network per GPU (one NIC per GPU), one direction
+    gemm_efficiency: float = 0.7  # fraction of peak a large GEMM reaches
+    gemm_half_size: int = 96  # smallest GEMM side at which a GEMM runs at half that fraction
+    attention_efficiency: float = 0.6  # fraction of peak a fused (flash) attention kernel reaches
+    unfused_attention_efficiency: float = 0.2  # same for per-head batched GEMMs + softmax
+    comm_efficiency: float = 0.8  # fraction of link bandwidth a ring collective reaches
+    framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, allocator slack
+    link_latency_us: float = 20.0  # start-up of one collective or p2p operation
+    notes: str = field(default="", compare=False)
+
+    def peak(self, precision: str) -> float:
+        """Dense peak TFLOP/s for `precision`; PlanError when this hardware lacks it."""
+        if precision not in self.peak_tflops:
+            raise PlanError(f"{self.name} has no {precision} peak (it supports "
+                            f"{sorted(self.peak_tflops)}); choose one of those precisions")
+        return self.peak_tflops[precision]
+
+    def gemm_fraction(self, m: int | float, n: int | float, k: int | float) -> float:
+        """Achievable fraction of peak for an (m x k) @ (k x n) GEMM.
+
+        `gemm_efficiency * d / (d + gemm_half_size)` with d the smallest of m, n, k: large GEMMs
+        reach `gemm_efficiency`; thin ones (a small per-rank hidden size after tensor
+        parallelism, attention's head dimension, a short sequence) lose tile utilisation and
+        reach less. One shape rule for every model, not a per-case fudge.
+        """
+        d = max(1.0, float(min(m, n, k)))
+        return self.gemm_efficiency * d / (d + self.gemm_half_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PROFILES: dict[str, Hardware] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4): BF16 312 TFLOPS dense (624 with sparsity),
+    # HBM2 40 GB at 1,555 GB/s, NVLink 3 600 GB/s (both directions, so 300 one way). DGX A100:
+    # 8 single-port ConnectX-6 HDR 200 Gb/s, one per GPU = 25 GB/s. No FP8.
+    "a100-40gb": Hardware("a100-40gb", {"bf16": 312.0, "fp32": 19.5}, memory_gib=40.0,
+                          memory_gbps=1555.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
+                          notes="A100 SXM4 40GB datasheet; DGX A100 networking"),
+    # Same datasheet, 80 GB HBM2e at 2,039 GB/s (nvidia-smi: 81920 MiB).
+    "a100-80gb": Hardware("a100-80gb", {"bf16": 312.0, "fp32": 19.5}, memory_gib=80.0,
+                          memory_gbps=2039.0, intra_node_gbps=300.0, inter_node_gbps=25.0,
+                          notes="A100 SXM4 80GB datasheet; DGX A100 networking"),
+    # NVIDIA H100 datasheet (SXM5): BF16 1,979 and FP8 3,958 TFLOPS with sparsity, so 989.5 and
+    # 1,979 dense; HBM3 80 GB at 3.35 TB/s (nvidia-smi: 81559 MiB = 79.6 GiB); NVLink 4
+    # 900 GB/s (450 one way). DGX H100: 8 ConnectX-7 400 Gb/s, one per GPU = 50 GB/s.
+    "h100-80gb": Hardware("h100-80gb", {"bf16": 989.5, "fp8": 1979.0, "fp32": 66.9},
+                          memory_gib=79.6, memory_gbps=3350.0, intra_node_gbps=450.0,
+                          inter_node_gbps=50.0, gemm_efficiency=0.75,
+                          notes="H100 SXM5 datasheet; DGX H100 networking"),
+    # NVIDIA H200 datasheet (SXM): the H100's compute, HBM3e 141 GB at 4.8 TB/s (nvidia-smi:
+    # 143771 MiB = 140.4 GiB), NVLink 900 GB/s; DGX H200 networking as DGX H100.
+    "h200": Hardware("h200", {"bf16": 989.5, "fp8": 1979.0, "fp32": 66.9}, memory_gib=140.4,
+                     memory_gbps=4800.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
+                     attention_efficiency=0.5, notes="H200 SXM datasheet; DGX H200 networking"),
+}
+
+
+def load_hardware(name: str, calibration: Path | None = None) -> Hardware:
+    """The hardware profile called `name`.
+
+    - one of `PROFILES` (a100-40gb, a100-80gb, h100-80gb, h200);
+    - `cpu`: this machine, from the JSON file `tessera plan --calibrate` writes (`calibration`,
+      default `DEFAULT_CALIBRATION`) with at least `gemm_tflops`, `allreduce_gbps` (gloo
+      all-reduce bus bandwidth) and `memory_gib`; optional `memory_gbps`;
+    - a path ending in `.json`: a full profile, every `Hardware` field by name.
+
+    Raises `PlanError` for an unknown name (listing the known ones) or a missing or incomplete
+    calibration (saying to run `tessera plan --calibrate`).
+    """
+    if name in PROFILES:
+        return PROFILES[name]
+    if name == "cpu":
+        return _cpu_profile(Path(calibration) if calibration else DEFAULT_CALIBRATION)
+    if name.endswith(".json"):
+        data = _read_json(Path(name), what="hardware profile")
+        known = {f.name for f in dataclasses.fields(Hardware)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{name}: unknown hardware fields {unknown}; known: {sorted(known)}")
+        try:
+            return Hardware(**data)
+        except TypeError as exc:
+            raise PlanError(f"{name}: {exc}; a profile needs every field without a default "
+                            f"({[f.name for f in dataclasses.fields(Hardware)][:6]})") from exc
+    raise PlanError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES) + ['cpu']} "
+                    "(cpu after `tessera plan --calibrate`), or pass a profile .json file")
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise PlanError(f"no {what} at {path}") from exc
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{what} {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PlanError(f"{what} {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _cpu_profile(path: Path) -> Hardware:
+    """A `Hardware` for this CPU from its calibration file: measured rates are achieved rates,
+    so efficiencies are 1 and no shape penalty applies."""
+    if not path.exists():
+        raise PlanError(f"no cpu calibration at {path}: run `tessera plan --calibrate` first "
+                        "(it measures this machine's GEMM throughput and gloo bandwidth)")
+    data = _read_json(path, what="cpu calibration")
+    missing = [k for k in CALIBRATION_KEYS if not isinstance(data.get(k), (int, float))]
+    if missing:
+        raise PlanError(f"cpu calibration {path} lacks numbers for {missing}; run "
+                        "`tessera plan --calibrate` again")
+    gemm, link = float(data["gemm_tflops"]), float(data["allreduce_gbps"])
+    return Hardware(
+        name="cpu",
+        peak_tflops={"fp32": gemm, "bf16": float(data.get("gemm_tflops_bf16", gemm))},
+        memory_gib=float(data["memory_gib"]),
+        memory_gbps=float(data.get("memory_gbps", 20.0)),
+        intra_node_gbps=link, inter_node_gbps=link,
+        gemm_efficiency=1.0, gemm_half_size=0, attention_efficiency=1.0,
+        unfused_attention_efficiency=1.0, comm_efficiency=1.0,
+        framework_overhead_gib=float(data.get("framework_overhead_gib", 0.5)),
+        link_latency_us=float(data.get("link_latency_us", 50.0)),
+        notes=f"measured by tessera plan --calibrate ({path})",
+    )

@@ -1,0 +1,159 @@
+"""The serving planner: does a model fit for inference, with which tp/pp, and how fast.
+
+Memory per GPU: the weights of its shard (16-bit, or FP8 for every transformer linear with the
+embedding and output layers kept in 16 bits, as Tessera's FP8 export does), the KV cache of
+`batch` sequences of `context` tokens [Pope et al. 2022, section 2], and the framework overhead.
+Time per output token (one decode step) is memory bound at small batch: every stage streams
+its weights and its KV cache through HBM, one stage after another, plus two tensor-parallel
+all-reduces per layer of the step's activations (latency dominated) [Pope et al. 2022,
+section 3.1; PTD-P section 3.2 for the all-reduces].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.core.config import Layout, ModelConfig
+from tessera.plan import formulas as F
+from tessera.plan.errors import PlanError
+from tessera.plan.hardware import Hardware
+
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp32": 4.0}
+
+
+@dataclass(frozen=True)
+class ServingOption:
+    """One tp x pp layout for one replica; `replicas` copies fill the GPUs."""
+
+    tp: int
+    pp: int
+    replicas: int
+    weights_gib: float  # per GPU
+    kv_cache_gib: float  # per GPU, for `batch` sequences of `context` tokens
+    overhead_gib: float
+    capacity_gib: float
+    fits: bool
+    max_batch: int  # sequences of `context` tokens the free memory holds (0: none)
+    time_per_token_s: float  # one decode step at `batch`
+    tokens_per_s: float  # over all replicas at `batch` per replica
+
+    @property
+    def memory_gib(self) -> float:
+        return self.weights_gib + self.kv_cache_gib + self.overhead_gib
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """The verdict: `fits`, the recommended option (None when nothing fits), every valid option
+    fastest first, and a plain message."""
+
+    model: str
+    precision: str
+    gpus: int
+    hardware: str
+    fits: bool
+    recommended: ServingOption | None
+    options: list[ServingOption] = field(default_factory=list)
+    message: str = ""
+
+
+def _weight_bytes(model: ModelConfig, precision: str) -> tuple[float, float, float]:
+    """(transformer-body, embedding, output) bytes of the whole model; a tied output layer
+    counts as a second copy (the last pipeline stage holds one when pp > 1)."""
+    if precision not in WEIGHT_BYTES:
+        raise PlanError(f"unknown serving precision {precision!r}; choose one of "
+                        f"{sorted(WEIGHT_BYTES)}")
+    counts = F.parameter_counts(model)
+    body = counts.num_layers * (counts.layer_dense + counts.layer_experts) + counts.final_norm
+    edge_bytes = 2.0 if precision == "fp8" else WEIGHT_BYTES[precision]
+    return (body * WEIGHT_BYTES[precision], counts.embedding * edge_bytes,
+            counts.output * edge_bytes)
+
+
+def plan_serving(
+    model: ModelConfig,
+    gpus: int,
+    hardware: Hardware,
+    precision: str = "bf16",
+    batch: int = 1,
+    context: int | None = None,
+    gpus_per_node: int = 8,
+    kv_precision: str | None = None,
+    max_latency_ms: float | None = None,
+    min_throughput: float | None = None,
+) -> ServingPlan:
+    """Whether `model` fits on `gpus` x `hardware` for inference in `precision`, and how.
+
+    Tries every tp (dividing the node, valid for the heads) x pp (dividing the layers) whose
+    product divides `gpus`, with `batch` sequences of `context` tokens (default: the model's
+    maximum) per replica; the KV cache is in `kv_precision` (default: bf16). Recommends the
+    fastest fitting option that meets `max_latency_ms` (per output token) and
+    `min_throughput` (tokens/s over all replicas), or says plainly that nothing fits.
+    """
+    if gpus < 1:
+        raise PlanError(f"gpus must be >= 1, got {gpus}")
+    context = context or model.max_position_embeddings
+    body, emb, out = _weight_bytes(model, precision)
+    edge = emb + out
+    kv_bytes = WEIGHT_BYTES[kv_precision or "bf16"]
+    kv_per_seq = F.kv_cache_bytes(model, context, kv_bytes)
+    bw = hardware.memory_gbps * 1e9
+    options = []
+    for tp in [t for t in _divisors(min(gpus, gpus_per_node)) if gpus_per_node % t == 0]:
+        for pp in _divisors(model.num_layers):
+            if gpus % (tp * pp) or Layout(tp=tp, pp=pp).problems(model):
+                continue
+            kv_rep = max(1, tp // model.num_kv_heads)  # replicated kv heads are stored twice
+            # The first stage holds the embedding, the last the output layer (pp 1: both).
+            w = body / (tp * pp) + (edge if pp == 1 else max(emb, out or emb)) / tp
+            kv = batch * kv_per_seq * kv_rep / (tp * pp)
+            cap = hardware.memory_gib * F.GIB
+            over = hardware.framework_overhead_gib * F.GIB
+            fits = w + kv + over <= cap
+            free = cap - w - over
+            max_batch = max(0, int(free // (kv_per_seq * kv_rep / (tp * pp))))
+            step = (body / tp + edge / tp + batch * kv_per_seq * kv_rep / tp) / bw
+            if tp > 1:
+                msg = F.allreduce_bytes(batch * model.hidden_size * 2, tp)
+                per = msg / (hardware.intra_node_gbps * 1e9 * hardware.comm_efficiency) + \
+                    hardware.link_latency_us * 1e-6
+                step += 2 * model.num_layers * per
+            if pp > 1:
+                step += (pp - 1) * hardware.link_latency_us * 1e-6
+            replicas = gpus // (tp * pp)
+            options.append(ServingOption(
+                tp=tp, pp=pp, replicas=replicas, weights_gib=w / F.GIB, kv_cache_gib=kv / F.GIB,
+                overhead_gib=hardware.framework_overhead_gib,
+                capacity_gib=hardware.memory_gib, fits=fits, max_batch=max_batch,
+                time_per_token_s=step, tokens_per_s=replicas * batch / step))
+    options.sort(key=lambda o: (not o.fits, o.time_per_token_s))
+    ok = [o for o in options if o.fits
+          and (max_latency_ms is None or o.time_per_token_s * 1e3 <= max_latency_ms)
+          and (min_throughput is None or o.tokens_per_s >= min_throughput)]
+    total_gib = (body + edge) / F.GIB
+    name = f"{model.name} ({precision})"
+    if ok:
+        best = ok[0]
+        message = (f"{name} fits on {gpus} x {hardware.name}: tp {best.tp} pp {best.pp} "
+                   f"({best.replicas} replica(s)), {best.memory_gib:.1f} of "
+                   f"{hardware.memory_gib:.1f} GiB per GPU, up to {best.max_batch} sequences of "
+                   f"{context} tokens, {best.time_per_token_s * 1e3:.1f} ms per output token")
+        return ServingPlan(model.name, precision, gpus, hardware.name, True, best, options,
+                           message)
+    if any(o.fits for o in options):
+        message = (f"{name} fits on {gpus} x {hardware.name}, but no layout meets the latency "
+                   f"/ throughput constraints (max_latency_ms={max_latency_ms}, "
+                   f"min_throughput={min_throughput})")
+    else:
+        need = (total_gib + batch * kv_per_seq / F.GIB) / (hardware.memory_gib
+                                                            - hardware.framework_overhead_gib)
+        message = (f"{name} does not fit on {gpus} x {hardware.name}: its weights alone are "
+                   f"{total_gib:.0f} GiB against {gpus * hardware.memory_gib:.0f} GiB of "
+                   f"memory; it needs at least {max(gpus + 1, int(need) + 1)} GPUs"
+                   + (", or FP8 weights" if precision != "fp8" else ""))
+    return ServingPlan(model.name, precision, gpus, hardware.name, False, None, options,
+                       message)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,69 @@
+"""`tessera plan --calibrate`: the ISA read from /proc/cpuinfo, and a (quick) calibration that
+writes a file the planner's `cpu` profile loads, with this machine's numbers in it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.plan import calibrate as calibration
+from tessera.plan import load_hardware
+from tessera.plan.calibrate import calibrate, cpu_isa, default_path, memory_gib
+
+FLAGS = "processor\t: 0\nflags\t\t: fpu sse sse2 avx {extra} fma\nbogomips\t: 1\n"
+
+
+def test_isa_is_the_widest_matrix_or_vector_extension():
+    assert cpu_isa(FLAGS.format(extra="avx2")) == "AVX2"
+    assert cpu_isa(FLAGS.format(extra="avx2 avx512f avx512bw")) == "AVX512"
+    assert cpu_isa(FLAGS.format(extra="avx2 avx512f amx_tile amx_bf16")) == "AMX"
+    assert cpu_isa(FLAGS.format(extra="")) == "AVX"
+
+
+def test_default_path_follows_tessera_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    assert default_path() == tmp_path / "plan-cpu.json"
+    monkeypatch.delenv("TESSERA_CACHE")
+    assert default_path().parts[-3:] == (".cache", "tessera", "plan-cpu.json")
+
+
+def _fake_allreduce(world, sizes, seconds):
+    return [(n, 1e-4 + n / 1e9) for n in sizes]  # 100 us latency, 1 GB/s
+
+
+def test_quick_calibration_writes_a_profile_the_planner_loads(tmp_path, monkeypatch):
+    """GEMMs and copy measured for real (tiny shapes); the all-reduce timings stubbed (spawning
+    ranks costs ~10 s here; the slow test below runs them)."""
+    monkeypatch.setattr(calibration, "measure_allreduce", _fake_allreduce)
+    result = _check_calibration(tmp_path / "sub" / "cpu.json")
+    assert result["link_latency_us"] == pytest.approx((1e-4 + 4096 / 1e9) / 2 * 1e6)
+    assert result["allreduce_gbps"] == pytest.approx(262144 / (1e-4 + 262144 / 1e9) / 1e9)
+
+
+@pytest.mark.slow
+def test_quick_calibration_with_real_gloo_ranks(tmp_path):
+    _check_calibration(tmp_path / "cpu.json")
+
+
+def _check_calibration(path):
+    lines: list[str] = []
+    result = calibrate(path, quick=True, progress=lines.append)
+    assert json.loads(path.read_text()) == result
+    assert result["isa"] == cpu_isa() and result["threads_per_rank"] == 1
+    assert result["memory_gib"] == memory_gib()
+    # Every GEMM measured is a real rate: positive, below a 10 TFLOP/s single thread.
+    rates = [r["tflops"] for rows in result["gemm"].values() for r in rows]
+    assert rates and all(0 < r < 10 for r in rates)
+    assert result["gemm_tflops"] == max(r["tflops"] for r in result["gemm"]["fp32"])
+    assert [r["bytes"] for r in result["allreduce"]] == [4096, 262144]
+    assert all(r["seconds"] > 0 for r in result["allreduce"])
+    hw = load_hardware("cpu", path)
+    assert hw.peak("fp32") == result["gemm_tflops"]
+    assert hw.intra_node_gbps == result["allreduce_gbps"]
+    assert hw.link_latency_us == result["link_latency_us"] > 0
+    assert hw.memory_gbps == result["memory_gbps"] > 0
+    # Progress names the ISA and what was measured, one line each.
+    assert result["isa"] in lines[0] and any("all-reduce 256 KiB" in line for line in lines)
+    assert str(path) in lines[-1]
+    return result

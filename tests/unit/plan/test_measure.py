@@ -1,0 +1,37 @@
+"""The pieces of `tessera plan --measure` that need no ranks: Spearman's rank correlation
+(checked against scipy), and the synthetic corpus the candidates train on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tessera.plan.measure import ranks, spearman, synthetic_data
+from tessera.training.indexed_dataset import IndexedDataset
+
+
+@pytest.mark.parametrize("xs, ys", [
+    ([0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 3.0, 4.0]),
+    ([0.1, 0.2, 0.3, 0.4], [4.0, 3.0, 2.0, 1.0]),
+    ([0.1, 0.2, 0.2, 0.5, 0.7], [0.3, 0.1, 0.9, 0.9, 2.0]),  # ties on both sides
+    ([3.0, 1.0, 2.0], [30.0, 20.0, 10.0]),
+])
+def test_spearman_matches_scipy(xs, ys):
+    stats = pytest.importorskip("scipy.stats")
+    assert spearman(xs, ys) == pytest.approx(stats.spearmanr(xs, ys).statistic, abs=1e-12)
+
+
+def test_spearman_edge_cases():
+    assert ranks([5.0, 1.0, 5.0, 3.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert spearman([1.0], [2.0]) is None
+    assert spearman([1.0, 1.0], [1.0, 2.0]) is None  # no ranking to correlate
+    with pytest.raises(ValueError, match="equally long"):
+        spearman([1.0, 2.0], [1.0])
+
+
+def test_synthetic_data_has_the_vocabulary_and_size_asked(tmp_path):
+    prefix = synthetic_data(tmp_path, vocab_size=300, tokens=10_000)
+    ds = IndexedDataset(prefix)
+    tokens = np.concatenate([ds[i] for i in range(len(ds))])
+    assert ds.vocab_size == 300 and 10_000 <= tokens.size <= 10_000 + 512
+    assert tokens.min() >= 0 and tokens.max() < 300

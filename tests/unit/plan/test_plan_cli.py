@@ -1,0 +1,242 @@
+"""`tessera plan` from the command line: help, the ranked table and its JSON, fixed dimensions,
+`--output` as a config `tessera pretrain` loads with the planned layout, serving, and the exit
+code 2 with a clear message for bad input. GPU profiles only (pure Python, no torch), except
+where `--output` is checked against the pretraining config loader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.__main__ import main
+from tessera.core.config import ModelConfig
+from tessera.plan import Fixed, TrainingJob, load_hardware, plan_training
+from tessera.plan.measure import Measurement
+from tessera.plan.report import measured_text
+
+GPU_JOB = ["--model", "llama-1b", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "256",
+           "--seq-len", "2048"]
+FIXING_FLAGS = ("--tp", "--pp", "--virtual-stages", "--cp", "--ep", "--micro-batch",
+                "--sequence-parallel", "--recompute", "--recompute-layers")
+JSON_KEYS = ("tp", "pp", "virtual_stages", "dp", "cp", "ep", "micro_batch", "sequence_parallel",
+             "recompute", "recompute_layers", "memory_gib", "step_time_s", "tflops_per_gpu", "mfu")
+
+
+def _plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_explains_the_modes_and_every_fixing_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (*FIXING_FLAGS, "--json", "--output", "--tokens", "--top", "--calibrate",
+                 "--measure", "--nproc-per-node", "--serve", "--gpus-per-node"):
+        assert f"{flag} " in text or f"{flag}\n" in text, flag
+    assert "a100-40gb" in text and "h200" in text  # the GPU choices
+    assert "Korthikanti" in text and "training_days" in text and "Exit codes" in text
+    assert "--measure-worker" not in text  # the ranks' entry point is not for people
+
+
+def test_table_ranks_the_api_candidates_and_breaks_down_the_best(capsys):
+    code, out, _ = _plan(capsys, *GPU_JOB, "--top", "4", "--tokens", "100e9")
+    assert code == 0
+    job = TrainingJob(ModelConfig.from_name("llama-1b"), gpus=16,
+                      hardware=load_hardware("a100-80gb"), global_batch=256, seq_len=2048,
+                      tokens=100e9)
+    expected = plan_training(job, Fixed())
+    lines = out.splitlines()
+    assert f"{len(expected):,} configurations fit; the 4 fastest" in out
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
+    assert lines[head].split()[-1] == "days" and set(lines[head + 1]) <= {" ", "-"}
+    rows = lines[head + 2:head + 6]
+    for rank, (row, c) in enumerate(zip(rows, expected), start=1):
+        cells = row.split()
+        assert cells[0] == f"{rank}{'*' if rank == 1 else ''}"
+        assert " ".join(cells[1:1 + len(c.layout.split())]) == c.layout
+        assert f"{c.step_time_s:.3g}" in row and f"{c.memory_gib:.1f} / 80" in row
+        assert f"{100 * c.mfu:.1f}%" in row and f"{c.days:.1f}" == cells[-1]
+    assert lines[head + 6] == ""  # exactly --top rows
+    best = expected[0]
+    assert f"best: {best.layout}, micro-batch {best.micro_batch} x {best.micro_batches}" in out
+    assert f"memory per GPU  {best.memory_gib:.2f} GiB of 80.0: weights" in out
+    assert f"step time       {best.step_time_s:.3g} s: compute" in out
+    assert f"training time   {best.days:.1f} days for 100.0B tokens" in out
+    assert "why #1: " in out
+
+
+def test_json_is_one_object_best_first_with_the_documented_keys(capsys):
+    code, out, _ = _plan(capsys, *GPU_JOB, "--top", "3", "--json", "--gpus-per-node", "4")
+    assert code == 0
+    data = json.loads(out)  # one object, nothing else on stdout
+    assert set(data) == {"candidates", "training_days"} and data["training_days"] is None
+    cands = data["candidates"]
+    assert [c["rank"] for c in cands] == [1, 2, 3]
+    assert all(k in c for c in cands for k in JSON_KEYS)
+    times = [c["step_time_s"] for c in cands]
+    assert times == sorted(times)
+    assert all(c["tp"] <= 4 for c in cands)  # --gpus-per-node bounds tp
+    assert all(c["tp"] * c["pp"] * c["cp"] * c["dp"] == 16 for c in cands)
+    code, out, _ = _plan(capsys, *GPU_JOB, "--top", "1", "--json", "--tokens", "1e9")
+    best = json.loads(out)["candidates"][0]
+    assert json.loads(out)["training_days"] == pytest.approx(1e9 / best["tokens_per_s"] / 86400)
+
+
+def test_flags_fix_dimensions(capsys):
+    code, out, _ = _plan(capsys, *GPU_JOB, "--json", "--top", "50", "--tp", "2", "--pp", "2",
+                         "--micro-batch", "2", "--recompute", "selective",
+                         "--sequence-parallel", "--cp", "1")
+    assert code == 0
+    cands = json.loads(out)["candidates"]
+    assert cands and all((c["tp"], c["pp"], c["micro_batch"], c["recompute"],
+                          c["sequence_parallel"], c["cp"], c["dp"]) ==
+                         (2, 2, 2, "selective", True, 1, 4) for c in cands)
+    assert {c["virtual_stages"] for c in cands} == {1, 2, 4, 8}  # the one dimension left
+    code, out, _ = _plan(capsys, *GPU_JOB, "--json", "--tp", "2", "--pp", "2", "--cp", "1",
+                         "--virtual-stages", "2", "--micro-batch", "2", "--recompute", "full",
+                         "--recompute-layers", "1", "--sequence-parallel", "false")
+    (one,) = json.loads(out)["candidates"]  # every dimension fixed: one configuration
+    assert (one["virtual_stages"], one["recompute_layers"], one["sequence_parallel"]) == \
+        (2, 1, False)
+
+
+def test_output_is_a_pretrain_config_with_the_planned_layout(capsys, tmp_path):
+    from tessera.core.config import Layout, TrainSchedule
+    from tessera.core.parallel.pipeline import validate_training
+    from tessera.training.config import load_config
+
+    path = tmp_path / "run.yaml"
+    code, out, _ = _plan(capsys, *GPU_JOB, "--cp", "1", "--pp", "2", "--model-overrides",
+                         "num_layers=8", "--tokens", "1e9", "--output", str(path), "--json")
+    assert code == 0, out
+    best = json.loads(out)["candidates"][0]
+    cfg, _ = load_config(["--config", str(path)])
+    assert cfg.parallel.layout() == Layout(
+        tp=best["tp"], pp=2, virtual_stages=best["virtual_stages"], dp=best["dp"],
+        sequence_parallel=best["sequence_parallel"])
+    assert cfg.parallel.train_schedule() == TrainSchedule(
+        schedule="interleaved-1f1b" if best["virtual_stages"] > 1 else "1f1b",
+        micro_batches=256 // (best["dp"] * best["micro_batch"]), recompute=best["recompute"],
+        recompute_layers=best["recompute_layers"],
+        data_parallel="zero1" if best["sharded_optimizer"] else "ddp")
+    assert cfg.model == ModelConfig.from_name("llama-1b", num_layers=8)
+    assert (cfg.train.global_batch, cfg.train.seq_len, cfg.train.precision) == (256, 2048, "bf16")
+    assert cfg.train.steps == -(-1_000_000_000 // (256 * 2048))
+    # What `tessera pretrain` checks (training.loop.check_config) before starting 16 ranks.
+    validate_training(cfg.model, cfg.parallel.layout(), cfg.parallel.train_schedule(),
+                      world_size=16, global_batch=256, seq_len=2048)
+    assert path.read_text().startswith("# Planned by `tessera plan` for 16 x a100-80gb")
+
+
+def test_output_refuses_a_plan_the_trainer_cannot_run(capsys, tmp_path):
+    path = tmp_path / "run.yaml"
+    code, _, err = _plan(capsys, *GPU_JOB, "--cp", "2", "--output", str(path))
+    assert code == 2 and not path.exists()
+    assert "uses cp 2" in err and "no context parallelism yet" in err and "--cp 1" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "64",
+      "--seq-len", "2048"], "would fit"),
+    (["--model", "llama-1b", "--gpus", "12", "--gpu", "h100-80gb", "--global-batch", "48",
+      "--seq-len", "2048"], "not a whole number of 8-GPU nodes; use 8 or 16"),
+    (["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048"], "needs --global-batch"),
+    (["--model", "no-such-model", "--gpus", "8", "--global-batch", "8", "--seq-len", "64"],
+     "unknown model preset 'no-such-model'"),
+    (["--model", "llama-1b", "--gpus", "8", "--global-batch", "8", "--seq-len", "2048",
+      "--tp", "3"], "(fixed: tp=3)"),
+], ids=["does-not-fit", "partial-node", "no-batch", "unknown-model", "bad-tp"])
+def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
+    code, out, err = _plan(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("tessera plan: ") and message in err and "Traceback" not in err
+
+
+def test_unknown_gpu_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *GPU_JOB[:4], "--gpu", "v100"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'v100'" in capsys.readouterr().err
+
+
+def test_serving_says_plainly_what_fits(capsys):
+    argv = ["--serve", "--model", "nemotron4-340b", "--gpus", "8", "--gpu", "h100-80gb"]
+    code, out, _ = _plan(capsys, *argv, "--precision", "bf16")
+    assert code == 2 and "does not fit on 8 x h100-80gb" in out.splitlines()[0]
+    code, out, _ = _plan(capsys, *argv, "--dtype", "fp8", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] and data["recommended"]["tp"] * data["recommended"]["pp"] \
+        * data["recommended"]["replicas"] == 8
+
+
+def test_cpu_profile_shares_the_machine_between_its_ranks(capsys, tmp_path):
+    calibration = tmp_path / "cpu.json"
+    calibration.write_text(json.dumps({"gemm_tflops": 0.08, "allreduce_gbps": 1.0,
+                                       "memory_gib": 16.0, "cores": 2}))
+    code, out, _ = _plan(capsys, "--gpu", "cpu", "--calibration-file", str(calibration),
+                         "--model", "llama-tiny", "--gpus", "4", "--global-batch", "16",
+                         "--seq-len", "64", "--top", "2")
+    assert code == 0
+    assert out.startswith("tessera plan: llama-tiny on 4 x cpu (4.0 GiB, 4 per node), global "
+                          "batch 16 x 64 tokens, fp32")
+    code, _, err = _plan(capsys, "--gpu", "cpu", "--calibration-file", str(calibration),
+                         "--model", "llama-tiny", "--gpus", "4", "--global-batch", "16",
+                         "--seq-len", "64", "--measure", "--nproc-per-node", "2")
+    assert code == 2 and "--gpus (4) must equal --nproc-per-node (2)" in err
+
+
+def test_measured_table_puts_the_rankings_side_by_side():
+    job = TrainingJob(ModelConfig.from_name("llama-1b"), gpus=16,
+                      hardware=load_hardware("a100-80gb"), global_batch=256, seq_len=2048)
+    cands = plan_training(job, Fixed(cp=1), top=3)
+    measured = [Measurement(True, 0.5, 1000.0, 1.25, [0.5, 0.5]),
+                Measurement(False, error="rank 1: RuntimeError: out of memory"),
+                Measurement(True, 0.25, 2000.0, 1.5, [0.25])]
+    text = measured_text(cands, measured, -1.0, "test setting").splitlines()
+    assert text[0] == "measured: test setting"
+    assert text[2].split() == ["predicted", "#", "layout", "micro-batch", "recompute",
+                               "predicted", "s", "measured", "#", "measured", "s", "tokens/s",
+                               "peak", "GiB"]
+    rows = [line.split() for line in text[4:7]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert rows[0][-4:] == ["2", "0.5000", "1,000", "1.25"]
+    assert rows[1][-4:] == ["failed", "-", "-", "-"]
+    assert rows[2][-4:] == ["1", "0.2500", "2,000", "1.50"]
+    assert "  #2 failed: rank 1: RuntimeError: out of memory" in text
+    assert any(line.startswith("measured best: predicted #3") for line in text)
+    assert text[-1] == ("Spearman rank correlation, predicted vs measured step time: -1.00 "
+                        "over 2 candidates")
+
+
+def test_measure_reports_a_candidate_pretrain_cannot_express_and_runs_the_rest(
+        capsys, monkeypatch, tmp_path):
+    """No ranks here: the runner is replaced by one that records what it was given."""
+    from tessera.plan import measure
+
+    seen = {}
+
+    def fake_measure_all(configs, workdir, data, **kw):
+        seen["configs"], seen["kw"] = configs, kw
+        return [Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))]
+
+    monkeypatch.setattr(measure, "measure_all", fake_measure_all)
+    monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
+                         "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
+                         "--top", "5", "--json", "--measure-steps", "3")
+    assert code == 0
+    cands = json.loads(out)["candidates"]
+    with_cp = [c for c in cands if c["cp"] > 1]
+    assert with_cp and len(with_cp) < len(cands)  # the search puts both kinds in the top 5
+    for c in with_cp:
+        assert not c["measured"]["ok"] and "no context parallelism yet" in c["measured"]["error"]
+    runnable = [c for c in cands if c["cp"] == 1]
+    assert [c["measured"]["step_time_s"] for c in runnable] == \
+        [1.0 + i for i in range(len(runnable))]
+    assert [cfg["parallel"]["tp"] for cfg in seen["configs"]] == [c["tp"] for c in runnable]
+    assert seen["kw"]["nproc"] == 64 and seen["kw"]["device"] == "cuda"
+    assert seen["kw"]["steps"] == 3 and seen["kw"]["warmup"] == 2

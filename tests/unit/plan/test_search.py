@@ -1,0 +1,307 @@
+"""The planner against published results: PTD-P Table 1 (Narayanan et al. 2021), GPT-3 175B
+training time with sequence parallelism and selective recomputation (Korthikanti et al. 2022),
+Nemotron-4 340B serving on one DGX H100; and its answers to bad input."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import pytest
+
+from tessera.core.config import ModelConfig
+from tessera.plan import (
+    Fixed,
+    PlanError,
+    TrainingJob,
+    evaluate,
+    explain,
+    load_hardware,
+    plan_serving,
+    plan_training,
+)
+
+A100 = load_hardware("a100-80gb")
+
+# PTD-P Table 1: params (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU.
+TABLE1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+          (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+          (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+          (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+          (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+          (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+          (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+          (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+ROWS = {row[0]: row for row in TABLE1}
+# The 2021 runs: fp16 with 16-bit gradient all-reduce after the backward (no overlap), full
+# activation recomputation (the FLOPs of eq. 3), no sequence parallelism and no distributed
+# optimizer (neither existed), unfused attention; the interleaved schedule, whose virtual
+# stages and micro-batch the paper does not list, so the planner searches them.
+PAPER_FIXED = Fixed(recompute="full", sequence_parallel=False, sharded_optimizer=False, cp=1)
+
+
+def ptdp_job(billions: float) -> TrainingJob:
+    _, a, h, L, _, _, gpus, batch, _ = ROWS[billions]
+    model = ModelConfig(name=f"gpt-{billions}b", family="gpt2", norm="layernorm",
+                        activation="gelu_tanh", position="learned", bias=True,
+                        tied_embeddings=True, vocab_size=51200, hidden_size=h, num_layers=L,
+                        num_heads=a, ffn_hidden_size=4 * h, max_position_embeddings=2048)
+    return TrainingJob(model, gpus, A100, batch, 2048, flash_attention=False,
+                       overlap_grad_reduce=False, grad_reduce_bytes=2)
+
+
+@functools.cache  # each row is searched once for both tests below
+def paper_and_best(billions: float):
+    _, _, _, _, tp, pp, _, _, _ = ROWS[billions]
+    ranked = plan_training(ptdp_job(billions), PAPER_FIXED)
+    paper = next(c for c in ranked if (c.tp, c.pp) == (tp, pp))
+    return paper, ranked[0]
+
+
+@pytest.mark.parametrize("billions", list(ROWS))
+def test_ptdp_table1_throughput_within_15_percent(billions):
+    # The brief's bar is 15%; every row is within 8% (see README "The analytic model").
+    paper, _ = paper_and_best(billions)
+    assert paper.fits
+    assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.15)
+
+
+# The paper's (tp, pp) is the planner's first choice or within 3% of its best throughput.
+# The model disagrees with the paper's heuristic choice (PTD-P section 3, takeaway #1: tp up
+# to the node size first) where a smaller tp with a few more, interleaved pipeline stages
+# avoids tp's all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work
+# (no sequence parallelism in 2021): 18.4B (tp2 pp4 v5 predicted ~14% faster), and by less
+# 3.6B, 7.5B, 39.1B.
+LAYOUT_CHOICE = [
+    pytest.param(1.7, 0.03, id="1.7B"),
+    pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(
+        strict=True, reason="the model predicts tp2 pp4 v5 ~14% faster than the paper's "
+        "tp8 pp1: tp8 pays two all-reduces per layer pass, thinner GEMMs and replicated "
+        "elementwise work without sequence parallelism")),
+    pytest.param(76.1, 0.03, id="76.1B"),
+    pytest.param(145.6, 0.03, id="145.6B"),
+    pytest.param(310.1, 0.03, id="310.1B"),
+    pytest.param(529.6, 0.03, id="529.6B"),
+    pytest.param(1008.0, 0.03, id="1008B"),
+    # Known deviations, bounded so that the model cannot drift further unnoticed.
+    pytest.param(3.6, 0.05, id="3.6B-deviation"),
+    pytest.param(7.5, 0.08, id="7.5B-deviation"),
+    pytest.param(39.1, 0.09, id="39.1B-deviation"),
+]
+
+
+@pytest.mark.parametrize("billions,gap", LAYOUT_CHOICE)
+def test_ptdp_table1_layout_choice(billions, gap):
+    paper, best = paper_and_best(billions)
+    assert best.tokens_per_s <= paper.tokens_per_s * (1 + gap), (
+        f"best {best.layout} {best.tflops_per_gpu:.0f} TFLOP/s vs paper {paper.layout} "
+        f"{paper.tflops_per_gpu:.0f}")
+
+
+def gpt3_job() -> TrainingJob:
+    # Korthikanti et al. 2022 ran Megatron with unfused attention and no gradient-reduction
+    # overlap; GPT-3's batch of 1536 sequences of 2048 tokens, 300B tokens.
+    return TrainingJob(ModelConfig.from_name("gpt3-175b"), 1024, A100, 1536, 2048,
+                       tokens=300e9, flash_attention=False, overlap_grad_reduce=False)
+
+
+def test_gpt3_175b_training_days():
+    selective = plan_training(gpt3_job(), Fixed(sequence_parallel=True, recompute="selective",
+                                                cp=1), top=1)[0]
+    assert selective.days == pytest.approx(24, rel=0.20)
+    full = plan_training(gpt3_job(), Fixed(sequence_parallel=True, recompute="full", cp=1),
+                         top=1)[0]
+    assert 1.20 <= full.days / selective.days <= 1.30
+    # Full recomputation executes more FLOPs per second but trains slower (MFU).
+    assert full.tflops_per_gpu > selective.tflops_per_gpu
+    assert full.mfu < selective.mfu
+
+
+def test_nemotron4_340b_serving_on_one_dgx_h100():
+    model, h100 = ModelConfig.from_name("nemotron4-340b"), load_hardware("h100-80gb")
+    bf16 = plan_serving(model, 8, h100, "bf16")
+    assert not bf16.fits and bf16.recommended is None
+    assert "does not fit" in bf16.message and "FP8" in bf16.message
+    fp8 = plan_serving(model, 8, h100, "fp8")
+    assert fp8.fits
+    assert fp8.recommended.tp * fp8.recommended.pp == 8
+    assert fp8.recommended.memory_gib <= h100.memory_gib
+    assert fp8.recommended.max_batch >= 1
+
+
+def test_fixed_dimensions_and_evaluate_agree():
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048)
+    ranked = plan_training(job, Fixed(tp=2, micro_batch=4), top=3)
+    assert len(ranked) == 3
+    assert all(c.tp == 2 and c.micro_batch == 4 for c in ranked)
+    assert [c.step_time_s for c in ranked] == sorted(c.step_time_s for c in ranked)
+    best = ranked[0]
+    again = evaluate(job, {k: getattr(best, k) for k in (
+        "tp", "pp", "virtual_stages", "cp", "ep", "micro_batch", "sequence_parallel",
+        "recompute", "recompute_layers", "sharded_optimizer")})
+    assert again == best
+    assert "faster than" in explain(ranked[0], ranked[1])
+
+
+def test_candidate_json_contract():
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048, tokens=1e11)
+    d = plan_training(job, Fixed(tp=2, cp=1), top=1)[0].to_dict()
+    for key in ("tp", "pp", "virtual_stages", "dp", "cp", "ep", "micro_batch",
+                "sequence_parallel", "recompute", "recompute_layers", "memory_gib",
+                "step_time_s", "tflops_per_gpu", "mfu", "days"):
+        assert key in d
+    assert d["memory_gib"] == pytest.approx(d["memory"]["total"])
+    assert d["step_time_s"] == pytest.approx(d["time"]["total"])
+    assert d["days"] == pytest.approx(1e11 / d["tokens_per_s"] / 86400)
+
+
+def test_evaluate_names_every_broken_rule():
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048)
+    with pytest.raises(PlanError) as err:
+        evaluate(job, {"tp": 16, "pp": 5})
+    text = str(err.value)
+    assert "tp 16" in text and "num_layers 24 is not divisible by pp 5" in text
+
+
+def test_model_that_fits_nothing_says_what_would():
+    job = TrainingJob(ModelConfig.from_name("llama3-8b"), 1, load_hardware("a100-40gb"), 8, 2048)
+    with pytest.raises(PlanError) as err:
+        plan_training(job)
+    text = str(err.value)
+    assert "does not fit on 1 x a100-40gb" in text
+    assert "4 x a100-40gb would fit" in text and "h200" in text
+
+
+def test_gpus_not_a_multiple_of_the_node():
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 12, A100, 96, 2048)
+    with pytest.raises(PlanError, match="12 GPUs is not a whole number of 8-GPU nodes; use 8 or 16"):
+        plan_training(job)
+
+
+def test_unknown_gpu_and_missing_precision():
+    with pytest.raises(PlanError, match=r"unknown hardware 'b200'; choose one of \['a100-40gb'"):
+        load_hardware("b200")
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 8, A100, 64, 2048, precision="fp8")
+    with pytest.raises(PlanError, match="a100-80gb has no fp8 peak"):
+        plan_training(job)
+
+
+def test_planning_imports_no_torch():
+    code = ("import sys, tessera.plan; from tessera.plan import plan_training; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_memory_breakdown_by_hand_1_7b():
+    # gpt-1.7b, tp1 pp1 dp32, micro-batch 1, no recompute, no sharded optimizer, unfused
+    # attention. P = 1,652,230,656: weights 2P = 3,304,461,312 bytes = 3.0775 GiB, grads
+    # 4P = 6.1550 GiB, Adam 12P = 18.4651 GiB. Activations: s b h = 2048 * 2304 = 4,718,592;
+    # per layer (34 + 5 * 24 * 2048 / 2304 = 140.667) s b h = 663,748,608, x 24 layers =
+    # 15,929,966,592; embedding 8 s b + s b h = 4,734,976; logits 4 s b (h + V) =
+    # 4 * 2048 * 53504 = 438,304,768; in all 16,373,006,336 bytes = 15.2486 GiB.
+    # Sum 42.9462 GiB, plus the framework overhead.
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048,
+                      flash_attention=False)
+    c = evaluate(job, {"micro_batch": 1, "recompute": "none", "sharded_optimizer": False})
+    assert c.memory.weights == pytest.approx(3.0775, abs=1e-4)
+    assert c.memory.gradients == pytest.approx(6.1550, abs=1e-4)
+    assert c.memory.optimizer == pytest.approx(18.4651, abs=1e-4)
+    assert c.memory.activations == pytest.approx(15.2486, abs=1e-4)
+    assert c.memory.total == pytest.approx(42.9462 + A100.framework_overhead_gib, abs=1e-3)
+    # A sharded optimizer over the 32 data-parallel ranks: 18.4651 / 32 = 0.5770 GiB.
+    z = evaluate(job, {"micro_batch": 1, "recompute": "none", "sharded_optimizer": True})
+    assert z.memory.optimizer == pytest.approx(0.5770, abs=1e-4)
+    # Full recomputation keeps 2 s b h per layer (24 * 9,437,184 = 226,492,416) plus one
+    # layer's activations while recomputing it (663,748,608): with embedding and logits
+    # 1,333,280,768 bytes = 1.2417 GiB.
+    f = evaluate(job, {"micro_batch": 1, "recompute": "full", "sharded_optimizer": False})
+    assert f.memory.activations == pytest.approx(1.2417, abs=1e-4)
+
+
+def test_serving_memory_by_hand():
+    # llama3-8b in bf16 on one H100: weights 8,030,261,248 * 2 bytes = 14.96 GiB; KV cache
+    # per 8192-token sequence 2 * 32 * 8 * 128 * 8192 * 2 = 1 GiB (1,073,741,824 bytes); the
+    # free memory after weights and overhead, 79.6 - 14.96 - 3 = 61.64 GiB, holds 61.
+    plan = plan_serving(ModelConfig.from_name("llama3-8b"), 1, load_hardware("h100-80gb"),
+                        "bf16", batch=4, context=8192)
+    best = plan.recommended
+    assert (best.tp, best.pp) == (1, 1)
+    assert best.weights_gib == pytest.approx(14.958, abs=1e-3)
+    assert best.kv_cache_gib == pytest.approx(4.0)
+    assert best.max_batch == 61
+    # A latency bound nothing meets is said plainly, not ignored.
+    strict = plan_serving(ModelConfig.from_name("llama3-8b"), 1, load_hardware("h100-80gb"),
+                          max_latency_ms=0.1)
+    assert not strict.fits and "latency" in strict.message
+
+
+def test_activations_match_megatron_theoretical_memory():
+    # Megatron-LM's theoretical_memory_usage.compute_activation_memory (SP + selective) for
+    # GPT-3 175B, s 2048, b 1, t 8, p 8, v 1, m >= p, by hand: 34 s b h per layer x 96
+    # layers = 25,165,824 * 34 * 96 = 82,141,249,536; embedding input 8 s b p = 131,072 and
+    # dropout s b h p = 201,326,592; divided by t: 10,292,838,400 bytes. The planner adds one
+    # layer's attention scores while they are recomputed, (80/8) s b h = 251,658,240.
+    job = TrainingJob(ModelConfig.from_name("gpt3-175b"), 1024, A100, 1536, 2048,
+                      flash_attention=False)
+    c = evaluate(job, {"tp": 8, "pp": 8, "micro_batch": 1, "sequence_parallel": True,
+                       "recompute": "selective"})
+    assert c.memory.activations * 2**30 == pytest.approx(10_292_838_400 + 251_658_240)
+    # Interleaved with v = 2: Megatron multiplies by 1 + (p - 1)/(p v) = 1 + 7/16.
+    i = evaluate(job, {"tp": 8, "pp": 8, "virtual_stages": 2, "micro_batch": 1,
+                       "sequence_parallel": True, "recompute": "selective"})
+    assert i.memory.activations * 2**30 == pytest.approx(10_292_838_400 * 23 / 16 + 251_658_240)
+
+
+def test_searched_full_recompute_takes_the_fewest_layers_that_fit():
+    # llama2-7b, sequence 4096, on 8 A100-40GB at tp2 with SP and micro-batch 1: neither no
+    # recompute nor selective fits; full recompute of 2 of the 32 layers does, 1 does not.
+    job = TrainingJob(ModelConfig.from_name("llama2-7b"), 8, load_hardware("a100-40gb"), 64,
+                      4096)
+    ranked = plan_training(job, Fixed(tp=2, pp=1, cp=1, micro_batch=1, sequence_parallel=True))
+    assert [(c.recompute, c.recompute_layers) for c in ranked] == [("full", 2)]
+    one = evaluate(job, {"tp": 2, "micro_batch": 1, "sequence_parallel": True,
+                         "recompute": "full", "recompute_layers": 1})
+    assert not one.fits
+    # Fixing recompute="full" means every layer (None), as TrainSchedule reads it.
+    every = plan_training(job, Fixed(tp=2, pp=1, cp=1, micro_batch=1, sequence_parallel=True,
+                                     recompute="full"))
+    assert every[0].recompute_layers is None
+    assert every[0].memory_gib < ranked[0].memory_gib
+    assert every[0].step_time_s > ranked[0].step_time_s
+
+
+def test_fp32_runs_count_fp32_states_and_activations():
+    # A CPU run in fp32: weights 4 + grads 4 + Adam moments 8 = 16 bytes per parameter (no
+    # master copy) against 2 + 4 + 12 in bf16, and activations twice the 16-bit counts.
+    model = ModelConfig.from_name("llama-demo")
+    fields = {"micro_batch": 2, "recompute": "none", "sharded_optimizer": False}
+    bf16 = evaluate(TrainingJob(model, 1, A100, 8, 256), fields).memory
+    fp32 = evaluate(TrainingJob(model, 1, A100, 8, 256, precision="fp32"), fields).memory
+    assert fp32.weights == pytest.approx(2 * bf16.weights)
+    assert fp32.gradients == pytest.approx(bf16.gradients)
+    assert fp32.optimizer == pytest.approx(bf16.optimizer * 8 / 12)
+    assert fp32.activations == pytest.approx(2 * bf16.activations)
+
+
+def test_nemotron4_340b_training_mfu_on_h100():
+    # Nemotron-4 340B technical report: 6144 H100 (768 DGX nodes), tp 8, pp 12 interleaved,
+    # dp 64, sequence 4096, batch 2304, bf16: 41-42% MFU. The planner, free to pick the
+    # interleaving depth, micro-batch and recomputation for that layout, predicts within 15%.
+    job = TrainingJob(ModelConfig.from_name("nemotron4-340b"), 6144, load_hardware("h100-80gb"),
+                      2304, 4096)
+    best = plan_training(job, Fixed(tp=8, pp=12, cp=1, sequence_parallel=True), top=1)[0]
+    assert best.dp == 64
+    assert best.mfu == pytest.approx(0.415, rel=0.15)
+
+
+def test_search_respects_head_rules_and_node_size():
+    # 12 heads, 3 kv heads: tp 2 and 4 split kv heads unevenly (3 % tp and tp % 3 both
+    # nonzero) and tp 8 does not divide 12 heads, so only tp 1 is valid (core.config rules).
+    odd = ModelConfig(name="odd", vocab_size=1024, hidden_size=768, num_layers=4, num_heads=12,
+                      num_kv_heads=3, ffn_hidden_size=2048, max_position_embeddings=1024)
+    ranked = plan_training(TrainingJob(odd, 8, A100, 64, 1024))
+    assert {c.tp for c in ranked} == {1}
+    # With 4 GPUs per node, tp stays within 4 even on 16 GPUs.
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 16, A100, 256, 2048, gpus_per_node=4)
+    assert max(c.tp for c in plan_training(job, Fixed(cp=1, micro_batch=1))) == 4
