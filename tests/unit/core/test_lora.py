@@ -124,3 +124,42 @@ def test_adapter_product_start_and_gradients():
             assert torch.equal(p, want), name
         else:
             assert torch.equal(p, before[name]), name
+
+
+def test_unmerged_adapter_forward_equals_peft_on_the_hf_export(tmp_path):
+    """The adapter hook against a reference nobody here wrote: `peft` LoRA on the Hugging Face
+    export of the same base (grouped-query Llama: q, k, v of different sizes in the fused
+    wqkv), with the adapter exported by `tessera convert --to peft`."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tessera.converters.cli import main as convert
+    from tessera.converters.hf_io import export_hf
+    from tessera.core.checkpoint import save_checkpoint
+    from tessera.core.fingerprint import base_fingerprint
+    from tessera.core.lora_format import save_adapter
+
+    config = ModelConfig(name="lora-gqa", vocab_size=128, hidden_size=64, num_layers=2,
+                         num_heads=8, num_kv_heads=4, ffn_hidden_size=96,
+                         max_position_embeddings=32)
+    model = build_model(config, seed=0)
+    ckpt = save_checkpoint(tmp_path / "ckpt", model)
+    export_hf(ckpt, tmp_path / "hf")
+    modules = resolve_targets("all", config)
+    adapter = AdapterConfig(rank=3, alpha=6.0, modules=modules, targets=("all",),
+                            base_checkpoint=str(ckpt), base_fingerprint=base_fingerprint(ckpt))
+    g = torch.Generator().manual_seed(4)
+    tensors = {n: torch.randn(s, generator=g) * 0.1
+               for n, s in lora_global_shapes(config, dict.fromkeys(modules, 3)).items()}
+    save_adapter(tmp_path / "adapter", adapter, tensors)
+    assert convert(["--to", "peft", "--input", str(tmp_path / "adapter"), "--checkpoint",
+                    str(ckpt), "--output", str(tmp_path / "peft"), "--hf-model",
+                    str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    reference = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    attach_lora([model], adapter, tensors=tensors)
+    ids = torch.randint(0, 128, (2, 16), generator=g)
+    with torch.no_grad():
+        got, want = model(ids), reference(ids).logits
+        with reference.disable_adapter():
+            plain = reference(ids).logits
+    assert (got - want).abs().max() <= 1e-4 and (plain - want).abs().max() > 1e-2
