@@ -43,6 +43,10 @@ def main(argv: list[str]) -> int:
             dirs = export_peft(args.prompts, cfg.loop.output, task=args.task)
             print("PEFT adapters: " + ", ".join(str(d) for d in dirs))
             return 0
+        if args.export and cfg.tune.method == "lora":
+            raise ConfigError("--export peft writes prompt tables; a LoRA adapter converts with "
+                              "`tessera convert --to peft --input OUTPUT/adapter --checkpoint "
+                              "BASE --output DIR`")
         if args.nproc_per_node and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tessera.core.parallel.launch import launch_local_ranks
             from tessera.tuning.loop import prepare_inputs
