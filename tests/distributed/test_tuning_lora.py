@@ -1,10 +1,11 @@
 """LoRA tuning on gloo ranks: tp2 x pp2, tp2 x dp2 (sequence parallel) and tp4 (kv heads
 replicated over tp ranks, so B's kv rows too) give the single-process run's losses (8 steps,
-1e-5 relative), adapter and validation metrics; the base stays bit-identical on every rank;
-only A/B get gradients, the replicated factor's identical over tp, every one identical over dp;
-and `--merge` written by tp2 x pp2 ranks equals the one-process merge.
+1e-5 relative) and adapter (and, in the slow tp4 case, validation metrics); the base stays
+bit-identical on every rank; only A/B get gradients, the replicated factor's identical over tp,
+every one identical over dp; and `--merge` written by tp2 x pp2 ranks equals base + adapter.
 
-One spawn of 4 ranks runs every layout in turn; the references run here, in one process.
+One spawn of 4 ranks runs the default layouts in turn (a second, slow, runs tp4); the
+reference runs here, in one process.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ def setting(tmp_path_factory) -> dict[str, Path]:
             "valid": write_jsonl(root / "valid.jsonl", valid)}
 
 
-def _argv(s: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return tune_argv(s["base"], out, s["train"], s["valid"], "--steps", "8", "--global-batch",
+def _argv(s: dict[str, Path], out: Path, *extra: str, valid: bool = True) -> list[str]:
+    """Flags of an 8-step LoRA run; without `valid` no validation (generation is the slow part
+    under a pipeline)."""
+    return tune_argv(s["base"], out, s["train"], s["valid"] if valid else None, "--steps", "8",
+                     "--global-batch",
                      "8", "--micro-batches", "2", "--method", "lora", "--lora-rank", "4",
                      "--lora-alpha", "8", "--lora-targets", "all", "--lr", "1e-2", *extra)
 
@@ -125,7 +129,7 @@ def _check_results(setting: dict, reference: dict, layouts: dict, results: list[
             got = rank_result[name]
             worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], reference["losses"]))
             assert worst <= RTOL, (name, worst, got["losses"], reference["losses"])
-            for task, metrics in reference["after"].items():
+            for task, metrics in (reference["after"] if got["after"] else {}).items():
                 assert got["after"][task]["accuracy"] == metrics["accuracy"], name
                 assert abs(got["after"][task]["loss"] - metrics["loss"]) <= 1e-4 * metrics["loss"]
         state = root / name / "checkpoints" / "step-00000008" / "state.json"
@@ -138,7 +142,8 @@ def _check_results(setting: dict, reference: dict, layouts: dict, results: list[
 
 def test_layouts_match_one_process_and_keep_the_base(setting, reference):
     root = setting["root"]
-    jobs = {name: _argv(setting, root / name, *flags) for name, flags in LAYOUTS.items()}
+    jobs = {name: _argv(setting, root / name, *flags, valid=False)
+            for name, flags in LAYOUTS.items()}
     results = run_ranks(_rank_body, 4, jobs, str(setting["base"]), str(root / "merged"),
                         timeout=600)
     _check_results(setting, reference, LAYOUTS, results)
