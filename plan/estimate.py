@@ -279,6 +279,25 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
                        tp=tp_time, cp=cp_time, ep=ep_time)
 
 
+def _pp_intra(job: Job, c: Config) -> bool:
+    """Whether pipeline neighbours share a node. Ranks are ordered tp (fastest), cp, dp, pp
+    (`core.config.Layout`, as Megatron), so consecutive stages are `tp cp dp` ranks apart:
+    in one node only when the whole job fits in one."""
+    return c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
+
+
+def _p2p_time(job: Job, c: Config) -> float:
+    """One stage-boundary transfer: each tp rank's slice over the link between the stages
+    (InfiniBand unless the job fits in a node), then, without sequence parallelism, the
+    receivers' NVLink all-gather that rebuilds the full activation [PTD-P section 4.1]."""
+    hw, h = job.hardware, job.model.hidden_size
+    sl, b = job.seq_len // c.cp, c.micro_batch
+    send = F.pp_p2p_bytes(sl, b, h, c.tp, True, job.act_bytes)
+    gather = F.pp_gather_bytes(sl, b, h, c.tp, c.sequence_parallel, job.act_bytes)
+    return (send / _bandwidth(hw, _pp_intra(job, c)) + hw.link_latency_us * 1e-6
+            + _collective_time(gather, c.tp, hw, _bandwidth(hw, True), ops=1))
+
+
 def hardware_flops(job: Job, recompute: str) -> float:
     """FLOPs one step executes for the whole batch, counting a recomputed forward as PTD-P's
     eq. 3 does: layer forward x (3, + the attention part for selective, + 1 for full) plus the
@@ -341,10 +360,12 @@ def step_time(job: Job, c: Config) -> StepTime:
 
     pp_time = 0.0
     if c.pp > 1:
-        intra = c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
-        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True, job.act_bytes)
-        one = p2p / _bandwidth(hw, intra) + hw.link_latency_us * 1e-6
-        pp_time = 2 * c.virtual_stages * m * one
+        one = _p2p_time(job, c)
+        pp_time = F.pipeline_critical_transfers(c.pp, m, c.virtual_stages) * one
+        if model.tied_embeddings:  # first and last stage keep their shared embedding equal
+            sync = F.embedding_grad_sync_bytes(model.vocab_size, h, c.tp,
+                                               job.grad_reduce_bytes)
+            pp_time += _collective_time(sync, 2, hw, _bandwidth(hw, _pp_intra(job, c)), ops=1)
 
     params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
     n_dp = c.dp * c.cp
