@@ -247,6 +247,17 @@ def logits_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1) -> f
     return 4 * s * b * h * (1 + vocab / h) / t
 
 
+def embedding_backward_bytes(vocab: int, h: int, t: int = 1, grad_bytes: int = 2,
+                             main_grad_bytes: int = 4) -> float:
+    """HBM bytes the first stage's word-embedding backward moves per micro-batch, memory bound:
+    the embedding gradient is dense (`torch.nn.functional.embedding`, `sparse=False`, as
+    Megatron's `VocabParallelEmbedding` calls it), a whole `V/t x h` table written in the
+    activation dtype, then read and added into the fp32 main gradient (Megatron-LM
+    `DistributedDataParallel`'s gradient hook, `main_grad.add_(grad)`):
+    `V h/t * 2 (grad_bytes + main_grad_bytes)`. The forward is a gather of `s b` rows, small."""
+    return vocab / t * h * 2 * (grad_bytes + main_grad_bytes)
+
+
 # --- FLOPs ---------------------------------------------------------------------------------
 
 

@@ -165,6 +165,9 @@ def test_pipeline_costs_beyond_the_bubble():
     # Tied embeddings across stages: all-reduce of V/t x h 16-bit gradients between 2 ranks,
     # 51200/8 * 12288 * 2 = 157,286,400 bytes.
     assert F.embedding_grad_sync_bytes(51200, 12288, 8, 2) == pytest.approx(157_286_400)
+    # The first stage's dense embedding gradient: V/t x h written in 16 bits, read back and
+    # added into fp32 main grads, 6400 * 12288 * 2 * (2 + 4) = 943,718,400 bytes.
+    assert F.embedding_backward_bytes(51200, 12288, 8) == pytest.approx(943_718_400)
 
 
 def test_communication_volumes():
