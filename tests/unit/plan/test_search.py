@@ -62,12 +62,12 @@ def paper_and_best(billions: float):
 
 @pytest.mark.parametrize("billions", list(ROWS))
 def test_ptdp_table1_throughput_within_15_percent(billions):
-    # The brief's bar is 15%; every row is within 7.5% (see README "The analytic model"), so
+    # The brief's bar is 15%; every row is within 6% (see README "The analytic model"), so
     # the model cannot drift far unnoticed.
     paper, _ = paper_and_best(billions)
     assert paper.fits
     assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.15)
-    assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.075)
+    assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.06)
 
 
 # The paper's (tp, pp) is the planner's first choice or within 3% of its best throughput.
@@ -76,17 +76,17 @@ def test_ptdp_table1_throughput_within_15_percent(billions):
 # tp's all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work (no
 # sequence parallelism in 2021), even after the pipeline's own costs beyond the bubble
 # (scatter/gather all-gather, fill and drain transfers, tied-embedding all-reduce, slowest
-# stage): 18.4B (tp2 pp4 v5 predicted 13.2% faster), and by less 3.6B, 7.5B, 39.1B. Where
+# stage): 18.4B (tp2 pp4 v5 predicted 12.9% faster), and by less 3.6B, 7.5B, 39.1B. Where
 # the paper measured the trade-off itself (Fig. 13 and 15) the model agrees with it (below).
 _18B_REASON = (
-    "tp2 pp4 v5 mb2 predicted 13.2% faster than the paper's tp8 pp1 (8.33 vs 9.42 s a step): "
+    "tp2 pp4 v5 mb2 predicted 12.9% faster than the paper's tp8 pp1 (8.46 vs 9.55 s a step): "
     "tp8 spends 1.42 s in NVLink all-reduces (0.95 s + 0.47 s in the recompute; 2 per layer "
     "forward, backward or recompute, each 2 x 7/8 x s b h x 2 bytes at 240 GB/s), 0.45 s in "
     "a dp all-reduce with one rank (one NIC) per node, and 0.5 s more compute (h/8-wide "
     "GEMMs, elementwise work replicated 8x); tp2 pp4 v5 pays 0.22 s tp, 0.12 s dp (4 ranks "
     "share 4 NICs per node), 0.29 s bubble and 0.25 s of inter-node p2p; no refit of the "
     "shared constants brings it under 10.8% (grid over GEMM efficiency, half-size, unfused "
-    "attention, elementwise passes)")
+    "attention, elementwise passes), nor under 8% with collectives at the full link rate")
 LAYOUT_CHOICE = [
     pytest.param(1.7, 0.03, id="1.7B"),
     pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(strict=True,
@@ -100,7 +100,7 @@ LAYOUT_CHOICE = [
     pytest.param(3.6, 0.05, id="3.6B-deviation"),
     pytest.param(7.5, 0.08, id="7.5B-deviation"),
     pytest.param(39.1, 0.085, id="39.1B-deviation"),
-    pytest.param(18.4, 0.14, id="18.4B-deviation"),
+    pytest.param(18.4, 0.135, id="18.4B-deviation"),
 ]
 
 
