@@ -46,7 +46,7 @@ class Hardware:
     memory_gbps: float  # HBM bandwidth
     intra_node_gbps: float  # NVLink per GPU, one direction
     inter_node_gbps: float  # network per GPU (one NIC per GPU), one direction
-    gemm_efficiency: float = 0.7  # fraction of peak a large GEMM reaches
+    gemm_efficiency: float = 0.685  # fraction of peak a large GEMM reaches (A100 fit, README)
     gemm_half_size: int = 96  # smallest GEMM side at which a GEMM runs at half that fraction
     attention_efficiency: float = 0.6  # fraction of peak a fused (flash) attention kernel reaches
     unfused_attention_efficiency: float = 0.2  # same for per-head batched GEMMs + softmax
