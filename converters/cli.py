@@ -3,8 +3,9 @@
 The parser has three groups: input/output (shared by every conversion), the Hugging Face
 direction (`--from hf` / `--to hf`), and the target layout (`--tp --pp --virtual-stages
 --fp8`). A Tessera-to-Tessera conversion (any layout flag, or `--dtype` alone) goes to
-`converters/reshard.py`. Exit codes: 0 done, 1 the conversion failed (the message says why),
-2 a usage error.
+`converters/reshard.py`; `--to hf --fp8 block|tensor` writes the FP8 forms vLLM and
+transformers load (`converters/hf_fp8.py`). Exit codes: 0 done, 1 the conversion failed (the
+message says why), 2 a usage error.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ A sentencepiece BPE tokenizer also gets a `tokenizer.json` built here from the `
 transformers v5 can only convert a `.model` itself with `protobuf` installed, and the generated
 file encodes exactly as sentencepiece does (dummy prefix, byte fallback, no normalization).
 
+FP8 (`converters.hf_fp8`): `export_hf(..., fp8=Fp8Export("block" | "tensor"))` writes the linear
+layers in e4m3 with the scales and `quantization_config` vLLM, SGLang and transformers load;
+`import_hf` reads such directories, dequantizing as those loaders do.
+
 Both directions are atomic (temporary sibling directory, then one rename) and refuse an
 existing output unless `overwrite=True`.
 """

@@ -244,3 +244,20 @@ def test_bad_input_is_refused_and_nothing_is_written(root, tmp_path, capsys):
     err = _fails(capsys, "--to", "hf", "--fp8", "block", "--fp8-block", 16, "--input", gpt2,
                  "--output", out)
     assert "GPT-2 stores its linear layers as Conv1D" in err and not out.exists()
+
+
+def test_nemotron_block_export_loads_in_transformers(tmp_path):
+    """The other family with an FP8 export (squared-ReLU MLP, LayerNorm1P, partial rotary)."""
+    from tessera.core import ModelConfig, build_model
+    from tessera.core.checkpoint import save_checkpoint
+
+    ckpt = save_checkpoint(tmp_path / "ckpt", build_model(
+        ModelConfig.from_name("nemotron-tiny", num_layers=1), seed=3))
+    out = tmp_path / "fp8"
+    _convert("--to", "hf", "--fp8", "block", "--fp8-block", 32, "--input", ckpt, "--output", out)
+    assert _tensors(out)["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (8, 2)
+    hf = _hf_load(out)
+    _convert("--from", "hf", "--input", out, "--output", tmp_path / "back")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, load_checkpoint(tmp_path / "back")(ids))
