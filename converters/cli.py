@@ -138,6 +138,10 @@ def _export_hf_fp8(args: argparse.Namespace) -> int:
         print("tessera convert: error: --to hf takes --fp8 block or --fp8 tensor (no channel "
               "scales, no --tp/--pp: the HF directory is one model)", file=sys.stderr)
         return 2
+    if args.fp8_block is not None and args.fp8 != "block":
+        print("tessera convert: error: --fp8-block sizes the scale blocks of --fp8 block; "
+              "--fp8 tensor has one scale per tensor", file=sys.stderr)
+        return 2
     if args.calibration_data and args.fp8 != "tensor":
         print("tessera convert: error: --calibration-data makes static input scales, which "
               "only --fp8 tensor has (block FP8 activations are dynamic)", file=sys.stderr)

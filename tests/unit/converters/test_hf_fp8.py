@@ -230,6 +230,9 @@ def test_bad_input_is_refused_and_nothing_is_written(root, tmp_path, capsys):
                  "--calibration-data", tmp_path / "empty.txt", "--input", ckpt, "--output", out,
                  code=2)
     assert "only --fp8 tensor" in err
+    assert "one scale per tensor" in _fails(capsys, "--to", "hf", "--fp8", "tensor",
+                                            "--fp8-block", 16, "--input", ckpt, "--output", out,
+                                            code=2)
     assert "Hugging Face format" in _fails(capsys, "--fp8", "block", "--input", ckpt,
                                            "--output", out, code=2)
     assert "go with --to hf --fp8" in _fails(capsys, "--to", "hf", "--fp8-block", 16,
