@@ -28,9 +28,8 @@ examples:
   tessera convert --to hf --input ckpt/gpt2-small --output ./gpt2-hf --shard-size 200MB
   tessera convert --input runs/x/checkpoints/step-00001000 --output ckpt/tp2 --tp 2
   tessera convert --input ckpt/tp8pp4 --output ckpt/serve-fp8 --tp 1 --pp 1 --fp8
-  tessera convert --to hf --fp8 block --input ckpt/llama --output ./llama-fp8   (vLLM, HF)
-  tessera convert --to hf --fp8 tensor --calibration-data sample.txt --input ckpt/llama \
-      --output ./llama-fp8-static
+  tessera convert --to hf --fp8 block --input ckpt/llama --output ./llama-fp8
+  tessera convert --to hf --fp8 tensor --calibration-data text.txt --input ckpt/a --output ./a-fp8
   tessera convert --input ckpt/a --output ckpt/a-bf16 --dtype bf16
 
 Hugging Face model types: gpt2, llama and mistral (plain RoPE, no rope scaling; a sliding
