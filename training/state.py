@@ -177,28 +177,31 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
 
 
 def load_fp8_state(path: Path, record: dict[str, Any], fp8: Fp8Training) -> None:
-    """Restore `fp8`'s state from the checkpoint's `fp8-rank*.safetensors` when it was saved
-    under the same recipe; after any other precision or recipe the FP8 state starts afresh
-    (as in a new run), and the log says so.
+    """Restore `fp8`'s state from the checkpoint's `fp8-rank*.safetensors` (see
+    `restore_fp8_state`). Names are global, so every file is read (this rank's own last, so it
+    wins where ranks hold different values of the same layer: per-rank scales); that works
+    under any layout."""
+    own = path / "training" / f"fp8-rank{_global_rank():05d}.safetensors"
+    files = [f for f in sorted((path / "training").glob("fp8-rank*.safetensors")) if f != own]
+    restore_fp8_state(fp8, record.get("fp8"), [*files, own], str(path))
 
-    Names are global, so every file is read (this rank's own last, so it wins where ranks hold
-    different values of the same layer: per-rank scales); that works under any layout.
-    """
-    saved = record.get("fp8")
+
+def restore_fp8_state(fp8: Fp8Training, saved: dict[str, Any] | None, files: list[Path],
+                      source: str) -> None:
+    """Load `fp8`'s state from `files` (later ones win) when `saved`, the recipe record of the
+    checkpoint, is this run's recipe; after any other precision or recipe the FP8 state starts
+    afresh (as in a new run), and the log says so."""
     if saved is None or Fp8Recipe.from_dict(saved) != fp8.recipe:
         if _global_rank() == 0:
             was = "no FP8" if saved is None else Fp8Recipe.from_dict(saved).describe()
-            print(f"resume: {path} was saved with {was}; the FP8 scaling state starts afresh "
+            print(f"resume: {source} was saved with {was}; the FP8 scaling state starts afresh "
                   f"for {fp8.recipe.describe()}", flush=True)
         return
-    own = path / "training" / f"fp8-rank{_global_rank():05d}.safetensors"
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted((path / "training").glob("fp8-rank*.safetensors")):
-        if file != own:
+    for file in files:
+        if file.is_file():
             tensors.update(load_file(str(file)))
-    if own.is_file():
-        tensors.update(load_file(str(own)))
-    fp8.load_state_tensors(tensors, str(path))
+    fp8.load_state_tensors(tensors, source)
 
 
 @torch.no_grad()
