@@ -52,7 +52,18 @@ class TrainConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "clip gradients to this global norm (0: off)")
     precision: str = opt("fp32", "fp32 | bf16 (fp32 master weights, bf16 compute) | "
-                                 "bf16-pure (bf16 weights) | fp16 (with dynamic loss scaling)")
+                                 "bf16-pure (bf16 weights) | fp16 (with dynamic loss scaling) | "
+                                 "fp8 (bf16, with the block linears in FP8; see --fp8-backend)")
+    fp8_backend: str = opt("auto", "with --precision fp8: auto (CUDA: Transformer Engine, else "
+                                   "torchao; CPU: emulated) | te | torchao | emulated")
+    fp8_recipe: str = opt("auto", "with --precision fp8: auto (the backend's default) | delayed "
+                                  "(amax history) | tensorwise (current scaling) | block | mxfp8 "
+                                  "(TE) | rowwise | rowwise-gw-hp (torchao)")
+    fp8_format: str = opt("hybrid", "hybrid (e4m3 forward, e5m2 gradients) | e4m3 (everywhere)")
+    fp8_amax_history_len: int = opt(1024, "delayed scaling: steps of amax history kept")
+    fp8_margin: int = opt(0, "delayed scaling: scales are divided by 2**margin")
+    fp8_amax_compute_algo: str = opt("max", "delayed scaling: max (over the history) | "
+                                            "most_recent")
     device: str = opt("auto", "auto | cpu | cuda")
     compile: bool = opt(False, "torch.compile each model chunk (costs 10-30 s once; on this "
                                "project's CPU bench bf16 steps ran ~1.4x faster)")

@@ -33,6 +33,7 @@ from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, resolve_peak
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
+from tessera.training.state import restore_fp8_state
 from tessera.tuning import checkpoint as ckpt
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.data import (
@@ -202,10 +203,15 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
             "base_fingerprint": _shared_fingerprint(cfg.tune.checkpoint),
             "method": cfg.tune.method, "n_virtual": inputs.n_virtual, "config": cfg.to_dict()}
+    if t.job.fp8 is not None:
+        meta["fp8"] = t.job.fp8.record()
     start, resumed = 0, None
     if loop.resume and (resumed := ckpt.latest_tuning_checkpoint(loop.output)) is not None:
         ckpt.check_resumable(ckpt.read_tuning_meta(resumed), resumed, meta)
         start = ckpt.load_tuning_checkpoint(resumed, t.prompts, t.job.optimizer)
+        if t.job.fp8 is not None:
+            restore_fp8_state(t.job.fp8, ckpt.read_tuning_meta(resumed).get("fp8"),
+                              [resumed / ckpt.FP8_FILE], str(resumed))
     if _rank0():
         Path(loop.output).mkdir(parents=True, exist_ok=True)
         for task, n in sorted(inputs.train.truncated.items()):
@@ -255,16 +261,31 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
             log.write("  valid exact match: " + ", ".join(
                 f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
         if done or (loop.save_interval and (step + 1) % loop.save_interval == 0):
+            fp8_state = _gathered_fp8_state(t)  # collective: every rank, every save
             # A sharded optimizer (zero1 / fsdp) saves collectively; otherwise rank 0 alone.
             if _rank0() or isinstance(t.job.optimizer, ShardedOptimizer):
                 path = ckpt.save_tuning_checkpoint(out, t.prompts, t.job.optimizer,
                                                    step=step + 1, meta=meta,
-                                                   keep_last=loop.keep_last, groups=t.job.groups)
+                                                   keep_last=loop.keep_last, groups=t.job.groups,
+                                                   fp8_state=fp8_state)
                 if _rank0():
                     log.saved(path, step + 1)
             if dist.is_initialized():
                 dist.barrier()
     return losses
+
+
+def _gathered_fp8_state(t: Tuning) -> dict[str, torch.Tensor] | None:
+    """The FP8 state of every rank's base layers, on global rank 0 (None elsewhere, and
+    without FP8). Names are global: pipeline stages contribute their own layers."""
+    if t.job.fp8 is None:
+        return None
+    mine = t.job.fp8.state_tensors()
+    if not dist.is_initialized():
+        return mine
+    parts: list[Any] | None = [None] * dist.get_world_size() if _rank0() else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
 
 def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],

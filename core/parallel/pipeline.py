@@ -202,9 +202,10 @@ def build_stages(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     init: bool = True,
+    backend: str = "auto",
 ) -> list[GPTModel]:
     """This rank's model chunks (`GPTModel`s), one per local pipeline stage, in execution order
-    (`sharding.stage_ids` of the layout's placement).
+    (`sharding.stage_ids` of the layout's placement); `backend` as `build_model`'s.
 
     `schedule` gives the chunks their recomputation (None: none; inference needs no schedule).
     Initialization is layout-independent (`core.init`): every chunk equals the matching slice
@@ -216,7 +217,7 @@ def build_stages(
     return [
         build_model(config, layout, groups, schedule=schedule, stage_id=s,
                     num_stages=layout.num_stages, device=device, dtype=dtype, seed=seed,
-                    init=init)
+                    init=init, backend=backend)
         for s in stage_ids(layout, groups.pp_rank)
     ]
 
