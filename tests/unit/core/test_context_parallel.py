@@ -171,3 +171,12 @@ def test_pretrain_flags_take_cp_and_check_it(tmp_path):
                           "--global-batch", "4"])
     check_config(cfg, 4)
     assert cfg.parallel.dp == 2  # dp fills what tp x cp x pp leave of the world
+
+
+def test_prompt_tuning_refuses_cp():
+    from tessera.tuning.config import load_config as load_tune_config
+    from tessera.tuning.loop import prepare_inputs
+
+    cfg, _ = load_tune_config(["--cp", "2"])
+    with pytest.raises(ConfigError, match=r"prompt tuning does not run context parallel \(--cp 2\)"):
+        prepare_inputs(cfg)
