@@ -238,12 +238,13 @@ class Fp8Training:
     @torch.no_grad()
     def step_end(self) -> None:
         """After a step's backward: fold the recorded amaxes into the history and set the next
-        step's scales (delayed scaling, emulated). Collective over tp and dp groups."""
+        step's scales (delayed scaling, emulated). Collective over the tp and dp x cp groups."""
         if self.recipe.backend != "emulated" or self.recipe.recipe != "delayed" or not self.layers:
             return
         layers = list(self.layers.values())
         current = torch.stack([layer.fp8_amax_history[0] for layer in layers])
-        for group in (self.groups.tp_group, self.groups.dp_group) if self.groups else ():
+        # dp x cp: cp ranks see other tokens of the same sequences, dp ranks other sequences.
+        for group in (self.groups.tp_group, self.groups.dp_cp_group) if self.groups else ():
             if group is not None:
                 dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)
         r = self.recipe

@@ -20,6 +20,7 @@ import yaml
 
 from tessera.core.config import (
     ConfigError,
+    CPComm,
     DataParallel,
     Layout,
     ModelConfig,
@@ -79,6 +80,11 @@ class DataConfig:
     tokenizer: str = opt("", "tokenizer model (.model / tokenizer.json) saved with checkpoints")
     split: str = opt("98,1,1", "train,valid,test split of documents by ratio")
     data_cache: str = opt("", "where cached index arrays go (default: next to the data)")
+    # Samples are always packed streams of documents (`tessera preprocess` appends EOD after
+    # each); this decides whether a token may see the documents packed before it.
+    isolate_documents: bool = opt(False, "packed samples: no token attends across an EOD "
+                                          "(end of document) and positions restart after each; "
+                                          "needs --tokenizer for the EOD id")
 
 
 @dataclass
@@ -107,6 +113,8 @@ class ParallelSection:
     virtual_stages: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
+    cp_comm: CPComm = "allgather"
     recompute: Recompute = "none"
     recompute_layers: int | None = None
     schedule: str = "1f1b"
@@ -146,7 +154,9 @@ class PretrainConfig:
 _PARALLEL_HELP = {
     "tp": "tensor-parallel size", "pp": "pipeline-parallel size (ranks)",
     "virtual_stages": "model chunks per pipeline rank (interleaved / V schedules)",
-    "dp": "data-parallel size (default: world size / (tp x pp))",
+    "dp": "data-parallel size (default: world size / (tp x cp x pp))",
+    "cp": "context-parallel size: each sequence split over cp ranks (seq_len a multiple of 2 x cp)",
+    "cp_comm": "how attention reaches the other cp ranks' keys: allgather | ring",
     "sequence_parallel": "shard norm/dropout activations along the sequence over tp",
     "recompute": "activation recomputation: none | selective (core attention) | full",
     "recompute_layers": "with recompute full: the first N layers of each stage",

@@ -29,6 +29,7 @@ from tessera.core.fp8_training import Fp8Training, enable_fp8_training
 from tessera.core.init import build_model
 from tessera.core.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
+from tessera.core.parallel.context_parallel import document_ids
 from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.launch import init_distributed
@@ -60,14 +61,16 @@ class Job:
     autocast_dtype: torch.dtype | None
     scaler: Any  # torch.amp.GradScaler for fp16, else None
     fp8: Fp8Training | None = None  # --precision fp8: the FP8 layers, scales and their state
+    eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:
-    """Fit the layout to `world` ranks (dp defaults to what tp x pp leave over) and raise
+    """Fit the layout to `world` ranks (dp defaults to what tp x cp x pp leave over) and raise
     `ConfigError` for anything that cannot run: layout, schedule, sequence length, precision."""
     par = cfg.parallel
-    if par.dp == 1 and world > par.tp * par.pp and world % (par.tp * par.pp) == 0:
-        par.dp = world // (par.tp * par.pp)
+    fixed = par.tp * par.cp * par.pp
+    if par.dp == 1 and world > fixed and world % fixed == 0:
+        par.dp = world // fixed
     layout, schedule = par.layout(), par.train_schedule()
     pipeline.validate_training(cfg.model, layout, schedule, world_size=world,
                                global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
@@ -78,7 +81,10 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16", "fp8"):
         problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure, "
                         "fp16 or fp8")
-    if par.data_parallel != "ddp" and par.dp > 1 and cfg.train.precision == "fp16":
+    if cfg.data.isolate_documents and not cfg.data.tokenizer:
+        problems.append("--isolate-documents finds document ends by the EOD id, which comes "
+                        "from the tokenizer: pass --tokenizer (the one the data was made with)")
+    if par.data_parallel != "ddp" and par.dp * par.cp > 1 and cfg.train.precision == "fp16":
         problems.append(f"data_parallel {par.data_parallel!r} does not support fp16's gradient "
                         "scaler; use --precision bf16 (or --data-parallel ddp)")
     if problems:
@@ -98,7 +104,11 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
     layout, schedule = cfg.parallel.layout(), cfg.parallel.train_schedule()
     groups = init_groups(layout, kv_replicas=kv_replicas(cfg.model, layout.tp))
     torch.manual_seed(cfg.train.seed)
-    tracker.seed(cfg.train.seed, groups.tp_rank)
+    if groups.cp_size > 1:
+        # cp ranks hold different tokens: their dropout masks must differ (the default
+        # generator stays shared over tp, which holds the same activations outside SP regions).
+        torch.manual_seed(cfg.train.seed + 7_919 * groups.cp_rank)
+    tracker.seed(cfg.train.seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
     if layout.pp > 1:
         stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
@@ -140,7 +150,12 @@ def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
     # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
     sharded = par.data_parallel in ("zero1", "fsdp")
     optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
-    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8)
+    eod_id = None
+    if cfg.data.isolate_documents:
+        from tessera.core.tokenizer import load_tokenizer
+
+        eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
+    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id)
 
 
 def setup(cfg: PretrainConfig) -> Job:
@@ -179,16 +194,21 @@ def compute_context(job: Job) -> Iterator[None]:
 def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Accumulate this rank's gradients for one global batch; return the global mean loss."""
     g, par = job.groups, job.cfg.parallel
+    docs = document_ids(tokens, job.eod_id) if job.eod_id is not None else None
     if job.schedule is not None:
         with compute_context(job):
-            loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels)
+            loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels,
+                                          document_ids=docs)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
         model, n_mb = job.stages[0], par.micro_batches
         loss = torch.zeros((), device=job.device)
-        for mb_tokens, mb_labels in zip(tokens.chunk(n_mb), labels.chunk(n_mb)):
+        doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
+        for mb_tokens, mb_labels, mb_docs in zip(tokens.chunk(n_mb), labels.chunk(n_mb),
+                                                 doc_chunks):
+            kw = {} if mb_docs is None else {"document_ids": mb_docs}
             with compute_context(job):
-                mb_loss = model(mb_tokens, mb_labels) / n_mb
+                mb_loss = model(mb_tokens, mb_labels, **kw) / n_mb
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
             loss += mb_loss.detach().float()
     pipeline.sync_sequence_parallel_grads(job.stages, g)
@@ -240,11 +260,12 @@ def evaluate_loss(job: Job, dataset, batches: int) -> float:
 
 def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     g, par = job.groups, job.cfg.parallel
+    kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
     if job.schedule is not None:
-        loss = pipeline_forward(job.stages, g, tokens, labels=labels)
+        loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
-        loss = job.stages[0](tokens, labels).float()
+        loss = job.stages[0](tokens, labels, **kw).float()
     if g.dp_group is not None:
         loss = loss.clone()
         dist.all_reduce(loss, group=g.dp_group)

@@ -104,7 +104,7 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         opt_steps = int(steps)
     g = models[0].groups
-    record = optimizer_record(sharded, models[0].train_schedule.data_parallel, g.dp_size)
+    record = optimizer_record(sharded, models[0].train_schedule.data_parallel, g.dp_cp_size)
     extra = {"training": {"step": step, "consumed_samples": consumed_samples,
                           "optimizer_step": opt_steps, "world_size": _world_size(),
                           "optimizer": record, "config": config}}
@@ -161,8 +161,8 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
     # RNG states belong to ranks: restored only when every rank holds the same stages as when
     # they were saved (dp follows from the world size; a version-1 manifest reads as looped).
     saved, now = manifest.layout, models[0].layout
-    same_layout = (saved.tp, saved.pp, saved.virtual_stages, saved.placement) == (
-        g.tp_size, g.pp_size, now.virtual_stages, now.placement) and \
+    same_layout = (saved.tp, saved.cp, saved.pp, saved.virtual_stages, saved.placement) == (
+        g.tp_size, g.cp_size, g.pp_size, now.virtual_stages, now.placement) and \
         record.get("world_size") == _world_size()
     if fp8 is not None:
         load_fp8_state(path, record, fp8)
@@ -222,7 +222,7 @@ def _load_weights(models: list[GPTModel], path: Path) -> Manifest:
                 raise CheckpointError(f"{path}: tensor {model.global_name(local)} has shape "
                                       f"{tuple(value.shape)}, the model expects {tuple(p.shape)}")
             if isinstance(p, DTensor):
-                start, stop = row_range(p.shape[0], g.dp_rank, g.dp_size)
+                start, stop = row_range(p.shape[0], g.dp_cp_rank, g.dp_cp_size)
                 p.to_local().copy_(value[start:stop])
             else:
                 p.copy_(value.to(p.dtype))

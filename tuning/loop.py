@@ -102,6 +102,10 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     """Read the base manifest and tokenizer, fix the tasks, tokenize the data; raise
     `ConfigError` / `DataError` for anything wrong. `specs` given: exactly these tasks."""
     t = cfg.tune
+    if cfg.parallel.cp != 1:
+        raise ConfigError(f"prompt tuning does not run context parallel (--cp {cfg.parallel.cp}): "
+                          "its virtual tokens sit at the start of each sequence, on one cp rank; "
+                          "use --cp 1 and tp / pp / dp for more ranks")
     if not t.checkpoint:
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
