@@ -7,8 +7,10 @@ direction (`--from hf|peft` / `--to hf|peft`), LoRA adapters (`--checkpoint`, th
 --fp8`). The PEFT conversions live here, beside the HF model conversion whose module names they
 follow (`converters/peft_lora.py`), not under `tessera tune`: tuning may not be imported by
 converters, and an adapter is converted for the HF export of its base. A Tessera-to-Tessera
-conversion (any layout flag, or `--dtype` alone) goes to `converters/reshard.py`. Exit codes:
-0 done, 1 the conversion failed (the message says why), 2 a usage error.
+conversion (any layout flag, or `--dtype` alone) goes to `converters/reshard.py`;
+`--to hf --fp8 block|tensor` writes the FP8 forms vLLM and transformers load
+(`converters/hf_fp8.py`). Exit codes: 0 done, 1 the conversion failed (the message says why),
+2 a usage error.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ examples:
   tessera convert --to hf --input ckpt/gpt2-small --output ./gpt2-hf --shard-size 200MB
   tessera convert --input runs/x/checkpoints/step-00001000 --output ckpt/tp2 --tp 2
   tessera convert --input ckpt/tp8pp4 --output ckpt/serve-fp8 --tp 1 --pp 1 --fp8
+  tessera convert --to hf --fp8 block --input ckpt/llama --output ./llama-fp8
+  tessera convert --to hf --fp8 tensor --calibration-data text.txt --input ckpt/a --output ./a-fp8
   tessera convert --input ckpt/a --output ckpt/a-bf16 --dtype bf16
   tessera convert --to peft --input runs/lora/adapter --checkpoint BASE --output peft-lora
   tessera convert --from peft --input peft-lora --checkpoint BASE --output adapters/imported
@@ -42,6 +46,7 @@ atomically and an existing one is replaced only with --overwrite.
 """
 
 LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "placement", "fp8")
+DEFAULT_FP8_BLOCK = 128  # converters.hf_fp8.DEFAULT_BLOCK, the DeepSeek-V3 / Qwen3-FP8 block
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' own default (converters.hf_io.DEFAULT_SHARD_SIZE)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -100,9 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how stages sit on pipeline ranks: looped (1F1B, interleaved) or v "
                         "(two per rank, for the zbv / dualpipev schedules) (default: the "
                         "input's while pp is unchanged, else looped)")
-    layout.add_argument("--fp8", nargs="?", const="tensor", choices=("tensor", "channel"),
+    layout.add_argument("--fp8", nargs="?", const="tensor", choices=("tensor", "channel", "block"),
                         help="store linear weights as FP8 e4m3 with per-tensor (default) or "
-                        "per-channel scales")
+                        "per-channel scales; with --to hf: block (quant_method fp8, 128x128 "
+                        "blocks, dynamic activations) or tensor (compressed-tensors FP8), "
+                        "the formats vLLM, SGLang and transformers load")
+    layout.add_argument("--fp8-block", type=int, default=None, metavar="N",
+                        help=f"with --to hf --fp8 block: rows and columns per scale (default: "
+                        f"{DEFAULT_FP8_BLOCK}); it must divide every linear layer's dimensions")
+    layout.add_argument("--calibration-data", type=Path, metavar="FILE",
+                        help="with --to hf --fp8 tensor: text to run the model over for static "
+                        "input scales (default: dynamic activations)")
     return parser
 
 
@@ -115,6 +128,10 @@ def _convert_layout(args: argparse.Namespace) -> int:
               "checkpoint; import or export with --from/--to hf first, then convert",
               file=sys.stderr)
         return 2
+    if args.fp8 == "block":
+        print("tessera convert: error: --fp8 block is a Hugging Face format (add --to hf); "
+              "Tessera checkpoints take --fp8 tensor or --fp8 channel", file=sys.stderr)
+        return 2
     try:
         summary = reshard_checkpoint(
             args.input, args.output, tp=args.tp, pp=args.pp,
@@ -125,6 +142,46 @@ def _convert_layout(args: argparse.Namespace) -> int:
         print(f"tessera convert: error: {exc}", file=sys.stderr)
         return 1
     print(summary)
+    return 0
+
+
+def _export_hf_fp8(args: argparse.Namespace) -> int:
+    """Tessera -> Hugging Face with FP8 linear layers (converters.hf_fp8)."""
+    from tessera.converters.hf_fp8 import Fp8Export, check_fp8_exportable
+    from tessera.converters.hf_io import export_hf
+    from tessera.core.checkpoint import read_manifest
+
+    if args.fp8 == "channel" or any(getattr(args, f) is not None for f in LAYOUT_FLAGS if f != "fp8"):
+        print("tessera convert: error: --to hf takes --fp8 block or --fp8 tensor (no channel "
+              "scales, no --tp/--pp: the HF directory is one model)", file=sys.stderr)
+        return 2
+    if args.fp8_block is not None and args.fp8 != "block":
+        print("tessera convert: error: --fp8-block sizes the scale blocks of --fp8 block; "
+              "--fp8 tensor has one scale per tensor", file=sys.stderr)
+        return 2
+    if args.calibration_data and args.fp8 != "tensor":
+        print("tessera convert: error: --calibration-data makes static input scales, which "
+              "only --fp8 tensor has (block FP8 activations are dynamic)", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        spec = Fp8Export(args.fp8, block=args.fp8_block or DEFAULT_FP8_BLOCK)
+        config = read_manifest(args.input).model
+        check_fp8_exportable(config, spec)  # before a possibly long calibration
+        if args.calibration_data:
+            from tessera.converters.calibrate import calibrate_input_amax
+
+            spec = Fp8Export("tensor", input_amax=calibrate_input_amax(
+                args.input, args.calibration_data))
+        out = export_hf(args.input, args.output, shard_size_bytes=args.shard_size,
+                        overwrite=args.overwrite, dtype=args.dtype, fp8=spec)
+    except (OSError, ValueError) as exc:  # ConversionError, CheckpointError, ...
+        print(f"tessera convert: error: {exc}", file=sys.stderr)
+        return 1
+    kind = (f"{spec.block}x{spec.block} blocks, dynamic activations" if spec.scheme == "block"
+            else "per tensor, " + ("static" if spec.input_amax else "dynamic") + " activations")
+    print(f"exported {args.input} -> {out}: FP8 e4m3 linears ({kind}), "
+          f"{_bytes_written(out):,} bytes written in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -169,6 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tessera convert: error: --checkpoint and --hf-model belong to --from/--to peft",
               file=sys.stderr)
         return 2
+    hf_fp8 = args.to_format == "hf" and args.fp8 is not None
+    if (args.fp8_block is not None or args.calibration_data) and not hf_fp8:
+        print("tessera convert: error: --fp8-block and --calibration-data go with --to hf --fp8",
+              file=sys.stderr)
+        return 2
+    if hf_fp8:
+        return _export_hf_fp8(args)
     cast_only = args.dtype is not None and not (args.from_format or args.to_format)
     if cast_only or any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
         return _convert_layout(args)

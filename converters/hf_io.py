@@ -19,6 +19,10 @@ A sentencepiece BPE tokenizer also gets a `tokenizer.json` built here from the `
 transformers v5 can only convert a `.model` itself with `protobuf` installed, and the generated
 file encodes exactly as sentencepiece does (dummy prefix, byte fallback, no normalization).
 
+FP8 (`converters.hf_fp8`): `export_hf(..., fp8=Fp8Export("block" | "tensor"))` writes the linear
+layers in e4m3 with the scales and `quantization_config` vLLM, SGLang and transformers load;
+`import_hf` reads such directories, dequantizing as those loaders do.
+
 Both directions are atomic (temporary sibling directory, then one rename) and refuse an
 existing output unless `overwrite=True`.
 """
@@ -35,6 +39,13 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
+from tessera.converters.hf_fp8 import (
+    Fp8Export,
+    check_fp8_exportable,
+    dequantizing_reader,
+    export_fp8_tensors,
+    quantization_config,
+)
 from tessera.converters.hf_mapping import (
     ConversionError,
     Read,
@@ -140,13 +151,17 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | str 
               overwrite: bool = False) -> Path:
     """Convert the HF model at `hf_dir` into a Tessera checkpoint at `out_dir`; return it.
 
-    `dtype` (e.g. "bf16") casts every tensor; by default the HF tensors keep their dtype.
+    `dtype` (e.g. "bf16") casts every tensor; by default the HF tensors keep their dtype. An
+    FP8 directory (`converters.hf_fp8`: block, per tensor or compressed-tensors) is dequantized
+    to fp32 as its loaders do, then cast to `dtype`, by default the embeddings' dtype (the
+    export's high precision), so the checkpoint is a plain one.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     src = open_hf_dir(hf_dir)
     config = dataclasses.replace(config_from_hf(src.config), name=hf_dir.resolve().name)
     shapes = global_param_shapes(config)
-    tensors = import_tensors(config, src.read, src.names)
+    read, names = dequantizing_reader(src.config, src.read, src.names)
+    tensors = import_tensors(config, read, names)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         first_name, first = next(tensors)  # its dtype is the checkpoint's unless one is given
         target = _parse_dtype(dtype) or first.dtype
@@ -171,31 +186,32 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | str 
     return out_dir
 
 
-def _plan_shards(entries: list[tuple[str, tuple[int, ...]]], itemsize: int,
-                 limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+_Entry = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor of a file: name, dtype, shape
+
+
+def _plan_shards(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
     """Consecutive groups of entries of at most `limit` bytes (a larger tensor stands alone)."""
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shards: list[list[_Entry]] = [[]]
     size = 0
-    for name, shape in entries:
-        nbytes = itemsize * torch.Size(shape).numel()
+    for name, dtype, shape in entries:
+        nbytes = dtype.itemsize * torch.Size(shape).numel()
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
-        shards[-1].append((name, shape))
+        shards[-1].append((name, dtype, shape))
         size += nbytes
     return shards
 
 
 def _write_weights(tmp: Path, stream: Iterator[tuple[str, torch.Tensor]],
-                   plan: list[list[tuple[str, tuple[int, ...]]]], dtype: torch.dtype) -> None:
+                   plan: list[list[_Entry]]) -> None:
     n = len(plan)
     files = ["model.safetensors"] if n == 1 else [
         f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, total = {}, 0
     for file, shard in zip(files, plan, strict=True):
-        entries = [(name, dtype, shape) for name, shape in shard]
-        with SafetensorsWriter(tmp / file, entries, metadata=_METADATA) as writer:
-            for expected, _ in shard:  # the stream yields in plan order
+        with SafetensorsWriter(tmp / file, shard, metadata=_METADATA) as writer:
+            for expected, dtype, _ in shard:  # the stream yields in plan order
                 name, tensor = next(stream)
                 assert name == expected, (name, expected)
                 total += writer.write(name, tensor.to(dtype))
@@ -215,10 +231,12 @@ def _special_ids(manifest: Manifest, tokenizer: Tokenizer | None) -> dict[str, A
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path,
               shard_size_bytes: int = DEFAULT_SHARD_SIZE, overwrite: bool = False,
-              dtype: torch.dtype | str | None = None) -> Path:
+              dtype: torch.dtype | str | None = None, fp8: Fp8Export | None = None) -> Path:
     """Write the Tessera checkpoint at `ckpt_dir` as a Hugging Face model directory.
 
     Any saved layout works (tensors are read globally, FP8 ones dequantized); `dtype` casts.
+    `fp8` writes the linear layers in FP8 with the scales and `quantization_config` vLLM and
+    transformers load (`converters.hf_fp8`); everything else is in `dtype`.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     reader = CheckpointReader(ckpt_dir)
@@ -227,13 +245,21 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path,
     tokenizer = load_tokenizer(ckpt_dir / manifest.tokenizer) if manifest.tokenizer else None
     ids = _special_ids(manifest, tokenizer)
     hf_config = config_to_hf(config, dtype=dtype_name(target), **ids)  # fails if unexportable
+    if fp8 is not None:
+        check_fp8_exportable(config, fp8)
+        hf_config["quantization_config"] = quantization_config(config, fp8)
+
+    def tensors(read: Read) -> Iterator[tuple[str, torch.Tensor]]:
+        if fp8 is not None:
+            return export_fp8_tensors(config, read, fp8, target)
+        return ((n, t.to(target)) for n, t in export_tensors(config, read))
+
     shapes = global_param_shapes(config)
     # The same mapping over meta tensors gives every HF name and shape without reading data.
-    meta = export_tensors(config, lambda n: torch.empty(shapes[n], device="meta"))
-    plan = _plan_shards([(n, tuple(t.shape)) for n, t in meta], target.itemsize,
-                        shard_size_bytes)
+    meta = tensors(lambda n: torch.empty(shapes[n], device="meta"))
+    plan = _plan_shards([(n, t.dtype, tuple(t.shape)) for n, t in meta], shard_size_bytes)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        _write_weights(tmp, export_tensors(config, reader.global_tensor), plan, target)
+        _write_weights(tmp, tensors(reader.global_tensor), plan)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         generation = {"_from_model_config": True,
                       **{k: v for k, v in ids.items() if v is not None}}

@@ -341,9 +341,15 @@ def export_tensors(config: ModelConfig, read: Read) -> Iterator[tuple[str, torch
     expects. Tensors may be views of the one read; they are contiguous."""
     _check_exportable(config)
     for name, targets in tensor_pairs(config):
-        tensor = read(name)
-        parts = (tensor,)
-        if len(targets) > 1:  # fused blocks: their sizes live in the sharding rules
-            parts = tensor.split(list(shard_spec(name, config).parts), dim=0)
-        for (hf_name, transposed), part in zip(targets, parts, strict=True):
-            yield hf_name, part.t().contiguous() if transposed else part.contiguous()
+        yield from hf_parts(config, name, read(name), targets)
+
+
+def hf_parts(config: ModelConfig, name: str, tensor: torch.Tensor,
+             targets: list[tuple[str, bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(HF name, tensor)` of each HF tensor the Tessera global `tensor` `name` is made of
+    (`targets` from `tensor_pairs`): fused blocks split, Conv1D weights transposed."""
+    parts = (tensor,)
+    if len(targets) > 1:  # fused blocks: their sizes live in the sharding rules
+        parts = tensor.split(list(shard_spec(name, config).parts), dim=0)
+    for (hf_name, transposed), part in zip(targets, parts, strict=True):
+        yield hf_name, part.t().contiguous() if transposed else part.contiguous()

@@ -303,7 +303,7 @@ def save_checkpoint(
         tmp.mkdir()
     if distributed:
         dist.barrier()
-    weight_map = write_weights(tmp, models) if g.dp_rank == 0 else {}
+    weight_map = write_weights(tmp, models) if g.dp_cp_rank == 0 else {}  # cp replicas too
     if write_extra_files is not None:
         write_extra_files(tmp)
     maps = [weight_map]
@@ -317,7 +317,8 @@ def save_checkpoint(
             tok_name = "tokenizer.json" if str(tokenizer).endswith(".json") else "tokenizer.model"
             shutil.copyfile(tokenizer, tmp / tok_name)
         # The groups are what the weights were split over; the model's layout adds the rest.
-        layout = replace(models[0].layout, tp=g.tp_size, pp=g.pp_size, dp=g.dp_size)
+        layout = replace(models[0].layout, tp=g.tp_size, pp=g.pp_size, dp=g.dp_size,
+                         cp=g.cp_size)
         dtype = next(models[0].parameters()).dtype
         write_manifest(tmp, build_manifest(models[0].config, layout, merged, dtype=dtype,
                                            step=step, tokenizer=tok_name, extra=extra))

@@ -154,16 +154,30 @@ PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
 
 Placement = Literal["looped", "v"]
 DataParallel = Literal["ddp", "fsdp", "zero1"]
+CPComm = Literal["allgather", "ring"]
 PLACEMENTS: tuple[str, ...] = ("looped", "v")
+CP_COMMS: tuple[str, ...] = ("allgather", "ring")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the weights live: how one model is laid out over `tp * dp * pp` ranks.
+    """Where the weights live: how one model is laid out over `tp * cp * dp * pp` ranks.
 
-    Rank order, fastest first: tp, then dp, then pp, so global rank
-    `= (pp_rank * dp + dp_rank) * tp + tp_rank` (`core.parallel.groups.rank_of`) and
-    tensor-parallel peers are neighbours on one node, as Megatron lays them out.
+    Rank order, fastest first: tp, then cp, then dp, then pp, so global rank
+    `= ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` (`core.parallel.groups.rank_of`).
+    This is Megatron's order, kept for the same reason: the groups that talk most sit closest.
+    Tensor-parallel peers exchange activations in every layer (twice forward, twice backward),
+    so they are neighbours on one node; context-parallel peers exchange K/V blocks once per
+    layer, less than tp but far more than dp (one gradient reduction per step), so they come
+    next; pipeline peers only pass one activation per micro-batch and go last. With cp 1 the
+    formula is the old `(pp_rank * dp + dp_rank) * tp + tp_rank`, so existing layouts keep
+    their ranks.
+
+    Context parallelism (`cp`) splits every sequence over cp ranks (`core.parallel.
+    context_parallel`: 2 * cp chunks, rank r holding chunks r and 2cp - 1 - r). It changes no
+    weight's shape: parameters are replicated over cp, and their gradients are averaged over
+    the dp x cp ranks (`ParallelGroups.dp_cp_group`), which is also what ZeRO-1 and FSDP shard
+    over. So any checkpoint loads under any cp.
 
     Pipeline placement of the `pp * virtual_stages` stages (`core.parallel.sharding.stage_ids`):
     `looped` puts stages r, r + pp, r + 2pp, ... on pipeline rank r (1F1B, interleaved 1F1B);
@@ -171,15 +185,14 @@ class Layout:
     last (the ZBV and DualPipeV schedules). Placement is part of the layout, not of the
     schedule, so converters, checkpoints and the server can describe it without one.
 
-    Room for what comes next (not implemented): context parallelism `cp` splits the sequence
-    and will sit between tp and dp in the rank order (tp, cp, dp, pp; cp peers next to tp
-    peers, as in Megatron), multiplying `world_size`; expert parallelism `ep` will not add
-    ranks but split the data-parallel ranks (dp, or dp x cp) into expert groups for the MoE
-    layers, so it must divide them. Each new field defaults to 1, so a version-2 manifest
-    (without them) still reads as the same layout.
+    Room for what comes next (not implemented): expert parallelism `ep` will not add ranks
+    but split the data-parallel ranks (dp x cp) into expert groups for the MoE layers, so it
+    must divide them. Each new field defaults to 1, so an older manifest (without them) still
+    reads as the same layout.
 
     The training schedule (pipeline schedule, micro-batches, recomputation, data-parallel
-    flavour) is a separate `TrainSchedule`: how a step runs, not where weights live.
+    flavour, cp communication) is a separate `TrainSchedule`: how a step runs, not where
+    weights live.
     """
 
     tp: int = 1  # tensor-parallel size
@@ -188,10 +201,11 @@ class Layout:
     placement: Placement = "looped"  # how stages map onto pipeline ranks: looped | v
     dp: int = 1  # data-parallel size
     sequence_parallel: bool = False  # shard norm/dropout activations along the sequence over tp
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def num_stages(self) -> int:
@@ -240,6 +254,10 @@ class TrainSchedule:
     recompute: Recompute = "none"
     recompute_layers: int | None = None  # with recompute="full": first N layers per stage (None: all)
     data_parallel: DataParallel = "ddp"
+    # How attention exchanges K/V over the cp group (`core.parallel.context_parallel`):
+    # allgather (one autograd all-gather per layer; the CPU default) or ring (p2p blocks,
+    # the next block's transfer overlapped with the current block's attention).
+    cp_comm: CPComm = "allgather"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -249,14 +267,15 @@ def _layout_problems(
     lay: Layout, model: ModelConfig, world_size: int | None, seq_len: int | None
 ) -> list[str]:
     out = [f"{name} must be >= 1, got {getattr(lay, name)}"
-           for name in ("tp", "pp", "virtual_stages", "dp") if getattr(lay, name) < 1]
+           for name in ("tp", "pp", "virtual_stages", "dp", "cp") if getattr(lay, name) < 1]
     if out:
         return out
     if world_size is not None and world_size != lay.world_size:
+        cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
         out.append(
-            f"world size {world_size} != tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = "
-            f"{lay.world_size}; launch {lay.world_size} processes or change tp/pp/dp "
-            f"(e.g. dp = {world_size // (lay.tp * lay.pp) or 1})"
+            f"world size {world_size} != tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp} = "
+            f"{lay.world_size}; launch {lay.world_size} processes or change tp/pp/dp"
+            f"{'/cp' if cp else ''} (e.g. dp = {world_size // (lay.tp * lay.cp * lay.pp) or 1})"
         )
     if model.num_heads % lay.tp:
         out.append(
@@ -281,6 +300,16 @@ def _layout_problems(
         out.append("sequence_parallel needs tp > 1 (it shards activations over the tp group)")
     if lay.sequence_parallel and seq_len is not None and seq_len % lay.tp:
         out.append(f"sequence length {seq_len} is not divisible by tp {lay.tp} (sequence parallel)")
+    if lay.cp > 1 and seq_len is not None:
+        unit = 2 * lay.cp
+        if seq_len % unit:
+            out.append(f"sequence length {seq_len} is not divisible by 2 x cp = {unit} (context "
+                       f"parallel cuts each sequence into 2 x cp chunks); use a multiple of "
+                       f"{unit} (e.g. {seq_len // unit * unit or unit}) or a smaller cp")
+        elif lay.sequence_parallel and (seq_len // lay.cp) % lay.tp:
+            out.append(f"each cp rank's {seq_len // lay.cp} tokens (sequence length {seq_len} / "
+                       f"cp {lay.cp}) do not split over tp {lay.tp} (sequence parallel); use a "
+                       f"sequence length that is a multiple of {lay.tp * 2 * lay.cp}")
     return out
 
 

@@ -2,10 +2,12 @@
 `convert_to_fp8_linear` module swap that runs a model on them.
 
 Stored form: `q = clamp(w * scale, -448, 448).to(float8_e4m3fn)` with `scale = 448 / amax`
-(fp32; a tensor of shape `()` per tensor, or `(out, 1)` per output channel), so that
-`w ~= q.float() / scale`. The amax is always the *global* one (over every tensor-parallel
-shard), so every layout holds the same `q` and `scale` values and resharding stays bit-exact;
-`sharding.shard_scale` says how a scale is split. Which weights are FP8 is decided by the one
+(fp32; a tensor of shape `()` per tensor, `(out, 1)` per output channel, or `(out / bo, in / bi)`
+per `bo x bi` block), so that `w ~= q.float() / scale`. The Hugging Face FP8 formats store the
+reciprocal, a multiplier (`converters.hf_fp8`); block scales exist only for them. The amax
+is always the *global* one (over every tensor-parallel shard), so every layout holds the same
+`q` and `scale` values and resharding stays bit-exact; `sharding.shard_scale` says how a scale
+is split. Which weights are FP8 is decided by the one
 rule `weight_format.quantizable`: the four linear layers of every block. Embeddings, the output
 projection, norms and biases keep the higher-precision dtype, as FP8 deployment recipes do.
 
@@ -28,21 +30,51 @@ from tessera.core.parallel.weight_format import Dense, WeightFormat
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
-def weight_amax(weight: torch.Tensor, per_channel: bool = False) -> torch.Tensor:
-    """The fp32 amax a scale is made from: `()` per tensor, `(out, 1)` per output channel."""
+Block = tuple[int, int]  # (rows, columns) of one scale block of a 2-D weight
+
+
+def check_blocks(shape: tuple[int, ...] | torch.Size, block: Block, name: str = "weight") -> None:
+    """Raise ValueError unless a 2-D `shape` splits into whole `block`s.
+
+    Ragged edge blocks are refused: transformers' dequantization derives the block size from
+    the scale grid (`rows // scale_rows`), which is wrong for a ragged grid.
+    """
+    rows, cols = shape
+    if rows % block[0] or cols % block[1]:
+        raise ValueError(f"{name} of shape {tuple(shape)} does not divide into {block[0]}x{block[1]} "
+                         f"FP8 blocks; choose a block size that divides every linear layer's "
+                         f"dimensions (e.g. --fp8-block 64, 32 or 16), or use --fp8 tensor")
+
+
+def expand_blocks(scale: torch.Tensor, block: Block) -> torch.Tensor:
+    """A `(rows / bo, cols / bi)` block scale repeated to the weight's `(rows, cols)` shape."""
+    return scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+
+
+def weight_amax(weight: torch.Tensor, per_channel: bool = False, block: Block | None = None
+                ) -> torch.Tensor:
+    """The fp32 amax a scale is made from: `()` per tensor, `(out, 1)` per output channel,
+    `(out / bo, in / bi)` per `block` (which must divide the weight, see `check_blocks`)."""
     w = weight.abs()
+    if block is not None:
+        check_blocks(w.shape, block)
+        rows, cols = w.shape
+        return w.reshape(rows // block[0], block[0], cols // block[1], block[1]).amax(
+            dim=(1, 3)).float()
     return (w.amax(dim=-1, keepdim=True) if per_channel else w.amax()).float()
 
 
-def quantize(weight: torch.Tensor, per_channel: bool = False, amax: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, per_channel: bool = False, amax: torch.Tensor | None = None,
+             block: Block | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(q, scale)` for a 2-D weight; zeros map to scale 1 so nothing divides by zero.
 
-    `amax` overrides the weight's own (e.g. the global amax of a tensor-parallel shard).
+    `amax` overrides the weight's own (e.g. the global amax of a tensor-parallel shard, or of
+    the fused tensor a part was split from). `block`: one scale per `block` of the weight.
     """
-    amax = weight_amax(weight, per_channel) if amax is None else amax.float()
+    amax = weight_amax(weight, per_channel, block) if amax is None else amax.float()
     scale = torch.where(amax > 0, E4M3_MAX / amax.clamp(min=1e-12), torch.ones_like(amax))
-    q = (weight.float() * scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    full = scale if block is None else expand_blocks(scale, block)
+    q = (weight.float() * full).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 

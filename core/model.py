@@ -22,6 +22,8 @@ from torch import nn
 from tessera.core import fused
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
+from tessera.core.parallel import context_parallel as cpar
+from tessera.core.parallel.context_parallel import SequenceContext
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import (
     ColumnParallelLinear,
@@ -92,17 +94,19 @@ class Attention(nn.Module):
                                     groups.tp_group, sp)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
+              mask: torch.Tensor | None, seq: SequenceContext | None = None) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         # Heads differ per tp rank: independent dropout masks. Without dropout there is nothing
         # to draw, and swapping the RNG state (a few KB, twice) cost 4% of a decode step.
         with tracker.fork() if p > 0 else contextlib.nullcontext():
+            if seq is not None:  # context parallel and/or packed documents
+                return cpar.attention(q, k, v, seq, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                   is_causal=mask is None, enable_gqa=True)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...] | None,
                 cache: KVCache | None, positions: torch.Tensor | None,
-                slots: torch.Tensor | None) -> torch.Tensor:
+                slots: torch.Tensor | None, seq: SequenceContext | None = None) -> torch.Tensor:
         qkv = self.wqkv(x)  # (T, B, (nh + 2 nkv) hd) local heads; full T even under SP
         T, B = qkv.shape[:2]
         hd = self.head_dim
@@ -116,9 +120,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = cache.update(self.layer, k, v, positions, slots)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = recompute(self._core, q, k, v, mask)
+            y = recompute(self._core, q, k, v, mask, seq)
         else:
-            y = self._core(q, k, v, mask)
+            y = self._core(q, k, v, mask, seq)
         y = y.permute(2, 0, 1, 3).reshape(T, B, self.n_heads * hd)
         return self.wo(y)
 
@@ -167,8 +171,10 @@ class Block(nn.Module):
                 return F.dropout(x, self.dropout, True)
         return F.dropout(x, self.dropout, True)
 
-    def forward(self, x: torch.Tensor, rope=None, cache=None, positions=None, slots=None):
-        x = x + self._drop(self.attention(self.attention_norm(x), rope, cache, positions, slots))
+    def forward(self, x: torch.Tensor, rope=None, cache=None, positions=None, slots=None,
+                seq=None):
+        x = x + self._drop(self.attention(self.attention_norm(x), rope, cache, positions, slots,
+                                          seq))
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -187,6 +193,13 @@ class GPTModel(nn.Module):
     - `labels` given: the mean cross-entropy over labels != -100 (vocab-parallel, never gathered);
     - `local_logits=True`: this tp rank's logits `(B, T, V_padded / tp)` (pipeline schedules);
     - otherwise logits `(B, T, vocab_size)` gathered over tp, padding removed.
+
+    Context parallelism (`layout.cp > 1`) and packed documents (`document_ids (B, T)`): every
+    cp rank is given the WHOLE sequence (ids, labels, document ids, positions: all `(B, T)`)
+    and keeps its own tokens (`context_parallel.zigzag_index`); hidden states between stages,
+    logits and `local_logits` hold only those `T / cp` tokens, in that order. The loss is the
+    mean over the whole sequence on every cp rank (`context_parallel.global_mean_loss`).
+    Positions restart per document when document ids are given (and positions are not).
     """
 
     def __init__(self, config: ModelConfig, layout: Layout | None = None,
@@ -245,10 +258,35 @@ class GPTModel(nn.Module):
             h = self.embedding_hook(h, ids, positions)
         return h
 
+    def sequence(self, batch: int, seq_len: int, device: torch.device,
+                 document_ids: torch.Tensor | None = None) -> SequenceContext | None:
+        """This rank's `SequenceContext` of a `(batch, seq_len)` sequence, or None when the
+        plain causal path serves (no cp, no documents)."""
+        g = self.groups
+        if g.cp_size == 1 and document_ids is None:
+            return None
+        return cpar.sequence_context(seq_len, batch, device, cp_size=g.cp_size,
+                                     cp_rank=g.cp_rank, group=g.cp_group, ranks=g.cp_ranks,
+                                     comm=self.train_schedule.cp_comm, documents=document_ids)
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                slots: torch.Tensor | None = None, local_logits: bool = False) -> torch.Tensor:
+                slots: torch.Tensor | None = None, local_logits: bool = False,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         sp = self.layout.sequence_parallel and cache is None
+        seq = None
+        if self.groups.cp_size > 1 or document_ids is not None:
+            if cache is not None:
+                raise NotImplementedError("a KV cache (generation, serving) runs without "
+                                          "context parallelism or packed documents")
+            # The whole sequence's length: from the ids on the first stage, else from the
+            # local hidden states (T / cp rows, / tp more under sequence parallelism).
+            B, T = (x.shape[0], x.shape[1]) if self.is_first else (
+                x.shape[1], x.shape[0] * (self.groups.tp_size if sp else 1) * self.groups.cp_size)
+            seq = self.sequence(B, T, x.device, document_ids)
+            positions = seq.positions(B) if positions is None else seq.split(positions)
+            if self.is_first:
+                x = seq.split(x)
         if self.is_first:
             h = self.embed(x, positions).transpose(0, 1).contiguous()  # (T, B, C)
             if sp:
@@ -263,17 +301,18 @@ class GPTModel(nn.Module):
                 raise ValueError("a KV cache needs the positions and slots of the new tokens")
             cache.begin(positions, slots)
         return self.forward_hidden(h, labels, positions=positions, cache=cache, slots=slots,
-                                   local_logits=local_logits)
+                                   local_logits=local_logits, seq=seq)
 
     def forward_hidden(self, h: torch.Tensor, labels: torch.Tensor | None = None, *,
                        positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                       slots: torch.Tensor | None = None,
-                       local_logits: bool = False) -> torch.Tensor:
+                       slots: torch.Tensor | None = None, local_logits: bool = False,
+                       seq: SequenceContext | None = None) -> torch.Tensor:
         """Everything after the embedding: `h (T, B, C)` (T / tp rows under sequence parallelism)
         through this stage's layers, and on the last stage the head, returning what `forward`
         returns. With a cache, `cache.begin(positions, slots)` must have planned this pass (as
         `forward` does). Reads no tensor values on the host, so it compiles as one graph
-        (`serving.compiled`)."""
+        (`serving.compiled`). With `seq` (context parallel / packed documents, made by
+        `forward`), `positions` are the local tokens' and `labels` the whole sequence's."""
         sp = self.layout.sequence_parallel and cache is None
         T = h.shape[0] * (self.groups.tp_size if sp else 1)
         B = h.shape[1]
@@ -284,18 +323,23 @@ class GPTModel(nn.Module):
             rope = self.rotary.cos_sin(positions, h.dtype)
         for i, layer in self.layers.items():
             if int(i) in self.recompute_ids and self.training and torch.is_grad_enabled():
-                h = recompute(layer, h, rope)
+                h = recompute(layer, h, rope, None, None, None, seq)
             else:
-                h = layer(h, rope, cache, positions, slots)
+                h = layer(h, rope, cache, positions, slots, seq)
         if not self.is_last:
             return h
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)
         if labels is not None:
+            if seq is not None:
+                labels = seq.split(labels)
             losses = vocab_parallel_cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels.transpose(0, 1).reshape(-1),
                 self.groups.tp_group, self.groups.tp_rank, self.config.vocab_size)
+            if seq is not None and seq.cp_size > 1:
+                return cpar.global_mean_loss(losses.sum(), (labels != -100).sum(), seq.cp_size,
+                                             seq.group)
             return losses.sum() / (labels != -100).sum().clamp(min=1)
         logits = logits.transpose(0, 1)
         if local_logits:

@@ -13,7 +13,8 @@ One rank of `tessera pretrain --nproc-per-node N` on a CPU is one process runnin
 - the bandwidth of a one-thread memory copy (what the memory-bound ops see).
 
 The result is a flat JSON object (`hardware.CALIBRATION_KEYS` at least) that
-`tessera.plan.hardware.load_hardware("cpu", path)` reads; `default_path()` is where it goes.
+`tessera.plan.hardware.load_hardware("cpu", path)` reads; `default_path()` (that is,
+`hardware.default_calibration()`) is where it goes.
 """
 
 from __future__ import annotations
@@ -27,17 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tessera.plan.hardware import default_calibration as default_path  # the CLI names it so
+
 # (m, k, n) GEMMs: a small projection, a square one and an MLP-shaped one.
 GEMM_SHAPES = ((256, 256, 1024), (512, 512, 512), (1024, 1024, 1024), (512, 1024, 4096))
 QUICK_GEMM_SHAPES = ((64, 64, 64), (128, 128, 256))
 ALLREDUCE_BYTES = (4 * 2**10, 4 * 2**20, 32 * 2**20)  # latency, middle, bandwidth
 QUICK_ALLREDUCE_BYTES = (4 * 2**10, 256 * 2**10)
-
-
-def default_path() -> Path:
-    """`$TESSERA_CACHE/plan-cpu.json`, else `~/.cache/tessera/plan-cpu.json`."""
-    root = os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera"
-    return Path(root) / "plan-cpu.json"
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str:

@@ -13,8 +13,16 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 - tensor-parallel collectives (`formulas.tp_layer_comm_bytes`) over NVLink, not overlapped
   (Megatron as in both papers); context-parallel K/V exchange overlapped with attention (ring),
   exposed only where it exceeds it; expert-parallel all-to-alls exposed;
-- the pipeline: `(m + (p - 1)/v)` micro-batch slots of the slowest rank (the last, which adds
-  the output layer) [PTD-P section 2.2], p2p sends of each chunk boundary on the critical path;
+- the pipeline: `(m + (p - 1)/v)` micro-batch slots of the slowest rank [PTD-P section 2.2]:
+  the last adds the output layer and cross-entropy (V/(16 h) layer-equivalents of FLOPs, paid
+  by each of the m micro-batches on a rank of L/p layers, so p times its weight without a
+  pipeline), the first the word embedding's dense backward; the point-to-point transfers of
+  each chunk boundary, `2 v m + 2 (p - 1)` of them on the critical path (steady state, fill and
+  drain), each a tp rank's slice over the link between the stages (InfiniBand unless the whole
+  job fits in one node: ranks are ordered tp, cp, dp, pp) plus, without sequence parallelism,
+  the receivers' NVLink all-gather of the scatter/gather optimisation [PTD-P section 4.1];
+  with tied embeddings, the all-reduce of the word-embedding gradient between the first and
+  last stage after the backward (Megatron-LM);
 - the data-parallel gradient reduction over the network, hidden behind the last micro-batch's
   backward when `overlap_grad_reduce`; and the optimizer step, memory bound.
 
@@ -279,6 +287,25 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
                        tp=tp_time, cp=cp_time, ep=ep_time)
 
 
+def _pp_intra(job: Job, c: Config) -> bool:
+    """Whether pipeline neighbours share a node. Ranks are ordered tp (fastest), cp, dp, pp
+    (`core.config.Layout`, as Megatron), so consecutive stages are `tp cp dp` ranks apart:
+    in one node only when the whole job fits in one."""
+    return c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
+
+
+def _p2p_time(job: Job, c: Config) -> float:
+    """One stage-boundary transfer: each tp rank's slice over the link between the stages
+    (InfiniBand unless the job fits in a node), then, without sequence parallelism, the
+    receivers' NVLink all-gather that rebuilds the full activation [PTD-P section 4.1]."""
+    hw, h = job.hardware, job.model.hidden_size
+    sl, b = job.seq_len // c.cp, c.micro_batch
+    send = F.pp_p2p_bytes(sl, b, h, c.tp, True, job.act_bytes)
+    gather = F.pp_gather_bytes(sl, b, h, c.tp, c.sequence_parallel, job.act_bytes)
+    return (send / _bandwidth(hw, _pp_intra(job, c)) + hw.link_latency_us * 1e-6
+            + _collective_time(gather, c.tp, hw, _bandwidth(hw, True), ops=1))
+
+
 def hardware_flops(job: Job, recompute: str) -> float:
     """FLOPs one step executes for the whole batch, counting a recomputed forward as PTD-P's
     eq. 3 does: layer forward x (3, + the attention part for selective, + 1 for full) plus the
@@ -331,7 +358,13 @@ def step_time(job: Job, c: Config) -> StepTime:
     logits = 3 * _gemm_time(F.logits_forward_flops(T, h, model.vocab_size) / c.tp,
                             (T, v_tp, h), peak, hw)
     logits += LOGITS_PASSES * 4 * T * v_tp / (hw.memory_gbps * 1e9)
-    per_mb_compute = body_compute + logits
+    # The word embedding's backward on the first rank (memory bound, its size not the batch's).
+    embedding = F.embedding_backward_bytes(model.vocab_size, h, c.tp, job.act_bytes) / (
+        hw.memory_gbps * 1e9)
+    # A pipeline runs at its slowest rank's pace: the first rank adds the embedding, the last
+    # the output layer; with pp == 1 one rank does both.
+    ends = logits + embedding if c.pp == 1 else max(logits, embedding)
+    per_mb_compute = body_compute + ends
     per_mb_comm_tp = layers_rank * 2 * lt.tp  # forward and backward
     per_mb_cp = layers_rank * 2 * lt.cp
     per_mb_ep = layers_rank * 2 * lt.ep
@@ -341,10 +374,12 @@ def step_time(job: Job, c: Config) -> StepTime:
 
     pp_time = 0.0
     if c.pp > 1:
-        intra = c.tp * c.cp * c.dp * c.pp <= job.gpus_per_node
-        p2p = F.pp_p2p_bytes(sl, c.micro_batch, h, c.tp, True, job.act_bytes)
-        one = p2p / _bandwidth(hw, intra) + hw.link_latency_us * 1e-6
-        pp_time = 2 * c.virtual_stages * m * one
+        one = _p2p_time(job, c)
+        pp_time = F.pipeline_critical_transfers(c.pp, m, c.virtual_stages) * one
+        if model.tied_embeddings:  # first and last stage keep their shared embedding equal
+            sync = F.embedding_grad_sync_bytes(model.vocab_size, h, c.tp,
+                                               job.grad_reduce_bytes)
+            pp_time += _collective_time(sync, 2, hw, _bandwidth(hw, _pp_intra(job, c)), ops=1)
 
     params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
     n_dp = c.dp * c.cp

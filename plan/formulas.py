@@ -247,6 +247,17 @@ def logits_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1) -> f
     return 4 * s * b * h * (1 + vocab / h) / t
 
 
+def embedding_backward_bytes(vocab: int, h: int, t: int = 1, grad_bytes: int = 2,
+                             main_grad_bytes: int = 4) -> float:
+    """HBM bytes the first stage's word-embedding backward moves per micro-batch, memory bound:
+    the embedding gradient is dense (`torch.nn.functional.embedding`, `sparse=False`, as
+    Megatron's `VocabParallelEmbedding` calls it), a whole `V/t x h` table written in the
+    activation dtype, then read and added into the fp32 main gradient (Megatron-LM
+    `DistributedDataParallel`'s gradient hook, `main_grad.add_(grad)`):
+    `V h/t * 2 (grad_bytes + main_grad_bytes)`. The forward is a gather of `s b` rows, small."""
+    return vocab / t * h * 2 * (grad_bytes + main_grad_bytes)
+
+
 # --- FLOPs ---------------------------------------------------------------------------------
 
 
@@ -346,6 +357,40 @@ def pp_p2p_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: bool = F
     `s b h`, divided by t with the scatter/gather optimisation or sequence parallelism (each
     tp rank sends its slice)."""
     return s * b * h * dtype_bytes / t
+
+
+def pp_gather_bytes(s: int, b: int, h: int, t: int = 1, sequence_parallel: bool = False,
+                    dtype_bytes: int = 2) -> float:
+    """Bytes each receiving rank moves over NVLink per stage boundary to undo the scatter/gather
+    optimisation [PTD-P section 4.1, Fig. 9]: the sender splits the replicated `s b h` output
+    into t slices, each tp rank sends one over InfiniBand, and the receivers all-gather them
+    over NVLink, `(t - 1)/t * s b h` bytes, before the next stage can start. With sequence
+    parallelism the activations stay split (Korthikanti section 4.2.2): nothing to gather."""
+    if t == 1 or sequence_parallel:
+        return 0.0
+    return allgather_bytes(s * b * h * dtype_bytes, t)
+
+
+def pipeline_critical_transfers(pp: int, micro_batches: int, virtual_stages: int = 1) -> int:
+    """Point-to-point transfers on one pipeline rank's critical path per step [PTD-P sections
+    2.2 and 4.1]: in the steady state each model chunk of each micro-batch sends its
+    activations forward and its input gradient backward, `2 v m`, v times 1F1B's (the
+    interleaved schedule's "v-times more communication"), waited for rather than overlapped
+    (the 2021 implementation blocks on each batched send/receive); plus the fill and drain, in
+    which the first micro-batch's forward crosses the p - 1 boundaries before the last rank
+    starts and the last backward crosses them back, `2 (p - 1)`. 0 when `pp == 1`."""
+    if pp <= 1:
+        return 0
+    return 2 * virtual_stages * micro_batches + 2 * (pp - 1)
+
+
+def embedding_grad_sync_bytes(vocab: int, h: int, t: int = 1, grad_bytes: int = 2) -> float:
+    """Bytes each rank sends to keep tied input and output embeddings equal when they sit on
+    different pipeline stages (pp > 1) [Megatron-LM `_allreduce_word_embedding_grads`,
+    run after the data-parallel reduction; Shoeybi et al. 2019 tie the two]: an all-reduce of
+    the `V/t x h` word-embedding gradient between the first and last stage, two ranks,
+    `2 (2 - 1)/2 * V h/t * grad_bytes`."""
+    return allreduce_bytes(vocab / t * h * grad_bytes, 2)
 
 
 def dp_grad_bytes(params: float, n: int, grad_bytes: int = 2) -> float:

@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tessera.plan.errors import PlanError
 
-# Where `tessera plan --calibrate` saves the cpu profile unless told otherwise.
-DEFAULT_CALIBRATION = Path("~/.cache/tessera/plan-cpu.json").expanduser()
+
+def default_calibration() -> Path:
+    """Where `tessera plan --calibrate` saves the cpu profile unless told otherwise:
+    `$TESSERA_CACHE/plan-cpu.json`, else `~/.cache/tessera/plan-cpu.json`."""
+    root = os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera"
+    return Path(root) / "plan-cpu.json"
+
 CALIBRATION_KEYS = ("gemm_tflops", "allreduce_gbps", "memory_gib")
 
 
@@ -46,7 +52,7 @@ class Hardware:
     memory_gbps: float  # HBM bandwidth
     intra_node_gbps: float  # NVLink per GPU, one direction
     inter_node_gbps: float  # network per GPU (one NIC per GPU), one direction
-    gemm_efficiency: float = 0.7  # fraction of peak a large GEMM reaches
+    gemm_efficiency: float = 0.685  # fraction of peak a large GEMM reaches (A100 fit, README)
     gemm_half_size: int = 96  # smallest GEMM side at which a GEMM runs at half that fraction
     attention_efficiency: float = 0.6  # fraction of peak a fused (flash) attention kernel reaches
     unfused_attention_efficiency: float = 0.2  # same for per-head batched GEMMs + softmax
@@ -108,7 +114,7 @@ def load_hardware(name: str, calibration: Path | None = None) -> Hardware:
 
     - one of `PROFILES` (a100-40gb, a100-80gb, h100-80gb, h200);
     - `cpu`: this machine, from the JSON file `tessera plan --calibrate` writes (`calibration`,
-      default `DEFAULT_CALIBRATION`) with at least `gemm_tflops`, `allreduce_gbps` (gloo
+      default `default_calibration()`) with at least `gemm_tflops`, `allreduce_gbps` (gloo
       all-reduce bus bandwidth) and `memory_gib`; optional `memory_gbps`;
     - a path ending in `.json`: a full profile, every `Hardware` field by name.
 
@@ -118,7 +124,7 @@ def load_hardware(name: str, calibration: Path | None = None) -> Hardware:
     if name in PROFILES:
         return PROFILES[name]
     if name == "cpu":
-        return _cpu_profile(Path(calibration) if calibration else DEFAULT_CALIBRATION)
+        return _cpu_profile(Path(calibration) if calibration else default_calibration())
     if name.endswith(".json"):
         data = _read_json(Path(name), what="hardware profile")
         known = {f.name for f in dataclasses.fields(Hardware)}

@@ -40,11 +40,12 @@ def run_banner(cfg: Any, groups: ParallelGroups, train_ds: Any, device: Any, pre
                start_step: int = 0) -> str:
     """The banner's lines (see the module docstring) for a run of `cfg` (`PretrainConfig`)."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
-    world = groups.tp_size * groups.pp_size * groups.dp_size
+    world = groups.tp_size * groups.cp_size * groups.pp_size * groups.dp_size
     name = m.name if getattr(m, "name", "") else "model"
     lines = [f"tessera {verb}: {name}, {m.num_layers} layers, hidden {m.hidden_size}, vocab "
              f"{m.vocab_size}: {human_count(num_parameters(m))} parameters"]
-    layout = (f"tp {groups.tp_size} x pp {groups.pp_size} x dp {groups.dp_size} = {world} "
+    cp = f" x cp {groups.cp_size} ({par.cp_comm})" if groups.cp_size > 1 else ""
+    layout = (f"tp {groups.tp_size}{cp} x pp {groups.pp_size} x dp {groups.dp_size} = {world} "
               f"rank{'s' if world > 1 else ''} (sequence parallel "
               f"{'on' if par.sequence_parallel else 'off'})")
     if groups.pp_size > 1:

@@ -20,6 +20,7 @@ import yaml
 
 from tessera.core.config import (
     ConfigError,
+    CPComm,
     DataParallel,
     Layout,
     ModelConfig,
@@ -52,7 +53,18 @@ class TrainConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "clip gradients to this global norm (0: off)")
     precision: str = opt("fp32", "fp32 | bf16 (fp32 master weights, bf16 compute) | "
-                                 "bf16-pure (bf16 weights) | fp16 (with dynamic loss scaling)")
+                                 "bf16-pure (bf16 weights) | fp16 (with dynamic loss scaling) | "
+                                 "fp8 (bf16, with the block linears in FP8; see --fp8-backend)")
+    fp8_backend: str = opt("auto", "with --precision fp8: auto (CUDA: Transformer Engine, else "
+                                   "torchao; CPU: emulated) | te | torchao | emulated")
+    fp8_recipe: str = opt("auto", "with --precision fp8: auto (the backend's default) | delayed "
+                                  "(amax history) | tensorwise (current scaling) | block | mxfp8 "
+                                  "(TE) | rowwise | rowwise-gw-hp (torchao)")
+    fp8_format: str = opt("hybrid", "hybrid (e4m3 forward, e5m2 gradients) | e4m3 (everywhere)")
+    fp8_amax_history_len: int = opt(1024, "delayed scaling: steps of amax history kept")
+    fp8_margin: int = opt(0, "delayed scaling: scales are divided by 2**margin")
+    fp8_amax_compute_algo: str = opt("max", "delayed scaling: max (over the history) | "
+                                            "most_recent")
     device: str = opt("auto", "auto | cpu | cuda")
     compile: bool = opt(False, "torch.compile each model chunk (costs 10-30 s once; on this "
                                "project's CPU bench bf16 steps ran ~1.4x faster)")
@@ -68,6 +80,11 @@ class DataConfig:
     tokenizer: str = opt("", "tokenizer model (.model / tokenizer.json) saved with checkpoints")
     split: str = opt("98,1,1", "train,valid,test split of documents by ratio")
     data_cache: str = opt("", "where cached index arrays go (default: next to the data)")
+    # Samples are always packed streams of documents (`tessera preprocess` appends EOD after
+    # each); this decides whether a token may see the documents packed before it.
+    isolate_documents: bool = opt(False, "packed samples: no token attends across an EOD "
+                                          "(end of document) and positions restart after each; "
+                                          "needs --tokenizer for the EOD id")
 
 
 @dataclass
@@ -96,6 +113,8 @@ class ParallelSection:
     virtual_stages: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
+    cp_comm: CPComm = "allgather"
     recompute: Recompute = "none"
     recompute_layers: int | None = None
     schedule: str = "1f1b"
@@ -135,7 +154,9 @@ class PretrainConfig:
 _PARALLEL_HELP = {
     "tp": "tensor-parallel size", "pp": "pipeline-parallel size (ranks)",
     "virtual_stages": "model chunks per pipeline rank (interleaved / V schedules)",
-    "dp": "data-parallel size (default: world size / (tp x pp))",
+    "dp": "data-parallel size (default: world size / (tp x cp x pp))",
+    "cp": "context-parallel size: each sequence split over cp ranks (seq_len a multiple of 2 x cp)",
+    "cp_comm": "how attention reaches the other cp ranks' keys: allgather | ring",
     "sequence_parallel": "shard norm/dropout activations along the sequence over tp",
     "recompute": "activation recomputation: none | selective (core attention) | full",
     "recompute_layers": "with recompute full: the first N layers of each stage",

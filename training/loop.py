@@ -24,9 +24,12 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.config import ConfigError
+from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe
+from tessera.core.fp8_training import Fp8Training, enable_fp8_training
 from tessera.core.init import build_model
 from tessera.core.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
+from tessera.core.parallel.context_parallel import document_ids
 from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.launch import init_distributed
@@ -57,14 +60,17 @@ class Job:
     device: torch.device
     autocast_dtype: torch.dtype | None
     scaler: Any  # torch.amp.GradScaler for fp16, else None
+    fp8: Fp8Training | None = None  # --precision fp8: the FP8 layers, scales and their state
+    eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:
-    """Fit the layout to `world` ranks (dp defaults to what tp x pp leave over) and raise
+    """Fit the layout to `world` ranks (dp defaults to what tp x cp x pp leave over) and raise
     `ConfigError` for anything that cannot run: layout, schedule, sequence length, precision."""
     par = cfg.parallel
-    if par.dp == 1 and world > par.tp * par.pp and world % (par.tp * par.pp) == 0:
-        par.dp = world // (par.tp * par.pp)
+    fixed = par.tp * par.cp * par.pp
+    if par.dp == 1 and world > fixed and world % fixed == 0:
+        par.dp = world // fixed
     layout, schedule = par.layout(), par.train_schedule()
     pipeline.validate_training(cfg.model, layout, schedule, world_size=world,
                                global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
@@ -72,10 +78,13 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     if cfg.train.seq_len > cfg.model.max_position_embeddings:
         problems.append(f"seq_len {cfg.train.seq_len} exceeds the model's "
                         f"max_position_embeddings {cfg.model.max_position_embeddings}")
-    if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16"):
-        problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure "
-                        "or fp16")
-    if par.data_parallel != "ddp" and par.dp > 1 and cfg.train.precision == "fp16":
+    if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16", "fp8"):
+        problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure, "
+                        "fp16 or fp8")
+    if cfg.data.isolate_documents and not cfg.data.tokenizer:
+        problems.append("--isolate-documents finds document ends by the EOD id, which comes "
+                        "from the tokenizer: pass --tokenizer (the one the data was made with)")
+    if par.data_parallel != "ddp" and par.dp * par.cp > 1 and cfg.train.precision == "fp16":
         problems.append(f"data_parallel {par.data_parallel!r} does not support fp16's gradient "
                         "scaler; use --precision bf16 (or --data-parallel ddp)")
     if problems:
@@ -89,19 +98,37 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
     device = resolve_device(cfg.train.device)
     init_distributed(device)
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+    fp8 = fp8_recipe(cfg, device)
+    # FP8 under Transformer Engine needs TE's layers; the other FP8 backends need plain ones.
+    backend = "auto" if fp8 is None else "te" if fp8.backend == "te" else "torch"
     layout, schedule = cfg.parallel.layout(), cfg.parallel.train_schedule()
     groups = init_groups(layout, kv_replicas=kv_replicas(cfg.model, layout.tp))
     torch.manual_seed(cfg.train.seed)
-    tracker.seed(cfg.train.seed, groups.tp_rank)
+    if groups.cp_size > 1:
+        # cp ranks hold different tokens: their dropout masks must differ (the default
+        # generator stays shared over tp, which holds the same activations outside SP regions).
+        torch.manual_seed(cfg.train.seed + 7_919 * groups.cp_rank)
+    tracker.seed(cfg.train.seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
     if layout.pp > 1:
         stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
                                        device=device, dtype=dtype, seed=cfg.train.seed,
-                                       init=init)
+                                       init=init, backend=backend)
     else:
         stages = [build_model(cfg.model, layout, groups, schedule=schedule, device=device,
-                              dtype=dtype, seed=cfg.train.seed, init=init)]
+                              dtype=dtype, seed=cfg.train.seed, init=init, backend=backend)]
     return device, groups, stages
+
+
+def fp8_recipe(cfg: Any, device: torch.device) -> Fp8Recipe | None:
+    """The FP8 recipe of a `--precision fp8` run on `device` (None for other precisions);
+    a `ConfigError` says what to install or change when none can run."""
+    t = cfg.train
+    if t.precision != "fp8":
+        return None
+    return resolve_fp8_recipe(device, t.fp8_backend, t.fp8_recipe, fp8_format=t.fp8_format,
+                              amax_history_len=t.fp8_amax_history_len, margin=t.fp8_margin,
+                              amax_compute_algo=t.fp8_amax_compute_algo)
 
 
 def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
@@ -109,18 +136,26 @@ def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
     """The optimizer (over parameters that require grad), pipeline schedule and precision;
     under `--data-parallel fsdp` the stages are wrapped by FSDP2 first."""
     par, precision = cfg.parallel, cfg.train.precision
+    recipe = fp8_recipe(cfg, device)
+    fp8 = None if recipe is None else enable_fp8_training(stages, recipe, groups)
     if par.data_parallel == "fsdp":
         stages = wrap_data_parallel(stages, par.train_schedule(), groups)  # in place: same names
     schedule = None
     if par.pp > 1:
         schedule = pipeline.build_schedule(stages, par.layout(), par.train_schedule(), groups,
                                            pipeline.pipeline_loss_fn(cfg.model, groups))
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    # fp8: the block linears in FP8, everything else in bf16 (fp32 master weights).
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
     sharded = par.data_parallel in ("zero1", "fsdp")
     optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
-    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler)
+    eod_id = None
+    if cfg.data.isolate_documents:
+        from tessera.core.tokenizer import load_tokenizer
+
+        eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
+    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id)
 
 
 def setup(cfg: PretrainConfig) -> Job:
@@ -144,21 +179,36 @@ def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
     return tokens, labels
 
 
+@contextlib.contextmanager
+def compute_context(job: Job) -> Iterator[None]:
+    """What a training forward runs under: autocast to the compute dtype (bf16 for fp8 too),
+    and for fp8 the backend's own context (Transformer Engine's `fp8_autocast`)."""
+    with contextlib.ExitStack() as stack:
+        if job.autocast_dtype:
+            stack.enter_context(torch.autocast(job.device.type, dtype=job.autocast_dtype))
+        if job.fp8 is not None:
+            stack.enter_context(job.fp8.autocast())
+        yield
+
+
 def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Accumulate this rank's gradients for one global batch; return the global mean loss."""
     g, par = job.groups, job.cfg.parallel
-    amp = (torch.autocast(job.device.type, dtype=job.autocast_dtype) if job.autocast_dtype
-           else contextlib.nullcontext())
+    docs = document_ids(tokens, job.eod_id) if job.eod_id is not None else None
     if job.schedule is not None:
-        with amp:
-            loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels)
+        with compute_context(job):
+            loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels,
+                                          document_ids=docs)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
         model, n_mb = job.stages[0], par.micro_batches
         loss = torch.zeros((), device=job.device)
-        for mb_tokens, mb_labels in zip(tokens.chunk(n_mb), labels.chunk(n_mb)):
-            with amp:
-                mb_loss = model(mb_tokens, mb_labels) / n_mb
+        doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
+        for mb_tokens, mb_labels, mb_docs in zip(tokens.chunk(n_mb), labels.chunk(n_mb),
+                                                 doc_chunks):
+            kw = {} if mb_docs is None else {"document_ids": mb_docs}
+            with compute_context(job):
+                mb_loss = model(mb_tokens, mb_labels, **kw) / n_mb
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
             loss += mb_loss.detach().float()
     pipeline.sync_sequence_parallel_grads(job.stages, g)
@@ -179,6 +229,8 @@ def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor) 
         group["lr"] = lr
     job.optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(job, tokens, labels)
+    if job.fp8 is not None:
+        job.fp8.step_end()  # delayed scaling: this step's amaxes set the next step's scales
     if job.scaler is not None:
         job.scaler.unscale_(job.optimizer)
     grad_norm = clip_gradients(job.stages, job.cfg.train.clip_grad)
@@ -208,11 +260,12 @@ def evaluate_loss(job: Job, dataset, batches: int) -> float:
 
 def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     g, par = job.groups, job.cfg.parallel
+    kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
     if job.schedule is not None:
-        loss = pipeline_forward(job.stages, g, tokens, labels=labels)
+        loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
-        loss = job.stages[0](tokens, labels).float()
+        loss = job.stages[0](tokens, labels, **kw).float()
     if g.dp_group is not None:
         loss = loss.clone()
         dist.all_reduce(loss, group=g.dp_group)
@@ -265,13 +318,15 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     start = 0
     resume_from = latest_checkpoint(cfg.loop.output) if cfg.loop.resume else None
     if resume_from is not None:
-        start = load_training_checkpoint(resume_from, job.stages, job.optimizer)["step"]
+        start = load_training_checkpoint(resume_from, job.stages, job.optimizer,
+                                         fp8=job.fp8)["step"]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = model_flops_per_token(cfg.model, t.seq_len)
     compute = job.autocast_dtype or (torch.bfloat16 if t.precision == "bf16-pure" else None)
     peak, peak_source = resolve_peak(t.peak_tflops, job.device, compute)
     if rank0:
-        print(run_banner(cfg, job.groups, train_ds, job.device, t.precision, peak, peak_source,
+        precision = t.precision if job.fp8 is None else job.fp8.describe()
+        print(run_banner(cfg, job.groups, train_ds, job.device, precision, peak, peak_source,
                          start_step=start), flush=True)
     log = MetricsLogger(cfg.loop, enabled=rank0, total=t.steps, initial=start,
                         resumed_from=resume_from)
@@ -305,7 +360,7 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 path = save_training_checkpoint(
                     cfg.loop.output, job.stages, job.optimizer, step=step,
                     consumed_samples=step * t.global_batch, config=cfg.to_dict(),
-                    tokenizer=tokenizer, keep_last=cfg.loop.keep_last)
+                    tokenizer=tokenizer, keep_last=cfg.loop.keep_last, fp8=job.fp8)
                 log.saved(path, step)
             if stopped:
                 break

@@ -69,9 +69,11 @@ def optimizer_slots(models: list[GPTModel], optimizer: Any) -> list[tuple[str, A
 def collect_moments(models: list[GPTModel], optimizer: Any, *, sharded: bool
                     ) -> tuple[str, dict[str, torch.Tensor], dict[str, str]] | None:
     """This rank's moments file: (file name, tensors, metadata), or None where it writes none
-    (`sharded=False`, ddp: only dp rank 0 writes). Call before FSDP2 modules are unsharded."""
+    (`sharded=False`, ddp: only dp rank 0 writes). Call before FSDP2 modules are unsharded.
+    The optimizer shards over dp x cp (`ParallelGroups.dp_cp_rank`, the dp rank when cp is 1):
+    that index is the file's `dp` number."""
     g, config = models[0].groups, models[0].config
-    if not sharded and g.dp_rank != 0:
+    if not sharded and g.dp_cp_rank != 0:
         return None
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, list[int]] = {}
@@ -86,7 +88,7 @@ def collect_moments(models: list[GPTModel], optimizer: Any, *, sharded: bool
             tensors[f"{k}/{name}"] = state[k].detach().cpu().contiguous()
     meta = {"format": "pt", "moments": json.dumps(rows), "tp_rank": str(g.tp_rank),
             "tp_size": str(g.tp_size)}
-    return moments_file(g.tp_rank, g.pp_rank, g.dp_rank), tensors, meta
+    return moments_file(g.tp_rank, g.pp_rank, g.dp_cp_rank), tensors, meta
 
 
 def optimizer_record(sharded: bool, data_parallel: str, dp_size: int) -> dict[str, Any]:

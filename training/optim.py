@@ -53,7 +53,7 @@ def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps,
               "fused": fused, "foreach": None if fused else True}
     groups = param_groups(models, cfg.weight_decay)
-    if shard_over is not None and shard_over.dp_size > 1:
+    if shard_over is not None and shard_over.dp_cp_size > 1:
         return build_zero_optimizer(groups, shard_over, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
@@ -102,7 +102,7 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
     local = (torch.nn.utils.get_total_norm(counted, foreach=True).float() if counted
              else torch.zeros((), dtype=torch.float32, device=device))
     total = local.square()
-    for group in (g.tp_group, g.pp_group, g.dp_group if dp_sharded else None):
+    for group in (g.tp_group, g.pp_group, g.dp_cp_group if dp_sharded else None):
         if group is not None:
             dist.all_reduce(total, group=group)
     return total.sqrt()

@@ -9,8 +9,12 @@ A training checkpoint is an ordinary Tessera checkpoint (so `tessera convert`, `
   checkpoints from before it hold `optim-model-tp{t}-pp{p}.safetensors` and still resume);
 - `rng-rank{r}.safetensors`: the default and model-parallel RNG states of each global rank,
   restored only when the layout is unchanged (that is what makes resume bit-identical);
+- `fp8-rank{r}.safetensors` (`--precision fp8`): the FP8 state of each global rank's layers by
+  global layer name (emulated delayed scaling: `NAME.amax_history`, `NAME.scale`), restored on
+  resume under any layout when the recipe is the saved one;
 - the manifest's `extra.training`: step, consumed samples, optimizer step count, the world size,
-  `optimizer` (how the moment files are laid out), the run config.
+  `optimizer` (how the moment files are laid out), `fp8` (the resolved FP8 recipe: backend,
+  recipe, format, history length, margin; and the layers left in bf16), the run config.
 
 Under FSDP2 the weights are gathered for the save (each file holds whole tp shards, as always)
 and each dp rank loads its own rows back.
@@ -42,6 +46,8 @@ from tessera.core.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
+from tessera.core.fp8_recipe import Fp8Recipe
+from tessera.core.fp8_training import Fp8Training
 from tessera.core.model import GPTModel
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
@@ -69,8 +75,10 @@ def _global_rank() -> int:
 def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
                              optimizer: torch.optim.Optimizer, *, step: int,
                              consumed_samples: int, config: dict[str, Any],
-                             tokenizer: str | None, keep_last: int) -> Path:
-    """Save everything needed to resume at `step`. Collective over all ranks."""
+                             tokenizer: str | None, keep_last: int,
+                             fp8: Fp8Training | None = None) -> Path:
+    """Save everything needed to resume at `step` (with `fp8`, its recipe and state too).
+    Collective over all ranks."""
     series = checkpoint_series(run_dir)
     target = series.step_dir(step)
     sharded = isinstance(optimizer, ShardedOptimizer)
@@ -86,6 +94,9 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         save_file(rng, str(tmp / "training" / f"rng-rank{_global_rank():05d}.safetensors"))
+        if fp8 is not None:
+            save_file(fp8.state_tensors(),
+                      str(tmp / "training" / f"fp8-rank{_global_rank():05d}.safetensors"))
 
     opt_steps = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
     if dist.is_available() and dist.is_initialized():  # a dp rank may hold no state at all
@@ -93,10 +104,12 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         opt_steps = int(steps)
     g = models[0].groups
-    record = optimizer_record(sharded, models[0].train_schedule.data_parallel, g.dp_size)
+    record = optimizer_record(sharded, models[0].train_schedule.data_parallel, g.dp_cp_size)
     extra = {"training": {"step": step, "consumed_samples": consumed_samples,
                           "optimizer_step": opt_steps, "world_size": _world_size(),
                           "optimizer": record, "config": config}}
+    if fp8 is not None:
+        extra["training"]["fp8"] = fp8.record()
     with gathered_parameters(models):  # FSDP2: whole tp shards, as the weight files hold
         save_checkpoint(target, models, step=step, tokenizer=tokenizer, extra=extra,
                         write_extra_files=write_state)
@@ -131,8 +144,10 @@ def _world_size() -> int:
 
 
 def load_training_checkpoint(path: Path, models: list[GPTModel],
-                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore weights, optimizer moments (any layout) and, on the same layout, RNG states.
+                             optimizer: torch.optim.Optimizer,
+                             fp8: Fp8Training | None = None) -> dict[str, Any]:
+    """Restore weights, optimizer moments (any layout), the FP8 state (any layout, same
+    recipe) and, on the same layout, RNG states.
 
     Returns the manifest's training record (step, consumed_samples, ...).
     """
@@ -146,9 +161,11 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
     # RNG states belong to ranks: restored only when every rank holds the same stages as when
     # they were saved (dp follows from the world size; a version-1 manifest reads as looped).
     saved, now = manifest.layout, models[0].layout
-    same_layout = (saved.tp, saved.pp, saved.virtual_stages, saved.placement) == (
-        g.tp_size, g.pp_size, now.virtual_stages, now.placement) and \
+    same_layout = (saved.tp, saved.cp, saved.pp, saved.virtual_stages, saved.placement) == (
+        g.tp_size, g.cp_size, g.pp_size, now.virtual_stages, now.placement) and \
         record.get("world_size") == _world_size()
+    if fp8 is not None:
+        load_fp8_state(path, record, fp8)
     rng_file = path / "training" / f"rng-rank{_global_rank():05d}.safetensors"
     if same_layout and rng_file.is_file():
         rng = load_file(str(rng_file))
@@ -157,6 +174,34 @@ def load_training_checkpoint(path: Path, models: list[GPTModel],
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return record
+
+
+def load_fp8_state(path: Path, record: dict[str, Any], fp8: Fp8Training) -> None:
+    """Restore `fp8`'s state from the checkpoint's `fp8-rank*.safetensors` (see
+    `restore_fp8_state`). Names are global, so every file is read (this rank's own last, so it
+    wins where ranks hold different values of the same layer: per-rank scales); that works
+    under any layout."""
+    own = path / "training" / f"fp8-rank{_global_rank():05d}.safetensors"
+    files = [f for f in sorted((path / "training").glob("fp8-rank*.safetensors")) if f != own]
+    restore_fp8_state(fp8, record.get("fp8"), [*files, own], str(path))
+
+
+def restore_fp8_state(fp8: Fp8Training, saved: dict[str, Any] | None, files: list[Path],
+                      source: str) -> None:
+    """Load `fp8`'s state from `files` (later ones win) when `saved`, the recipe record of the
+    checkpoint, is this run's recipe; after any other precision or recipe the FP8 state starts
+    afresh (as in a new run), and the log says so."""
+    if saved is None or Fp8Recipe.from_dict(saved) != fp8.recipe:
+        if _global_rank() == 0:
+            was = "no FP8" if saved is None else Fp8Recipe.from_dict(saved).describe()
+            print(f"resume: {source} was saved with {was}; the FP8 scaling state starts afresh "
+                  f"for {fp8.recipe.describe()}", flush=True)
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.is_file():
+            tensors.update(load_file(str(file)))
+    fp8.load_state_tensors(tensors, source)
 
 
 @torch.no_grad()
@@ -177,7 +222,7 @@ def _load_weights(models: list[GPTModel], path: Path) -> Manifest:
                 raise CheckpointError(f"{path}: tensor {model.global_name(local)} has shape "
                                       f"{tuple(value.shape)}, the model expects {tuple(p.shape)}")
             if isinstance(p, DTensor):
-                start, stop = row_range(p.shape[0], g.dp_rank, g.dp_size)
+                start, stop = row_range(p.shape[0], g.dp_cp_rank, g.dp_cp_size)
                 p.to_local().copy_(value[start:stop])
             else:
                 p.copy_(value.to(p.dtype))

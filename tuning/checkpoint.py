@@ -9,7 +9,10 @@
 - under `--data-parallel zero1|fsdp` (dp > 1), the moments are not in `prompt_state` but in
   `prompt_optim-dp{d}.safetensors`, one per dp rank, each with the rows `start:stop` (of
   `rows`) of dim 0 it owns in its metadata (`moments`: `{NAME: [start, stop, rows]}`), and
-  `state.json` has `optimizer: {"format": 2, "dp_files": D}`; any dp and flavour resumes them.
+  `state.json` has `optimizer: {"format": 2, "dp_files": D}`; any dp and flavour resumes them;
+- under `--precision fp8`, `fp8_state.safetensors`: the frozen base's FP8 scaling state (amax
+  histories and scales by global layer name, gathered from every stage), and the recipe in
+  `state.json` (`fp8`), restored on resume like a training checkpoint's.
 
 The prompt parameters are replicated over tensor and data parallel ranks and live on the first
 pipeline stage, so global rank 0 holds all of them and writes the checkpoint alone (with a
@@ -46,6 +49,7 @@ from tessera.tuning.prompts import VirtualPrompts
 STATE_FILE = "prompt_state.safetensors"
 META_FILE = "state.json"
 OPTIM_FILE = "prompt_optim-dp{dp:02d}.safetensors"  # zero1 / fsdp: dp rank's moment rows
+FP8_FILE = "fp8_state.safetensors"  # --precision fp8: the base's FP8 scaling state
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -65,8 +69,10 @@ def latest_tuning_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 def save_tuning_checkpoint(run_dir: str | os.PathLike, prompts: VirtualPrompts | None,
                            optimizer: Any, *, step: int, meta: dict[str, Any], keep_last: int,
-                           groups: ParallelGroups | None = None) -> Path:
-    """Write the prompts and their optimizer state at `step`.
+                           groups: ParallelGroups | None = None,
+                           fp8_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the prompts and their optimizer state at `step` (and `fp8_state`, given on
+    global rank 0: the FP8 state of every rank's layers).
 
     With an ordinary optimizer, call on the rank holding the prompts (global rank 0), alone.
     With a `ShardedOptimizer` (zero1 / fsdp over dp), call on every rank: it is collective, and
@@ -75,11 +81,14 @@ def save_tuning_checkpoint(run_dir: str | os.PathLike, prompts: VirtualPrompts |
     series = tuning_series(run_dir)
     path = series.step_dir(step)
     if isinstance(optimizer, ShardedOptimizer):
-        _save_sharded(series, path, prompts, optimizer, groups, {**meta, "step": step})
+        _save_sharded(series, path, prompts, optimizer, groups, {**meta, "step": step},
+                      fp8_state)
     else:
         tensors = _prompt_tensors(prompts, lambda p: optimizer.state.get(p, {}), _MOMENTS)
         with atomic_directory(path) as tmp:
             save_file(tensors, str(tmp / STATE_FILE), metadata={"format": "pt"})
+            if fp8_state is not None:
+                save_file(fp8_state, str(tmp / FP8_FILE))
             (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
     if not dist.is_initialized() or dist.get_rank() == 0:
         series.mark_latest(path)
@@ -103,7 +112,7 @@ def _prompt_tensors(prompts: VirtualPrompts, state_of: Any, keys: tuple[str, ...
 
 def _save_sharded(series: CheckpointSeries, path: Path, prompts: VirtualPrompts | None,
                   optimizer: ShardedOptimizer, groups: ParallelGroups | None,
-                  meta: dict[str, Any]) -> None:
+                  meta: dict[str, Any], fp8_state: dict[str, torch.Tensor] | None) -> None:
     """Rank 0 writes the prompts and their step counts, each dp rank holding prompts at tp
     rank 0 its rows of the moments (`OPTIM_FILE`, rows in the metadata as in a training
     checkpoint), all into one temporary directory that rank 0 then publishes."""
@@ -133,6 +142,8 @@ def _save_sharded(series: CheckpointSeries, path: Path, prompts: VirtualPrompts 
             steps = _prompt_tensors(prompts, lambda p: optimizer.state.get(
                 shards[id(p)].view, {}), ("step",))
             save_file(steps, str(tmp / STATE_FILE), metadata={"format": "pt"})
+            if fp8_state is not None:
+                save_file(fp8_state, str(tmp / FP8_FILE))
             record = {**meta, "optimizer": {"format": 2, "dp_files": g.dp_size}}
             (tmp / META_FILE).write_text(json.dumps(record, indent=2) + "\n")
     if dist.is_initialized():

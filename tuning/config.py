@@ -114,6 +114,9 @@ class TuneRunConfig:
                 problems.append(f"lora_dropout must be in [0, 1), got {t.lora_dropout}")
             if not t.lora_targets.strip(" ,"):
                 problems.append("lora_targets is empty; e.g. --lora-targets qkv,wo or all")
+            if self.train.precision == "fp8":
+                problems.append("LoRA tuning does not run with --precision fp8 yet (the "
+                                "adapter is not wired into the FP8 layers); use bf16 or fp32")
             if self.parallel.data_parallel != "ddp":
                 problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
                                 f"{self.parallel.data_parallel!r} (its adapter is small: "

@@ -48,6 +48,7 @@ from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, resolve_peak
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
+from tessera.training.state import restore_fp8_state
 from tessera.tuning import checkpoint as ckpt
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.data import (
@@ -122,6 +123,10 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     """Read the base manifest and tokenizer, fix the tasks, tokenize the data; raise
     `ConfigError` / `DataError` for anything wrong. `specs` given: exactly these tasks."""
     t = cfg.tune
+    if cfg.parallel.cp != 1:
+        raise ConfigError(f"prompt tuning does not run context parallel (--cp {cfg.parallel.cp}): "
+                          "its virtual tokens sit at the start of each sequence, on one cp rank; "
+                          "use --cp 1 and tp / pp / dp for more ranks")
     if not t.checkpoint:
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
@@ -254,6 +259,8 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
             "base_fingerprint": _shared_fingerprint(cfg.tune.checkpoint),
             "method": cfg.tune.method, "n_virtual": inputs.n_virtual, "config": cfg.to_dict()}
+    if t.job.fp8 is not None:
+        meta["fp8"] = t.job.fp8.record()
     if t.lora is not None:
         t.lora = dataclasses.replace(t.lora, base_fingerprint=meta["base_fingerprint"])
         meta["lora"] = {"rank": t.lora.rank, "alpha": t.lora.alpha, "dropout": t.lora.dropout,
@@ -265,6 +272,9 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
             start = load_lora_checkpoint(resumed, t.job.stages, t.job.optimizer)
         else:
             start = ckpt.load_tuning_checkpoint(resumed, t.prompts, t.job.optimizer)
+        if t.job.fp8 is not None:
+            restore_fp8_state(t.job.fp8, ckpt.read_tuning_meta(resumed).get("fp8"),
+                              [resumed / ckpt.FP8_FILE], str(resumed))
     if _rank0():
         Path(loop.output).mkdir(parents=True, exist_ok=True)
         for task, n in sorted(inputs.train.truncated.items()):
@@ -314,6 +324,7 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
             log.write("  valid exact match: " + ", ".join(
                 f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
         if done or (loop.save_interval and (step + 1) % loop.save_interval == 0):
+            fp8_state = _gathered_fp8_state(t)  # collective: every rank, every save
             if t.lora is not None:  # collective: rank 0 writes the gathered factors
                 path = save_lora_checkpoint(out, t.job.stages, t.job.optimizer, step=step + 1,
                                             meta=meta, keep_last=loop.keep_last)
@@ -323,12 +334,26 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
             elif _rank0() or isinstance(t.job.optimizer, ShardedOptimizer):
                 path = ckpt.save_tuning_checkpoint(out, t.prompts, t.job.optimizer,
                                                    step=step + 1, meta=meta,
-                                                   keep_last=loop.keep_last, groups=t.job.groups)
+                                                   keep_last=loop.keep_last, groups=t.job.groups,
+                                                   fp8_state=fp8_state)
                 if _rank0():
                     log.saved(path, step + 1)
             if dist.is_initialized():
                 dist.barrier()
     return losses
+
+
+def _gathered_fp8_state(t: Tuning) -> dict[str, torch.Tensor] | None:
+    """The FP8 state of every rank's base layers, on global rank 0 (None elsewhere, and
+    without FP8). Names are global: pipeline stages contribute their own layers."""
+    if t.job.fp8 is None:
+        return None
+    mine = t.job.fp8.state_tensors()
+    if not dist.is_initialized():
+        return mine
+    parts: list[Any] | None = [None] * dist.get_world_size() if _rank0() else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
 
 def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],

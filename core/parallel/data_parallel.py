@@ -32,6 +32,12 @@ xfail. `wrap_data_parallel` returns the modules to call; the `GPTModel`s keep th
 names either way (FSDP2 wraps in place; a DDP wrapper's `.module` is the model).
 
 All three work on gloo/CPU (`notes/torch-native-feasibility.md`, section 7).
+
+With context parallelism the "dp group" of this module is `groups.dp_cp_group` (the dp x cp
+ranks of one tp, pp coordinate): parameters are replicated over cp too. Each cp rank's loss
+carries a gradient scaled so that the average over dp x cp is the true one (see
+`context_parallel.global_mean_loss`), so every mode above averages over dp x cp unchanged, and
+ZeRO-1 / FSDP shard rows over dp x cp. With cp 1 it is exactly the dp group.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def wrap_data_parallel(
     use `allreduce_gradients` there).
     """
     modules = list(modules)
-    if groups.dp_size == 1:
+    if groups.dp_cp_size == 1:
         return modules
     kind = schedule.data_parallel
     if kind == "fsdp":
@@ -74,7 +80,7 @@ def wrap_data_parallel(
         return modules
     from torch.nn.parallel import DistributedDataParallel
 
-    return [DistributedDataParallel(m, process_group=groups.dp_group) for m in modules]
+    return [DistributedDataParallel(m, process_group=groups.dp_cp_group) for m in modules]
 
 
 def _fully_shard(module: nn.Module, groups: ParallelGroups, per_layer: bool = True) -> nn.Module:
@@ -82,7 +88,7 @@ def _fully_shard(module: nn.Module, groups: ParallelGroups, per_layer: bool = Tr
     from torch.distributed.fsdp import fully_shard
 
     device = next(module.parameters()).device
-    mesh = DeviceMesh.from_group(groups.dp_group, device.type)
+    mesh = DeviceMesh.from_group(groups.dp_cp_group, device.type)
     # FSDP2 replaces each parameter with a DTensor one; carry the sequence-parallel mark over.
     marked = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
     hook = getattr(module, "embedding_hook", None)
@@ -97,12 +103,12 @@ def _fully_shard(module: nn.Module, groups: ParallelGroups, per_layer: bool = Tr
 
 
 def allreduce_gradients(modules: Sequence[nn.Module], groups: ParallelGroups) -> None:
-    """Average every gradient over the dp group (the manual path, used with pipelining).
+    """Average every gradient over the dp x cp group (the manual path, used with pipelining).
 
     Parameters without a gradient get zeros first, so every dp rank reduces the same buffer.
     FSDP2 (`DTensor`) parameters are skipped: FSDP2 reduce-scatters their gradients itself.
     """
-    if groups.dp_group is None:
+    if groups.dp_cp_group is None:
         return
     from torch.distributed.tensor import DTensor
 
@@ -115,8 +121,8 @@ def allreduce_gradients(modules: Sequence[nn.Module], groups: ParallelGroups) ->
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     for bucket in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        flat.div_(groups.dp_size)
-        dist.all_reduce(flat, group=groups.dp_group)
+        flat.div_(groups.dp_cp_size)
+        dist.all_reduce(flat, group=groups.dp_cp_group)
         for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
             p.grad.copy_(g.view_as(p.grad))
 
@@ -132,9 +138,9 @@ def build_zero_optimizer(
     With dp 1 this is simply `optimizer_class(params, **defaults)`. Plain parameters need
     dp-averaged gradients (`allreduce_gradients`); FSDP2 ones are stepped on their local shard.
     """
-    if groups.dp_group is None:
+    if groups.dp_cp_group is None:
         return optimizer_class(params, **defaults)
     from tessera.core.parallel.zero import ShardedOptimizer
 
-    return ShardedOptimizer(params, groups.dp_group, groups.dp_rank, groups.dp_size,
+    return ShardedOptimizer(params, groups.dp_cp_group, groups.dp_cp_rank, groups.dp_cp_size,
                             optimizer_class, **defaults)

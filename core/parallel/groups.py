@@ -1,8 +1,11 @@
 """Explicit process groups, built once from the world and passed to constructors.
 
-Rank order is tp fastest, then dp, then pp (documented on `core.config.Layout`, with where
-context and expert parallelism will slot in): global rank = pp_rank * (dp * tp) + dp_rank * tp +
-tp_rank. Tensor-parallel peers are therefore neighbours (same node), as Megatron lays them out.
+Rank order is tp fastest, then cp, then dp, then pp (documented on `core.config.Layout`, with
+why): global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. Tensor-parallel
+peers are therefore neighbours (same node), then context-parallel peers, as Megatron lays them
+out. Parameters are replicated over cp as over dp, so gradients are averaged (and ZeRO-1 / FSDP
+shard) over the dp x cp ranks of one (tp, pp) coordinate: `dp_cp_group`, which is the dp group
+itself when cp is 1.
 With no distributed world every group is `None` and every size is 1, so each parallel layer
 becomes a plain layer and the whole model runs in one process.
 """
@@ -39,6 +42,16 @@ class ParallelGroups:
     # gradients of its rows are summed over this group. None: no replication.
     kv_replica_group: dist.ProcessGroup | None = None
     kv_replicas: int = 1  # size of that group
+    # Context parallelism: this rank's share of every sequence (`core.parallel.context_parallel`).
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: dist.ProcessGroup | None = None
+    cp_ranks: tuple[int, ...] = (0,)  # global ranks of the cp peers, by cp rank (ring p2p)
+    # The ranks a replicated parameter's gradient is averaged over: dp x cp at this (tp, pp);
+    # rank within it = dp_rank * cp_size + cp_rank. With cp 1: the dp group, rank and size.
+    dp_cp_rank: int = 0
+    dp_cp_size: int = 1
+    dp_cp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_pp(self) -> bool:
@@ -49,9 +62,9 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: Layout) -> int:
-    """Global rank of the given coordinates (tp fastest, then dp, then pp; see `Layout`)."""
-    return (pp_rank * par.dp + dp_rank) * par.tp + tp_rank
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: Layout, cp_rank: int = 0) -> int:
+    """Global rank of the given coordinates (tp fastest, then cp, dp, pp; see `Layout`)."""
+    return ((pp_rank * par.dp + dp_rank) * par.cp + cp_rank) * par.tp + tp_rank
 
 
 def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
@@ -65,18 +78,21 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
     if not dist.is_available() or not dist.is_initialized():
         if par.world_size != 1:
             raise RuntimeError(
-                f"layout tp={par.tp} pp={par.pp} dp={par.dp} needs {par.world_size} processes but "
-                "torch.distributed is not initialized; launch with torchrun or --nproc-per-node"
+                f"layout tp={par.tp} cp={par.cp} pp={par.pp} dp={par.dp} needs {par.world_size} "
+                "processes but torch.distributed is not initialized; launch with torchrun or "
+                "--nproc-per-node"
             )
         return ParallelGroups()
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != par.world_size:
         raise RuntimeError(
-            f"world size {world} != tp {par.tp} x pp {par.pp} x dp {par.dp} = {par.world_size}"
+            f"world size {world} != tp {par.tp} x cp {par.cp} x pp {par.pp} x dp {par.dp} = "
+            f"{par.world_size}"
         )
     tp_rank = rank % par.tp
-    dp_rank = (rank // par.tp) % par.dp
-    pp_rank = rank // (par.tp * par.dp)
+    cp_rank = (rank // par.tp) % par.cp
+    dp_rank = (rank // (par.tp * par.cp)) % par.dp
+    pp_rank = rank // (par.tp * par.cp * par.dp)
     mine: dict[str, dist.ProcessGroup | None] = {}
 
     def make(kind: str, ranks: list[int]) -> None:
@@ -85,30 +101,53 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
         if rank in ranks:
             mine[kind] = group
 
-    for p in range(par.pp):
-        for d in range(par.dp):
-            make("tp", [rank_of(t, d, p, par) for t in range(par.tp)])
-    for p in range(par.pp):
-        for t in range(par.tp):
-            make("dp", [rank_of(t, d, p, par) for d in range(par.dp)])
-    for d in range(par.dp):
-        for t in range(par.tp):
-            make("pp", [rank_of(t, d, p, par) for p in range(par.pp)])
-            make("embedding", sorted({rank_of(t, d, 0, par), rank_of(t, d, par.pp - 1, par)}))
+    # Every group below is built in the same order on every rank (new_group is collective);
+    # with cp 1 the order and members are exactly those of the layouts before cp existed.
+    cps, dps, pps, tps = range(par.cp), range(par.dp), range(par.pp), range(par.tp)
+    for p in pps:
+        for d in dps:
+            for c in cps:
+                make("tp", [rank_of(t, d, p, par, c) for t in tps])
+    for p in pps:
+        for t in tps:
+            for c in cps:
+                make("dp", [rank_of(t, d, p, par, c) for d in dps])
+    for d in dps:
+        for t in tps:
+            for c in cps:
+                make("pp", [rank_of(t, d, p, par, c) for p in pps])
+                make("embedding", sorted({rank_of(t, d, 0, par, c),
+                                          rank_of(t, d, par.pp - 1, par, c)}))
     if kv_replicas > 1:
         if par.tp % kv_replicas:
             raise ValueError(f"kv_replicas {kv_replicas} does not divide tp {par.tp}")
-        for p in range(par.pp):
-            for d in range(par.dp):
-                for first in range(0, par.tp, kv_replicas):
-                    make("kv", [rank_of(t, d, p, par) for t in range(first, first + kv_replicas)])
+        for p in pps:
+            for d in dps:
+                for c in cps:
+                    for first in range(0, par.tp, kv_replicas):
+                        make("kv", [rank_of(t, d, p, par, c)
+                                    for t in range(first, first + kv_replicas)])
+    if par.cp > 1:
+        for p in pps:
+            for d in dps:
+                for t in tps:
+                    make("cp", [rank_of(t, d, p, par, c) for c in cps])
+        for p in pps:
+            for t in tps:
+                make("dp_cp", [rank_of(t, d, p, par, c) for d in dps for c in cps])
+    else:
+        mine["dp_cp"] = mine.get("dp")
     return ParallelGroups(
         tp_rank=tp_rank, tp_size=par.tp, tp_group=mine.get("tp"),
         pp_rank=pp_rank, pp_size=par.pp, pp_group=mine.get("pp"),
         dp_rank=dp_rank, dp_size=par.dp, dp_group=mine.get("dp"),
         embedding_group=mine.get("embedding"),
-        pp_ranks=tuple(rank_of(tp_rank, dp_rank, p, par) for p in range(par.pp)),
+        pp_ranks=tuple(rank_of(tp_rank, dp_rank, p, par, cp_rank) for p in range(par.pp)),
         kv_replica_group=mine.get("kv"), kv_replicas=max(1, kv_replicas),
+        cp_rank=cp_rank, cp_size=par.cp, cp_group=mine.get("cp"),
+        cp_ranks=tuple(rank_of(tp_rank, dp_rank, pp_rank, par, c) for c in range(par.cp)),
+        dp_cp_rank=dp_rank * par.cp + cp_rank, dp_cp_size=par.dp * par.cp,
+        dp_cp_group=mine.get("dp_cp"),
     )
 
 

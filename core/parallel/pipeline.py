@@ -175,6 +175,28 @@ def train_schedule_problems(
     return out
 
 
+def context_parallel_problems(
+    model: ModelConfig, layout: Layout, schedule: TrainSchedule
+) -> list[str]:
+    """What context parallelism cannot (yet) do with this model and schedule (empty when it can,
+    and always when cp is 1, except for an unknown `cp_comm`)."""
+    from tessera.core.config import CP_COMMS
+
+    out: list[str] = []
+    if schedule.cp_comm not in CP_COMMS:
+        out.append(f"unknown cp_comm {schedule.cp_comm!r}; choose one of {list(CP_COMMS)}")
+    if layout.cp <= 1:
+        return out
+    if layout.pp > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.append(f"cp {layout.cp} with schedule {schedule.schedule!r}: the split-backward "
+                   "(zero-bubble) schedules are not checked with context parallelism yet; use "
+                   "'1f1b', 'interleaved-1f1b' or 'gpipe', or cp 1")
+    if schedule.cp_comm == "ring" and model.dropout > 0:
+        out.append(f"cp_comm 'ring' does not apply attention dropout (model dropout "
+                   f"{model.dropout}); use --cp-comm allgather, or dropout 0")
+    return out
+
+
 def validate_training(
     model: ModelConfig,
     layout: Layout,
@@ -188,6 +210,7 @@ def validate_training(
     the schedule on it (`train_schedule_problems`), each with the numbers and the fix."""
     problems = layout.problems(model, world_size, seq_len)
     problems += train_schedule_problems(layout, schedule, global_batch)
+    problems += context_parallel_problems(model, layout, schedule)
     if problems:
         raise ConfigError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
 
@@ -202,9 +225,10 @@ def build_stages(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     init: bool = True,
+    backend: str = "auto",
 ) -> list[GPTModel]:
     """This rank's model chunks (`GPTModel`s), one per local pipeline stage, in execution order
-    (`sharding.stage_ids` of the layout's placement).
+    (`sharding.stage_ids` of the layout's placement); `backend` as `build_model`'s.
 
     `schedule` gives the chunks their recomputation (None: none; inference needs no schedule).
     Initialization is layout-independent (`core.init`): every chunk equals the matching slice
@@ -216,7 +240,7 @@ def build_stages(
     return [
         build_model(config, layout, groups, schedule=schedule, stage_id=s,
                     num_stages=layout.num_stages, device=device, dtype=dtype, seed=seed,
-                    init=init)
+                    init=init, backend=backend)
         for s in stage_ids(layout, groups.pp_rank)
     ]
 
@@ -226,13 +250,21 @@ def pipeline_loss_fn(config: ModelConfig, groups: ParallelGroups) -> LossFn:
 
     It takes the last stage's local logits `(B, T, V_padded / tp)` and labels `(B, T)`
     (-100 = ignored) and returns the mean over the non-ignored labels, as `GPTModel` does.
+    With context parallelism the logits are this cp rank's tokens and the labels the whole
+    sequence's; the mean is over the whole sequence (`context_parallel.global_mean_loss`).
     """
+    from tessera.core.parallel.context_parallel import global_mean_loss, split_sequence
     from tessera.core.parallel.layers import vocab_parallel_cross_entropy
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if groups.cp_size > 1:  # this cp rank's logits, the whole sequence's labels
+            labels = split_sequence(labels, 1, groups.cp_size, groups.cp_rank)
         losses = vocab_parallel_cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), groups.tp_group,
             groups.tp_rank, config.vocab_size)
+        if groups.cp_size > 1:
+            return global_mean_loss(losses.sum(), (labels != -100).sum(), groups.cp_size,
+                                    groups.cp_group)
         return losses.sum() / (labels != -100).sum().clamp(min=1)
 
     return loss_fn
@@ -281,12 +313,14 @@ def pipeline_step(
     groups: ParallelGroups,
     input_ids: torch.Tensor | None,
     labels: torch.Tensor | None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run forward and backward of one batch through the pipeline; gradients accumulate.
 
     `input_ids (B, T)` is needed where the first stage lives and `labels (B, T)` where the last
     one does (other ranks may pass None). Returns, on the rank holding the last stage, the mean
     of the micro-batch losses (detached), and None elsewhere; see `broadcast_loss`.
+    `document_ids (B, T)` (packed documents; every rank passes them) reach every stage.
     """
     n_mb = schedule._n_microbatches
     first = any(m.is_first for m in stages)
@@ -302,8 +336,9 @@ def pipeline_step(
                              f"micro-batches; use a batch that is a multiple of {n_mb}")
     losses: list[torch.Tensor] | None = [] if last else None
     args = (input_ids,) if first else ()
+    extra = {} if document_ids is None else {"document_ids": document_ids}
     schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False,
-                  local_logits=True)
+                  local_logits=True, **extra)
     if not last:
         return None
     return torch.stack([loss.detach().float() for loss in losses]).mean()

@@ -34,6 +34,7 @@ def pipeline_forward(stages: Sequence[GPTModel], groups: ParallelGroups, input_i
     owners = stage_owners(layout)
     B, T = input_ids.shape
     sp = layout.sequence_parallel and kwargs.get("cache") is None
+    T //= groups.cp_size  # context parallel: this cp rank's tokens (the model splits the ids)
     hidden_shape = (T // groups.tp_size if sp else T, B, config.hidden_size)
     device, dtype = input_ids.device, next(stages[0].parameters()).dtype
     x: torch.Tensor | None = None

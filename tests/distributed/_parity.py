@@ -4,9 +4,11 @@ loss and gathered gradients with the single-process model built from the same se
 A `Case` names a model (preset + overrides) and a layout. `run_cases` is the rank body (for
 `run_ranks`): for each case it builds the layout's groups and model chunks, runs one step
 (pipelined when pp > 1), applies the gradient syncs, and returns its loss, its local gradients
-by global name and its (tp, pp, dp) coordinates. `check_case` builds the reference in this
-process, unshards the tp gradients with `sharding.unshard_tensors` and compares every global
-parameter.
+by global name and its (tp, pp, dp, cp) coordinates. Every cp rank is given the whole sequence
+(the model keeps its own tokens); with `packed` the rows hold several documents, given to the
+model as per-token document ids (the reference takes the same ids in one process).
+`check_case` builds the reference in this process, unshards the tp gradients with
+`sharding.unshard_tensors` and compares every global parameter.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Case:
     seq: int = 16
     seed: int = 1234
     sgd_step: bool = False  # also take one SGD step (ZeRO / FSDP) and compare the parameters
+    packed: bool = False  # rows of several documents (per-token document ids)
 
     def model_config(self) -> ModelConfig:
         base = {"hidden_size": 32, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 64,
@@ -73,6 +76,20 @@ def make_batch(case: Case, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, labels
 
 
+def make_documents(case: Case) -> torch.Tensor | None:
+    """Per-token document ids `(B, T)` for a packed case: each row cut at 1-3 random places
+    (so documents straddle the cp chunks), or None when the case is not packed."""
+    if not case.packed:
+        return None
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    docs = torch.zeros(case.batch, case.seq, dtype=torch.long)
+    for row in docs:
+        n = int(torch.randint(1, 4, (), generator=gen))
+        for cut in torch.randperm(case.seq - 1, generator=gen)[:n] + 1:
+            row[cut:] += 1
+    return docs
+
+
 # ---------------------------------------------------------------------------------- rank side
 
 
@@ -81,13 +98,13 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, A
     return [_run_case(case) for case in cases]
 
 
-def spawn_cases(cases: list[Case], world_size: int, timeout: float = 240
-                ) -> dict[str, list[dict[str, Any]]]:
+def spawn_cases(cases: list[Case], world_size: int, timeout: float = 240,
+                env: dict[str, str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run every case in one spawn of `world_size` gloo ranks (start-up is paid once);
-    each case's per-rank results, by case name."""
+    each case's per-rank results, by case name. `env`: added to the ranks' environment."""
     from tests.distributed_helper import run_ranks
 
-    per_rank = run_ranks(run_cases, world_size, cases, timeout=timeout)
+    per_rank = run_ranks(run_cases, world_size, cases, timeout=timeout, env=env)
     return {c.name: [r[i] for r in per_rank] for i, c in enumerate(cases)}
 
 
@@ -95,22 +112,27 @@ def _run_case(case: Case) -> dict[str, Any]:
     config, (lay, sched) = case.model_config(), case.parallel_config()
     groups = init_groups(lay, kv_replicas=kv_replicas(config, lay.tp))
     ids, labels = make_batch(case, config.vocab_size)
+    docs = make_documents(case)
     per_dp = case.batch // lay.dp
     rows = slice(groups.dp_rank * per_dp, (groups.dp_rank + 1) * per_dp)
     ids, labels = ids[rows], labels[rows]
+    docs = None if docs is None else docs[rows]
     if lay.pp > 1:
         models = build_stages(config, lay, groups, schedule=sched, seed=case.seed)
         modules = wrap_data_parallel(models, sched, groups)
         schedule = build_schedule(modules, lay, sched, groups, pipeline_loss_fn(config, groups))
-        loss = pipeline_step(schedule, models, groups, ids, labels)
+        loss = pipeline_step(schedule, models, groups, ids, labels, document_ids=docs)
         loss = broadcast_loss(loss, lay, groups)
     else:
         models = [build_model(config, lay, groups, schedule=sched, seed=case.seed)]
         modules = wrap_data_parallel(models, sched, groups)
         losses = []
-        for i, lab in zip(ids.chunk(sched.micro_batches), labels.chunk(sched.micro_batches)):
-            losses.append(modules[0](i, labels=lab))
-            (losses[-1] / sched.micro_batches).backward()
+        n_mb = sched.micro_batches
+        doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
+        for i, lab, d in zip(ids.chunk(n_mb), labels.chunk(n_mb), doc_chunks):
+            losses.append(modules[0](i, labels=lab, document_ids=d) if d is not None
+                          else modules[0](i, labels=lab))
+            (losses[-1] / n_mb).backward()
         loss = torch.stack([x.detach() for x in losses]).mean()
     sync_tied_embedding_grads(models, groups)
     if lay.sequence_parallel:
@@ -128,7 +150,8 @@ def _run_case(case: Case) -> dict[str, Any]:
             opt = torch.optim.SGD(params_list, lr=LR)
         opt.step()
         params = _named(models, lambda p: p)
-    return {"coords": (groups.tp_rank, groups.pp_rank, groups.dp_rank), "loss": float(loss),
+    return {"coords": (groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.cp_rank),
+            "loss": float(loss),
             "grads": grads, "params": params}
 
 
@@ -151,10 +174,12 @@ def reference(case: Case) -> dict[str, Any]:
     config, (lay, sched) = case.model_config(), case.parallel_config()
     model = build_model(config, seed=case.seed)
     ids, labels = make_batch(case, config.vocab_size)
+    docs = make_documents(case)
     n = lay.dp * sched.micro_batches  # dp rank d, micro-batch m is chunk d * micro_batches + m
     chunk_losses = []
-    for i, lab in zip(ids.chunk(n), labels.chunk(n)):
-        loss = model(i, labels=lab)
+    doc_chunks = [None] * n if docs is None else docs.chunk(n)
+    for i, lab, d in zip(ids.chunk(n), labels.chunk(n), doc_chunks):
+        loss = model(i, labels=lab) if d is None else model(i, labels=lab, document_ids=d)
         (loss / n).backward()
         chunk_losses.append(loss.detach())
     replica = torch.stack(chunk_losses).view(lay.dp, sched.micro_batches).mean(dim=1)
@@ -167,20 +192,21 @@ def reference(case: Case) -> dict[str, Any]:
 
 
 def _gather(results: list[dict[str, Any]], key: str, config: ModelConfig) -> list[tuple]:
-    """(dp, pp, name, global tensor) for every parameter held by a full row of tp ranks."""
+    """(dp, pp, name, global tensor) for every parameter held by a full row of tp ranks, once
+    per cp rank (each cp rank's copy is checked)."""
     tp_size = 1 + max(r["coords"][0] for r in results)
     pieces: dict[tuple, dict[int, torch.Tensor]] = {}
     for r in results:
-        tp, pp, dp = r["coords"]
+        tp, pp, dp, cp = r["coords"]
         seen: dict[str, torch.Tensor] = {}
         for name, t in r[key]:
             if name in seen:  # a tied embedding with both copies on this rank
                 assert torch.equal(seen[name], t), f"{name}: the two tied copies differ on {r}"
                 continue
             seen[name] = t
-            pieces.setdefault((dp, pp, name), {})[tp] = t
+            pieces.setdefault((dp, pp, cp, name), {})[tp] = t
     out = []
-    for (dp, pp, name), by_tp in pieces.items():
+    for (dp, pp, _cp, name), by_tp in pieces.items():
         assert sorted(by_tp) == list(range(tp_size)), f"{name}: tp shards {sorted(by_tp)}"
         shards = [by_tp[t] for t in range(tp_size)]
         out.append((dp, pp, name, unshard_tensors(name, shards, config)))

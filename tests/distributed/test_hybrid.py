@@ -1,6 +1,10 @@
 """Mixed layouts on 4 gloo ranks: tp2 x pp2, tp2 x dp2 and pp2 x dp2, each against the
 single-process model (loss and every gathered gradient; parameters after an SGD step where an
-optimizer is sharded). One spawn runs them all: every layout builds its own groups in turn."""
+optimizer is sharded). One spawn runs them all: every layout builds its own groups in turn.
+
+Three context-parallel composites ride along in the same spawn (cheaper than a spawn of their
+own): tp2 x cp2 with SP, cp2 x pp2 and cp2 x dp2 with ZeRO-1, ring and packed documents; the
+full cp matrix is in test_context_parallel.py (slow)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,14 @@ HYBRID = [
           "micro_batches": 2, "data_parallel": "zero1"}, sgd_step=True),
     Case("pp2xdp2-nemotron-fsdp-1f1b", "nemotron-tiny",
          {"pp": 2, "dp": 2, "micro_batches": 2, "data_parallel": "fsdp"}),
+    Case("tp2xcp2-sp-ring-packed-llama-gqa", "llama-tiny",
+         {"tp": 2, "cp": 2, "sequence_parallel": True, "cp_comm": "ring"},
+         model={"num_layers": 2}, batch=2, packed=True),
+    Case("cp2xpp2-allgather-packed-gpt2-1f1b", "gpt2-tiny",
+         {"cp": 2, "pp": 2, "micro_batches": 2}, model={"num_layers": 2}, batch=4, packed=True),
+    Case("cp2xdp2-ring-zero1-llama-gqa", "llama-tiny",
+         {"cp": 2, "dp": 2, "data_parallel": "zero1", "cp_comm": "ring"},
+         model={"num_layers": 2}, batch=4, sgd_step=True),
 ]
 
 

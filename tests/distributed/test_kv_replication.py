@@ -136,8 +136,8 @@ def _check_step(case: Case, world: dict) -> None:
     assert rep > 1
     by_coords = {r["coords"]: dict(r["grads"]) for r in results}
     checked = 0
-    for (t, p, d), grads in by_coords.items():
-        first = by_coords[(t - t % rep, p, d)]
+    for (t, p, d, c), grads in by_coords.items():
+        first = by_coords[(t - t % rep, p, d, c)]
         for name, g in grads.items():
             for a, b in replica_rows(name, config, tp):
                 assert torch.equal(g[a:b], first[name][a:b]), (case.name, name, t)

@@ -151,6 +151,25 @@ def test_bubble_fractions():
     assert F.bubble_fraction(1, 4) == 0
 
 
+def test_pipeline_costs_beyond_the_bubble():
+    # Scatter/gather (PTD-P 4.1): the receivers all-gather the t slices over NVLink,
+    # 7/8 * 2048 * 12288 * 2 = 44,040,192 bytes at t = 8; nothing at t = 1 or with SP.
+    assert F.pp_gather_bytes(2048, 1, 12288, 8) == pytest.approx(44_040_192)
+    assert F.pp_gather_bytes(2048, 1, 12288, 1) == 0
+    assert F.pp_gather_bytes(2048, 1, 12288, 8, sequence_parallel=True) == 0
+    # Transfers on the critical path: 2 v m steady state + 2 (p - 1) fill and drain;
+    # p = 8, m = 96, v = 2: 384 + 14 = 398; none without a pipeline.
+    assert F.pipeline_critical_transfers(8, 96, 2) == 398
+    assert F.pipeline_critical_transfers(8, 96) == 206
+    assert F.pipeline_critical_transfers(1, 96, 1) == 0
+    # Tied embeddings across stages: all-reduce of V/t x h 16-bit gradients between 2 ranks,
+    # 51200/8 * 12288 * 2 = 157,286,400 bytes.
+    assert F.embedding_grad_sync_bytes(51200, 12288, 8, 2) == pytest.approx(157_286_400)
+    # The first stage's dense embedding gradient: V/t x h written in 16 bits, read back and
+    # added into fp32 main grads, 6400 * 12288 * 2 * (2 + 4) = 943,718,400 bytes.
+    assert F.embedding_backward_bytes(51200, 12288, 8) == pytest.approx(943_718_400)
+
+
 def test_communication_volumes():
     # Ring all-reduce of 100 MB over 8 ranks sends 2 * 7/8 * 100 = 175 MB per rank; an
     # all-gather 87.5 MB.

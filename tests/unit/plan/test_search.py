@@ -4,6 +4,7 @@ Nemotron-4 340B serving on one DGX H100; and its answers to bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -61,24 +62,35 @@ def paper_and_best(billions: float):
 
 @pytest.mark.parametrize("billions", list(ROWS))
 def test_ptdp_table1_throughput_within_15_percent(billions):
-    # The brief's bar is 15%; every row is within 8% (see README "The analytic model").
+    # The brief's bar is 15%; every row is within 6% (see README "The analytic model"), so
+    # the model cannot drift far unnoticed.
     paper, _ = paper_and_best(billions)
     assert paper.fits
     assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.15)
+    assert paper.tflops_per_gpu == pytest.approx(ROWS[billions][-1], rel=0.06)
 
 
 # The paper's (tp, pp) is the planner's first choice or within 3% of its best throughput.
-# The model disagrees with the paper's heuristic choice (PTD-P section 3, takeaway #1: tp up
-# to the node size first) where a smaller tp with a few more, interleaved pipeline stages
-# avoids tp's all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work
-# (no sequence parallelism in 2021): 18.4B (tp2 pp4 v5 predicted ~14% faster), and by less
-# 3.6B, 7.5B, 39.1B.
+# The model disagrees with the paper's rule of thumb (PTD-P section 5.4, takeaway #1: tp up
+# to the node size first) where a smaller tp with a few interleaved pipeline stages avoids
+# tp's all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work (no
+# sequence parallelism in 2021), even after the pipeline's own costs beyond the bubble
+# (scatter/gather all-gather, fill and drain transfers, tied-embedding all-reduce, slowest
+# stage): 18.4B (tp2 pp4 v5 predicted 12.9% faster), and by less 3.6B, 7.5B, 39.1B. Where
+# the paper measured the trade-off itself (Fig. 13 and 15) the model agrees with it (below).
+_18B_REASON = (
+    "tp2 pp4 v5 mb2 predicted 12.9% faster than the paper's tp8 pp1 (8.46 vs 9.55 s a step): "
+    "tp8 spends 1.42 s in NVLink all-reduces (0.95 s + 0.47 s in the recompute; 2 per layer "
+    "forward, backward or recompute, each 2 x 7/8 x s b h x 2 bytes at 240 GB/s), 0.45 s in "
+    "a dp all-reduce with one rank (one NIC) per node, and 0.5 s more compute (h/8-wide "
+    "GEMMs, elementwise work replicated 8x); tp2 pp4 v5 pays 0.22 s tp, 0.12 s dp (4 ranks "
+    "share 4 NICs per node), 0.29 s bubble and 0.25 s of inter-node p2p; no refit of the "
+    "shared constants brings it under 10.8% (grid over GEMM efficiency, half-size, unfused "
+    "attention, elementwise passes), nor under 8% with collectives at the full link rate")
 LAYOUT_CHOICE = [
     pytest.param(1.7, 0.03, id="1.7B"),
-    pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(
-        strict=True, reason="the model predicts tp2 pp4 v5 ~14% faster than the paper's "
-        "tp8 pp1: tp8 pays two all-reduces per layer pass, thinner GEMMs and replicated "
-        "elementwise work without sequence parallelism")),
+    pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(strict=True,
+                                                                  reason=_18B_REASON)),
     pytest.param(76.1, 0.03, id="76.1B"),
     pytest.param(145.6, 0.03, id="145.6B"),
     pytest.param(310.1, 0.03, id="310.1B"),
@@ -87,7 +99,8 @@ LAYOUT_CHOICE = [
     # Known deviations, bounded so that the model cannot drift further unnoticed.
     pytest.param(3.6, 0.05, id="3.6B-deviation"),
     pytest.param(7.5, 0.08, id="7.5B-deviation"),
-    pytest.param(39.1, 0.09, id="39.1B-deviation"),
+    pytest.param(39.1, 0.085, id="39.1B-deviation"),
+    pytest.param(18.4, 0.135, id="18.4B-deviation"),
 ]
 
 
@@ -97,6 +110,40 @@ def test_ptdp_table1_layout_choice(billions, gap):
     assert best.tokens_per_s <= paper.tokens_per_s * (1 + gap), (
         f"best {best.layout} {best.tflops_per_gpu:.0f} TFLOP/s vs paper {paper.layout} "
         f"{paper.tflops_per_gpu:.0f}")
+
+
+def gpt_2021(hidden: int, layers: int, heads: int) -> ModelConfig:
+    return ModelConfig(name=f"gpt-h{hidden}", family="gpt2", norm="layernorm",
+                       activation="gelu_tanh", position="learned", bias=True,
+                       tied_embeddings=True, vocab_size=51200, hidden_size=hidden,
+                       num_layers=layers, num_heads=heads, ffn_hidden_size=4 * hidden,
+                       max_position_embeddings=2048)
+
+
+def _tflops(model: ModelConfig, batch: int, tp: int, pp: int) -> float:
+    job = TrainingJob(model, 64, A100, batch, 2048, flash_attention=False,
+                      overlap_grad_reduce=False, grad_reduce_bytes=2)
+    fixed = dataclasses.replace(PAPER_FIXED, tp=tp, pp=pp, virtual_stages=1, micro_batch=1)
+    return plan_training(job, fixed, top=1)[0].tflops_per_gpu
+
+
+def test_ptdp_section_5_4_trade_offs():
+    # PTD-P section 5.4 measures the trade-offs directly on 64 A100s, micro-batch 1, with the
+    # non-interleaved schedule; the model ranks them as the paper does.
+    # Fig. 13, 161B (32 layers, hidden 20480, 128 heads), tp x pp = 64: tp up to the node
+    # size (tp8 pp8) beats more pipeline stages (tp4 pp16, tp2 pp32) at every batch size.
+    big = gpt_2021(20480, 32, 128)
+    for batch in (32, 128, 512):
+        t2, t4, t8 = (_tflops(big, batch, tp, 64 // tp) for tp in (2, 4, 8))
+        assert t8 > t4 > t2, (batch, t2, t4, t8)
+    # Fig. 14 and 15, 5.9B (32 layers, hidden 3840, 32 heads): with data parallelism over the
+    # rest, throughput falls as the pipeline (tp 1) or tensor-parallel (pp 1) size grows.
+    small = gpt_2021(3840, 32, 32)
+    for batch in (128, 512):
+        p2, p4, p8 = (_tflops(small, batch, 1, pp) for pp in (2, 4, 8))
+        assert p2 > p4 > p8, (batch, p2, p4, p8)
+        t2, t4, t8 = (_tflops(small, batch, tp, 1) for tp in (2, 4, 8))
+        assert t2 > t4 > t8, (batch, t2, t4, t8)
 
 
 def gpt3_job() -> TrainingJob:

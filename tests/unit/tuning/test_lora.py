@@ -152,6 +152,7 @@ def test_bad_input_fails_before_anything_is_written(base, data, run, tmp_path, c
            "layers.N.")
     _fails([*argv, "--lora-targets", "layers.("], capsys, "not a valid regular expression")
     _fails([*argv, "--data-parallel", "zero1"], capsys, "--data-parallel ddp")
+    _fails([*argv, "--precision", "fp8"], capsys, "--precision fp8")
     _fails([*argv, "--export", "peft"], capsys, "tessera convert --to peft")
     assert not out.exists()
 

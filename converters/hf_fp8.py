@@ -1,0 +1,244 @@
+"""FP8 Hugging Face checkpoints in the two forms vLLM, SGLang and transformers load.
+
+`--fp8 block` (`quant_method: "fp8"`, the DeepSeek-V3 / Qwen3-FP8 convention; transformers'
+`FineGrainedFP8Config`, vLLM's `Fp8Config`): every quantized linear stores `weight` in
+float8_e4m3fn and `weight_scale_inv`, fp32, one per `b x b` block (shape `(out / b, in / b)`),
+with `activation_scheme: "dynamic"`. Despite its name the scale is a multiplier: the loaders
+dequantize `w = weight.float() * weight_scale_inv` per block (transformers'
+`Fp8Dequantize._dequantize_one`).
+
+`--fp8 tensor` (`quant_method: "compressed-tensors"`, `format: "float-quantized"`, the
+llm-compressor `FP8` scheme): per-tensor `weight_scale` (fp32, shape `(1,)`, a multiplier as
+well) and, after calibration, `input_scale = input amax / 448` with static activations; without
+calibration the activations are dynamic. Not `quant_method: "fp8"` per tensor, because the two
+loaders disagree on its tensor names: vLLM reads `weight_scale` / `input_scale`, transformers
+5.x only `weight_scale_inv` / `activation_scale`, so no one file loads in both. compressed-tensors
+loads in vLLM natively and in transformers with the `compressed-tensors` package installed.
+q/k/v and gate/up share one scale (the amax of Tessera's fused tensor), so vLLM, which fuses
+them and keeps the largest scale, has nothing to requantize.
+
+Only the four linear layers of every block are quantized (`weight_format.quantizable`, the
+rule Tessera's own FP8 checkpoints follow); embeddings, norms and the output layer keep the
+export dtype and are listed in `modules_to_not_convert` (`ignore` for compressed-tensors). The
+quantizer is `core.fp8.quantize` (scale `448 / amax`); its reciprocal is what is stored.
+
+Import (`dequantizing_reader`) reads either form, and vLLM's per-tensor `quant_method: "fp8"`
+too, dequantizing each weight to fp32 exactly as the loaders do (`q.float() * scale`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tessera.converters.hf_mapping import ConversionError, Read, hf_parts, tensor_pairs
+from tessera.core.config import ModelConfig
+from tessera.core.fp8 import E4M3_MAX, Block, check_blocks, expand_blocks, quantize, weight_amax
+from tessera.core.parallel.sharding import global_param_shapes
+from tessera.core.parallel.weight_format import quantizable
+
+SCHEMES = ("block", "tensor")
+DEFAULT_BLOCK = 128
+FP8_FAMILIES = ("llama", "nemotron")  # their HF linears are nn.Linear (GPT-2's are Conv1D)
+_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
+_INPUT_SCALE_NAMES = ("input_scale", "activation_scale")
+
+
+@dataclass(frozen=True)
+class Fp8Export:
+    """What `--fp8` asks for: `scheme` "block" (with `block` rows and columns per scale) or
+    "tensor"; `input_amax` (Tessera weight name -> calibrated input amax) makes a per-tensor
+    export's activations static."""
+
+    scheme: str
+    block: int = DEFAULT_BLOCK
+    input_amax: dict[str, float] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ConversionError(f"FP8 scheme {self.scheme!r} cannot be exported to Hugging "
+                                  f"Face; choose one of {', '.join(SCHEMES)}")
+        if self.block <= 0:
+            raise ConversionError(f"the FP8 block size must be positive, not {self.block}")
+        if self.scheme == "block" and self.input_amax is not None:
+            raise ConversionError("block FP8 has dynamic activations only (as vLLM and "
+                                  "transformers load it); calibration data needs --fp8 tensor")
+
+    @property
+    def block_shape(self) -> Block | None:
+        return (self.block, self.block) if self.scheme == "block" else None
+
+
+def check_fp8_exportable(config: ModelConfig, spec: Fp8Export) -> None:
+    """Raise ConversionError if `config` cannot be written in `spec`'s form: a family whose HF
+    linears the FP8 loaders do not quantize, or a dimension the block does not divide."""
+    if config.family not in FP8_FAMILIES:
+        raise ConversionError(
+            f"FP8 Hugging Face export supports the families {', '.join(FP8_FAMILIES)}, not "
+            f"{config.family!r}: GPT-2 stores its linear layers as Conv1D, which the FP8 loaders "
+            "of transformers and vLLM do not quantize; export it without --fp8")
+    if spec.block_shape is None:
+        return
+    for name, targets in tensor_pairs(config):
+        if quantizable(name):
+            meta = torch.empty(global_param_shapes(config)[name], device="meta")
+            for hf_name, part in hf_parts(config, name, meta, targets):
+                check_blocks(part.shape, spec.block_shape, hf_name)
+
+
+def _module(hf_name: str) -> str:
+    return hf_name.rsplit(".", 1)[0]
+
+
+def modules_to_not_convert(config: ModelConfig) -> list[str]:
+    """The HF modules left in high precision: embeddings, norms and `lm_head` (a module even
+    when its weight is tied to the embeddings), in model order."""
+    names: dict[str, None] = {}
+    for name, targets in tensor_pairs(config):
+        if not quantizable(name) and not name.endswith(".bias"):
+            names.update((_module(hf_name), None) for hf_name, _ in targets)
+    names["lm_head"] = None
+    return list(names)
+
+
+def quantization_config(config: ModelConfig, spec: Fp8Export) -> dict[str, Any]:
+    """The `quantization_config` entry of `config.json` for `spec`."""
+    skip = modules_to_not_convert(config)
+    if spec.scheme == "block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic",
+                "weight_block_size": [spec.block, spec.block], "modules_to_not_convert": skip}
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}
+    static = spec.input_amax is not None
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "format": "float-quantized",
+            "weights": {**fp8, "dynamic": False},
+            "input_activations": {**fp8, "dynamic": not static},
+            "output_activations": None}},
+        "ignore": skip, "kv_cache_scheme": None,
+    }
+
+
+def export_fp8_tensors(config: ModelConfig, read: Read, spec: Fp8Export,
+                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(HF name, tensor)` of the FP8 export, in file order: `export_tensors`' tensors with every
+    quantizable linear's weight in e4m3 followed by its scale (and input scale), the rest cast
+    to `dtype`. Works on meta tensors (names, shapes and dtypes only)."""
+    check_fp8_exportable(config, spec)
+    for name, targets in tensor_pairs(config):
+        tensor = read(name)
+        if not quantizable(name):
+            for hf_name, part in hf_parts(config, name, tensor, targets):
+                yield hf_name, part.to(dtype)
+            continue
+        # Per tensor: one amax for the whole fused tensor, so q/k/v (gate/up) share a scale.
+        amax = weight_amax(tensor) if spec.block_shape is None else None
+        for hf_name, part in hf_parts(config, name, tensor, targets):
+            q, scale = quantize(part, amax=amax, block=spec.block_shape)
+            module = _module(hf_name)
+            yield hf_name, q
+            if spec.block_shape is not None:
+                yield f"{module}.weight_scale_inv", scale.reciprocal()
+                continue
+            yield f"{module}.weight_scale", scale.reciprocal().reshape(1)
+            if spec.input_amax is not None:
+                yield f"{module}.input_scale", input_scale(spec.input_amax[name], tensor.device)
+
+
+def input_scale(amax: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The static activation scale (a multiplier, shape `(1,)`) of an input amax."""
+    return torch.tensor([amax / E4M3_MAX if amax > 0 else 1.0], dtype=torch.float32,
+                        device=device)
+
+
+# ------------------------------------------------------------------------------- import
+
+
+def _fp8_block(qc: dict[str, Any]) -> Block | None:
+    """The block shape of an FP8 `quantization_config`, None per tensor/channel.
+
+    Raises:
+        ConversionError: a quantization method or scheme this importer does not read.
+    """
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        return None if block is None else (int(block[0]), int(block[1]))
+    if method == "compressed-tensors":
+        if qc.get("format") not in ("float-quantized", "naive-quantized"):
+            raise ConversionError(f"compressed-tensors format {qc.get('format')!r} is not an "
+                                  "FP8 format this importer reads (float-quantized)")
+        blocks = set()
+        for group_name, group in (qc.get("config_groups") or {}).items():
+            w = group.get("weights") or {}
+            if (w.get("num_bits"), w.get("type")) != (8, "float"):
+                raise ConversionError(f"compressed-tensors group {group_name}: weights "
+                                      f"{w.get('num_bits')}-bit {w.get('type')} are not FP8")
+            if w.get("strategy") == "block":
+                blocks.add(tuple(w["block_structure"]))
+            elif w.get("strategy") not in ("tensor", "channel"):
+                raise ConversionError(f"compressed-tensors group {group_name}: weight strategy "
+                                      f"{w.get('strategy')!r} is not supported")
+        if len(blocks) > 1:
+            raise ConversionError(f"compressed-tensors groups use several blocks {blocks}")
+        return blocks.pop() if blocks else None
+    raise ConversionError(f"quant_method {method!r} cannot be imported; supported: fp8 "
+                          "(block or per tensor) and compressed-tensors float-quantized FP8")
+
+
+def dequantize_hf(q: torch.Tensor, scale: torch.Tensor, block: Block | None) -> torch.Tensor:
+    """fp32 `q * scale` as transformers and vLLM dequantize: `scale` per tensor (`()` or
+    `(1,)`), per output channel (`(out, 1)`) or per `block` (`(ceil(out / bo), ceil(in / bi))`,
+    ragged edge blocks cropped)."""
+    q32, s = q.float(), scale.float()
+    if s.numel() == 1:
+        return q32 * s.reshape(())
+    rows, cols = q.shape
+    if s.shape == (rows, 1):
+        return q32 * s
+    if block is None:
+        if rows % s.shape[0] or cols % s.shape[1]:
+            raise ConversionError(f"a {tuple(s.shape)} scale grid does not divide a weight of "
+                                  f"shape {tuple(q.shape)} and the config names no block size")
+        block = (rows // s.shape[0], cols // s.shape[1])
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(s.shape) != want:
+        raise ConversionError(f"a weight of shape {tuple(q.shape)} with {block[0]}x{block[1]} "
+                              f"blocks needs a {want} scale, not {tuple(s.shape)}")
+    return q32 * expand_blocks(s, block)[:rows, :cols]
+
+
+def dequantizing_reader(hf_config: dict[str, Any], read: Read, names: set[str]
+                        ) -> tuple[Read, set[str]]:
+    """`(read, names)` over an HF directory's tensors with FP8 ones dequantized to fp32 and
+    their scales hidden; unchanged when `hf_config` has no `quantization_config`."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return read, names
+    block = _fp8_block(qc)
+    scales: dict[str, str] = {}  # weight name -> its scale's name
+    hidden = set()
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        if leaf in _SCALE_NAMES:
+            if f"{module}.weight" not in names:
+                raise ConversionError(f"{name} has no weight {module}.weight")
+            scales[f"{module}.weight"] = name
+            hidden.add(name)
+        elif leaf in _INPUT_SCALE_NAMES:  # activation scales: dequantized weights need none
+            hidden.add(name)
+
+    def dequantizing_read(name: str) -> torch.Tensor:
+        tensor = read(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            if name not in scales:
+                raise ConversionError(f"FP8 tensor {name} has no weight_scale(_inv)")
+            return dequantize_hf(tensor, read(scales[name]), block)
+        return tensor
+
+    return dequantizing_read, names - hidden

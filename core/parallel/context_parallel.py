@@ -1,0 +1,333 @@
+"""Context parallelism: each sequence split over the cp group, with exact causal attention.
+
+The split is load-balanced for causal attention: a sequence of T tokens is cut into 2 * cp equal
+chunks and cp rank r holds chunks r and 2cp - 1 - r (`zigzag_index`), so every rank holds as many
+early (cheap) as late (expensive) queries, as Megatron-Core does. Everything outside attention
+is per token, so it runs on the local tokens unchanged; only attention needs the other ranks'
+keys and values. Two ways to get them, chosen by `TrainSchedule.cp_comm`:
+
+- `allgather`: all-gather K and V over the cp group with the functional collective whose
+  backward is a reduce-scatter (it runs on gloo), then one masked SDPA of the local queries
+  against every key. Simple, works with attention dropout; holds the whole K/V per layer.
+- `ring`: K/V blocks travel around the ring by point-to-point sends; while one block's
+  attention is computed the next block is already in flight. Partial results are merged with
+  their log-sum-exp (`merge_partials`), so no rank ever holds more than two blocks. Its
+  backward (`_RingAttention`) sends the blocks around again, with their key/value gradient
+  accumulators travelling behind them, and each block's gradient arrives back at its owner
+  after a full turn. No attention dropout (rejected up front by the config check).
+
+The mask compares GLOBAL token indices (query index >= key index), and, for packed documents,
+document ids (`document_ids`, one per token, equal within a document): no token attends across a
+document boundary. Positions (RoPE and learned) are the global ones, restarted per document when
+documents are packed (`document_positions`), so a cp rank's tokens are embedded as they would be
+in one process. Everything here also runs with cp 1 (packed documents without cp).
+
+Hooks left for later work: `zigzag_index` and `SequenceContext` take the cp size and rank as
+plain numbers, so a dynamic-cp scheduler can build a context per micro-batch over a sub-group;
+the ring computes every block in full (fully masked blocks are not skipped), which is where a
+kernel would save the causal half of the work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# ------------------------------------------------------------------------------- the split
+
+
+def zigzag_index(seq_len: int, cp: int, cp_rank: int,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """The global token indices cp rank `cp_rank` of `cp` holds, in local order: chunk
+    `cp_rank`, then chunk `2cp - 1 - cp_rank`, of `2 * cp` equal chunks. Raises ValueError when
+    `seq_len` is not a multiple of `2 * cp` (say which numbers and what to do)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp}; "
+                         f"use a multiple of {2 * cp} or a smaller cp")
+    size = seq_len // (2 * cp)
+    first, second = cp_rank * size, (2 * cp - 1 - cp_rank) * size
+    return torch.cat([torch.arange(first, first + size, device=device),
+                      torch.arange(second, second + size, device=device)])
+
+
+def split_sequence(x: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """This cp rank's tokens of `x` along `dim` (`zigzag_index` order)."""
+    if cp == 1:
+        return x
+    return x.index_select(dim, zigzag_index(x.shape[dim], cp, cp_rank, x.device))
+
+
+def unsplit_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The whole sequence from every cp rank's part (by cp rank), inverse of `split_sequence`."""
+    cp = len(parts)
+    local = parts[0].shape[dim]
+    seq_len = local * cp
+    order = torch.cat([zigzag_index(seq_len, cp, r, parts[0].device) for r in range(cp)])
+    out = torch.empty_like(torch.cat(parts, dim))
+    return out.index_copy_(dim, order, torch.cat(parts, dim))
+
+
+# ------------------------------------------------------------------------- packed documents
+
+
+def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Per-token document ids `(B, T)` of a packed stream: a new document starts after every
+    end-of-document token (the EOD belongs to the document it ends), as Megatron's
+    `reset_attention_mask` reads them."""
+    is_eod = (tokens == eod_id).long()
+    return torch.cumsum(is_eod, dim=-1) - is_eod
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions `(B, T)` that restart at 0 where the document id changes (Megatron's
+    `reset_position_ids`)."""
+    T = doc_ids.shape[-1]
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+# ---------------------------------------------------------------------------- the context
+
+
+@dataclass(frozen=True)
+class SequenceContext:
+    """Where this rank's tokens sit in the global sequence, and how attention reaches the rest.
+
+    `index (T_local,)`: global token indices held here (`zigzag_index`); `documents (B, T)`:
+    global per-token document ids, or None (one document per row); `group` / `ranks`: the cp
+    group and its members' global ranks by cp rank (None / (rank,) when cp is 1).
+    """
+
+    seq_len: int
+    index: torch.Tensor
+    cp_size: int = 1
+    cp_rank: int = 0
+    group: dist.ProcessGroup | None = None
+    ranks: tuple[int, ...] = (0,)
+    comm: str = "allgather"
+    documents: torch.Tensor | None = None
+
+    def rank_index(self, cp_rank: int) -> torch.Tensor:
+        """The global indices held by cp rank `cp_rank`."""
+        if cp_rank == self.cp_rank:
+            return self.index
+        return zigzag_index(self.seq_len, self.cp_size, cp_rank, self.index.device)
+
+    def positions(self, batch: int) -> torch.Tensor:
+        """The local tokens' positions `(B, T_local)`: global ones, restarted per document."""
+        if self.documents is None:
+            return self.index.expand(batch, -1)
+        return document_positions(self.documents)[:, self.index]
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The local tokens of a whole-sequence tensor (ids, labels: dim 1)."""
+        if self.cp_size == 1:
+            return x
+        return x.index_select(dim, self.index)
+
+    def mask(self, key_index: torch.Tensor) -> torch.Tensor:
+        """Which keys each local query may see: `(B or 1, T_local, T_keys)` booleans."""
+        allowed = (self.index[:, None] >= key_index[None, :]).unsqueeze(0)
+        if self.documents is not None:
+            docs = self.documents
+            allowed = allowed & (docs[:, self.index, None] == docs[:, None, key_index])
+        return allowed
+
+
+def sequence_context(seq_len: int, batch: int, device: torch.device, *, cp_size: int = 1,
+                     cp_rank: int = 0, group: dist.ProcessGroup | None = None,
+                     ranks: tuple[int, ...] = (0,), comm: str = "allgather",
+                     documents: torch.Tensor | None = None) -> SequenceContext:
+    """The `SequenceContext` of a `(batch, seq_len)` sequence on cp rank `cp_rank`."""
+    if documents is not None and tuple(documents.shape) != (batch, seq_len):
+        raise ValueError(f"document ids have shape {tuple(documents.shape)}, the batch is "
+                         f"{(batch, seq_len)}; give one id per token")
+    index = zigzag_index(seq_len, cp_size, cp_rank, device)
+    return SequenceContext(seq_len, index, cp_size, cp_rank, group, ranks, comm,
+                           None if documents is None else documents.to(device))
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceContext,
+              dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of the local queries `q (B, H, T_local, D)` against the keys and values
+    of the whole sequence (`k`, `v`: `(B, H_kv, T_local, D)` local; grouped-query heads when
+    H_kv < H), masked by global index and document. Returns `(B, H, T_local, D)`."""
+    if seq.cp_size > 1 and seq.comm == "ring":
+        if dropout_p:
+            raise ValueError("cp_comm 'ring' does not apply attention dropout; use allgather")
+        return _RingAttention.apply(q, k, v, seq)
+    if seq.cp_size > 1:
+        from torch.distributed._functional_collectives import all_gather_single_autograd
+
+        # (B, H, T, D) -> gather whole blocks in cp-rank order along the sequence dim.
+        k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=seq.group)
+        v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=seq.group)
+        key_index = torch.cat([seq.rank_index(r) for r in range(seq.cp_size)])
+    else:
+        key_index = seq.index
+    mask = seq.mask(key_index).unsqueeze(1)  # (B or 1, 1, Tq, Tk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=True)
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two softmax-normalized partial attentions over disjoint key sets, each with the
+    log-sum-exp of its scores (`-inf` where a row saw no key): the attention over the union and
+    its log-sum-exp. `out (..., T, D)`, `lse (..., T)`."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    w1, w2 = torch.exp(lse - safe), torch.exp(block_lse - safe)
+    return out * w1.unsqueeze(-1) + block_out * w2.unsqueeze(-1), new
+
+
+def _scores(q5: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+    """Masked scores `(B, Hkv, G, Tq, Tk)` of grouped queries `q5 (B, Hkv, G, Tq, D)`."""
+    s = torch.einsum("bkgqd,bktd->bkgqt", q5, kb) * scale
+    return s.masked_fill(~mask[:, None, None], float("-inf"))
+
+
+def block_attention(q5: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries over one key block: (output, log-sum-exp); rows with no
+    visible key give output 0 and log-sum-exp -inf."""
+    s = _scores(q5, kb, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
+    return torch.einsum("bkgqt,bktd->bkgqd", p, vb), lse
+
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours: send to cp rank + 1, receive from
+    cp rank - 1. Distinct tags keep K/V blocks and gradient accumulators apart."""
+
+    def __init__(self, seq: SequenceContext) -> None:
+        self.seq = seq
+        self.next = seq.ranks[(seq.cp_rank + 1) % seq.cp_size]
+        self.prev = seq.ranks[(seq.cp_rank - 1) % seq.cp_size]
+        self.sends: list[dist.Work] = []
+
+    def shift(self, t: torch.Tensor, tag: int) -> tuple[torch.Tensor, dist.Work]:
+        """Start sending `t` on and receiving the previous rank's; (buffer, its receive)."""
+        buf = torch.empty_like(t)
+        recv = dist.irecv(buf, src=self.prev, group=self.seq.group, tag=tag)
+        self.sends.append(dist.isend(t.contiguous(), dst=self.next, group=self.seq.group,
+                                     tag=tag))
+        return buf, recv
+
+    def finish(self) -> None:
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+_KV_TAG, _GRAD_TAG = 17, 18
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention (see the module docstring). Computes in fp32 (fp64 stays fp64). With
+    cp 1 it runs its one block without communicating (how its formulas are unit-tested)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                seq: SequenceContext) -> torch.Tensor:
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        B, H, Tq, D = q.shape
+        Hkv = k.shape[1]
+        scale = 1.0 / math.sqrt(D)
+        q5 = q.to(dtype).reshape(B, Hkv, H // Hkv, Tq, D)
+        kv = torch.stack([k.to(dtype), v.to(dtype)])
+        ring, cp = _Ring(seq), seq.cp_size
+        out = lse = None
+        for step in range(cp):
+            if step < cp - 1:
+                nxt, recv = ring.shift(kv, _KV_TAG)  # in flight while this block computes
+            src = (seq.cp_rank - step) % cp
+            mask = seq.mask(seq.rank_index(src))
+            block_out, block_lse = block_attention(q5, kv[0], kv[1], mask, scale)
+            if out is None:
+                out, lse = block_out, block_lse
+            else:
+                out, lse = merge_partials(out, lse, block_out, block_lse)
+            if step < cp - 1:
+                recv.wait()
+                kv = nxt
+        ring.finish()
+        ctx.seq, ctx.scale, ctx.in_dtype = seq, scale, q.dtype
+        ctx.save_for_backward(q5, k.to(dtype), v.to(dtype), out, lse)
+        return out.reshape(B, H, Tq, D).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        seq, scale = ctx.seq, ctx.scale
+        q5, k, v, out, lse = ctx.saved_tensors
+        B, Hkv, G, Tq, D = q5.shape
+        do5 = grad_out.to(q5.dtype).reshape(B, Hkv, G, Tq, D)
+        delta = (do5 * out).sum(-1)  # (B, Hkv, G, Tq)
+        dq5 = torch.zeros_like(q5)
+        ring, cp = _Ring(seq), seq.cp_size
+        kv = torch.stack([k, v])
+        acc_recv = None
+        for step in range(cp):
+            if step < cp - 1:
+                nxt, recv = ring.shift(kv, _KV_TAG)
+            src = (seq.cp_rank - step) % cp
+            mask = seq.mask(seq.rank_index(src))
+            s = _scores(q5, kv[0], mask, scale)
+            p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
+            dv = torch.einsum("bkgqt,bkgqd->bktd", p, do5)
+            dp = torch.einsum("bkgqd,bktd->bkgqt", do5, kv[1])
+            ds = p * (dp - delta.unsqueeze(-1))
+            dq5 += torch.einsum("bkgqt,bktd->bkgqd", ds, kv[0]) * scale
+            dk = torch.einsum("bkgqt,bkgqd->bktd", ds, q5) * scale
+            acc = torch.stack([dk, dv])
+            if acc_recv is not None:  # what the ranks before us added to this block
+                buf, work = acc_recv
+                work.wait()
+                acc = acc + buf
+            if cp == 1:  # one block, our own (the unit tests run the formulas this way)
+                buf = acc
+                break
+            # Pass the block's gradient on; after a full turn it reaches the block's owner.
+            acc_recv = ring.shift(acc, _GRAD_TAG)
+            if step < cp - 1:
+                recv.wait()
+                kv = nxt
+        if cp > 1:
+            buf, work = acc_recv
+            work.wait()
+        ring.finish()
+        dq = dq5.reshape(B, Hkv * G, Tq, D).to(ctx.in_dtype)
+        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None
+
+
+# ---------------------------------------------------------------------------------- loss
+
+
+def global_mean_loss(loss_sum: torch.Tensor, count: torch.Tensor, cp_size: int,
+                     group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The mean loss over the whole sequence from this cp rank's `loss_sum` over its `count`
+    labelled tokens.
+
+    Its value is the global mean on every cp rank (sums and counts all-reduced over cp). Its
+    gradient is that of `cp * loss_sum / global_count`: the data-parallel reduction averages
+    over dp x cp ranks, and the average over cp of these is the global mean's gradient.
+    """
+    if cp_size == 1:
+        return loss_sum / count.clamp(min=1)
+    totals = torch.stack([loss_sum.detach().float(), count.float()])
+    dist.all_reduce(totals, group=group)
+    total_count = totals[1].clamp(min=1)
+    surrogate = loss_sum * cp_size / total_count
+    return surrogate + (totals[0] / total_count - surrogate).detach()
