@@ -81,7 +81,8 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16", "fp8"):
         problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure, "
                         "fp16 or fp8")
-    if cfg.data.isolate_documents and not cfg.data.tokenizer:
+    data = getattr(cfg, "data", None)  # tuning's config has no pretraining data section
+    if data is not None and data.isolate_documents and not data.tokenizer:
         problems.append("--isolate-documents finds document ends by the EOD id, which comes "
                         "from the tokenizer: pass --tokenizer (the one the data was made with)")
     if par.data_parallel != "ddp" and par.dp * par.cp > 1 and cfg.train.precision == "fp16":
@@ -151,10 +152,11 @@ def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
     sharded = par.data_parallel in ("zero1", "fsdp")
     optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
     eod_id = None
-    if cfg.data.isolate_documents:
+    data = getattr(cfg, "data", None)  # tuning's config has no pretraining data section
+    if data is not None and data.isolate_documents:
         from tessera.core.tokenizer import load_tokenizer
 
-        eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
+        eod_id = load_tokenizer(data.tokenizer).eod_id
     return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id)
 
 
