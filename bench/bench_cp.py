@@ -9,7 +9,7 @@ at the end of its forward, its peak for one micro-batch; transient buffers freed
 forward (the scores of a ring block, gloo's send/receive buffers) are not in it. The step time is
 the best of `--steps` timed forward + backward passes after one warm-up, the slowest rank's. Every
 rank runs on one thread; with more ranks than cores the ranks share cores, which makes the cp 4
-times pessimistic.
+times pessimistic; the load average at the start is printed, as the machine may be shared.
 
     python bench/bench_cp.py [--seq 4096 --layers 2 --hidden 256 --steps 2]
 """
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("TESSERA_FUSED_KERNELS", "off")  # no per-rank compiles
     isa = torch.backends.cpu.get_cpu_capability()
+    # The machine may be shared: its load at the start says how far to trust the times.
+    print(f"load average (1, 5, 15 min) at start: {os.getloadavg()}", flush=True)
     base = measure(1, ["allgather"], args)["allgather"]  # cp 1: no communication
     rows = [{"cp": 1, "cp_comm": "-", "seq": args.seq, "CPU ISA": isa,
              "activations MiB/rank": base["saved"] / MIB, "ideal MiB (cp1/cp)": base["saved"] / MIB,
