@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                          "x ideal (mem)": r["saved"] / ideal_mem, "step s": r["time"],
                          "ideal s (cp1/cp)": ideal_time, "x ideal (time)": r["time"] / ideal_time})
             print(rows[-1], flush=True)
-    record(rows, "bench_cp")
+    record(rows, "cp")
 
 
 if __name__ == "__main__":
