@@ -28,6 +28,7 @@ CPU_PARTS = {
     "train-wide": ["bench_train.py", "--hidden", "2048", "--layers", "2", "--steps", "2",
                    "--no-compile", "--name", "train-wide"],
     "parallel": ["bench_parallel.py"],
+    "cp": ["bench_cp.py"],  # about 2 minutes: one 4096-token sequence on 1, 2 and 4 ranks
     "generate": ["bench_generate.py"],
     # bf16 on both sides: this CPU's bf16 GEMM costs the same for 16 rows as for 1, its fp32
     # GEMM 4x more, so batched decoding is a bf16 job.
@@ -125,6 +126,9 @@ def summary(gpu: bool) -> list[dict]:
             r["vs copy (target >= 0.5)"] >= 0.5)
     for r in _rows("tune"):
         add(f"{r['method']} step speed vs peft", r["speed ratio"], "report", None)
+    for r in _rows("cp")[1:]:
+        add(f"cp {r['cp']} {r['cp_comm']}: activations per rank / ideal 1/cp (seq {r['seq']})",
+            round(r["x ideal (mem)"], 2), "report", None)
     for r in _rows("parallel"):
         if "bubble measured" in r:
             add(f"{r['layout']} bubble (theory {r['bubble theory']:.2f})",

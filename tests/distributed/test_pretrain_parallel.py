@@ -1,7 +1,7 @@
 """Multi-rank pretraining on gloo: the same loss curve as one process, under tp2 x pp2,
 tp2 x dp2 and context parallel layouts (cp2 x dp2 ring with ZeRO-1, cp2 x tp2 with isolated
-documents), resuming a one-process checkpoint under another layout (tp2 x pp2, cp2 x tp2), and
-`--nproc-per-node`.
+documents), resuming a one-process checkpoint under another layout (tp2 x pp2, cp2 x tp2), a cp2
+run resuming its own checkpoint exactly, and `--nproc-per-node`.
 
 One spawn of 4 ranks runs every 4-rank job in turn (spawning costs seconds); each test then checks
 its own job against the single-process reference runs made here.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader, read_manifest
 from tessera.training.config import load_config
@@ -67,10 +68,17 @@ def reference(tiny: TinyData, root: Path) -> dict[str, Path]:
     return runs
 
 
-def _run_jobs(rank: int, world_size: int, jobs: list[list[str]]) -> list[dict]:
-    """Rank body: run each argv through `pretrain` in turn, on this 4-rank world."""
+def _run_jobs(rank: int, world_size: int,
+              jobs: list[tuple[list[str], tuple[Path, Path, int] | None]]) -> list[dict]:
+    """Rank body: run each argv through `pretrain` in turn, on this 4-rank world. A job with a
+    rewind (run, to, step) first has rank 0 copy an earlier job's run as it was at that step's
+    checkpoint, so a run can resume its own checkpoint without another spawn."""
     summaries = []
-    for argv in jobs:
+    for argv, rewind in jobs:
+        if rewind is not None:
+            if rank == 0:
+                rewind_run(*rewind)
+            dist.barrier()
         cfg, _ = load_config(argv)
         summaries.append(pretrain(cfg))
     return summaries
@@ -87,7 +95,11 @@ LAYOUTS = {  # job name -> flags; every job runs on the same 4 ranks
                           "--data-parallel", "zero1"),
     "cp2tp2-sp-isolated": ("--cp", "2", "--tp", "2", "--sequence-parallel", "true", *ISOLATED),
     "resume-cp2tp2": ("--cp", "2", "--tp", "2", "--resume"),
+    # cp2dp2-ring-zero1 resumed from its own step-4 checkpoint (rewound after it has run).
+    "cp2dp2-ring-zero1-resumed": ("--cp", "2", "--dp", "2", "--cp-comm", "ring",
+                                  "--data-parallel", "zero1", "--resume"),
 }
+SELF_RESUMES = {"cp2dp2-ring-zero1-resumed": ("cp2dp2-ring-zero1", 4)}  # job -> (its run, step)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +109,10 @@ def parallel(tiny: TinyData, root: Path, reference: dict[str, Path]) -> dict[str
     # The single-process run as it was at its step-4 checkpoint, to be resumed under tp2 x pp2.
     rewind_run(reference["llama"], runs["resume-tp2pp2"], 4)
     rewind_run(reference["llama"], runs["resume-cp2tp2"], 4)
-    jobs = [pretrain_argv(tiny, runs[name], *flags) for name, flags in LAYOUTS.items()]
+    jobs = [(pretrain_argv(tiny, runs[name], *flags),
+             (runs[SELF_RESUMES[name][0]], runs[name], SELF_RESUMES[name][1])
+             if name in SELF_RESUMES else None)
+            for name, flags in LAYOUTS.items()]
     for rank_summaries in run_ranks(_run_jobs, 4, jobs, timeout=600):
         assert all(s["steps"] == STEPS and not s["stopped_early"] for s in rank_summaries)
     return runs
@@ -159,6 +174,16 @@ def test_one_process_checkpoint_resumes_under_cp2_tp2(parallel, reference):
     """A checkpoint saved without cp loads under cp 2 and continues the same curve."""
     got, want = read_losses(parallel["resume-cp2tp2"]), read_losses(reference["llama"])
     _assert_close_curves(got, want, range(5, STEPS + 1), CP_RTOL)
+
+
+def test_cp2_run_resumes_its_own_checkpoint_exactly(parallel):
+    """cp2 x dp2 (ring, ZeRO-1) stopped at its step-4 checkpoint and resumed on the same layout
+    repeats the uninterrupted run's steps 5-8 bit for bit: weights, ZeRO-1 optimizer shards over
+    dp x cp, RNG states per rank and the data position all come back."""
+    got = read_losses(parallel["cp2dp2-ring-zero1-resumed"])
+    want = read_losses(parallel["cp2dp2-ring-zero1"])
+    assert sorted(got) == list(range(5, STEPS + 1))
+    assert got == {s: want[s] for s in got}, (got, want)
 
 
 def test_nproc_per_node_launches_ranks(tiny, reference, tmp_path):
