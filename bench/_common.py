@@ -85,3 +85,24 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
+
+
+def answer_only_batch(batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random ids `(batch, seq)` and labels that score only the last 8 tokens, as tuning
+    scores only an answer."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[:, : seq - 8] = -100
+    return ids, labels
+
+
+def run_child(script: str, *argv: str) -> dict:
+    """Run `python script --child *argv` in a fresh process (so each side's peak memory is its
+    own) and return the JSON object its last stdout line holds."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, script, "--child", *argv], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])

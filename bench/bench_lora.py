@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import answer_only_batch, best_time, peak_rss_mb, record, run_child  # noqa: E402
 
 HF_TARGETS = {"attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
               "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                       "down_proj"]}
-
-
-def _batch(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (args.batch, args.seq), generator=g)
-    labels = ids.clone()
-    labels[:, : args.seq - 8] = -100  # answer-only loss, as in tuning
-    return ids, labels
 
 
 def tessera_steps(args, ckpt: str, targets: str) -> tuple[float, int]:
@@ -54,7 +43,7 @@ def tessera_steps(args, ckpt: str, targets: str) -> tuple[float, int]:
     params = attach_lora([model], adapter)
     mark_only_lora_as_trainable(model)
     optimizer = torch.optim.AdamW(params.values(), lr=1e-3)
-    ids, labels = _batch(args, model.config.vocab_size)
+    ids, labels = answer_only_batch(args.batch, args.seq, model.config.vocab_size)
     labels = torch.cat([labels[:, 1:], labels[:, :1]], dim=1)  # Tessera takes shifted labels
 
     def step() -> None:
@@ -62,7 +51,7 @@ def tessera_steps(args, ckpt: str, targets: str) -> tuple[float, int]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time(step, args.steps), sum(p.numel() for p in params.values())
+    return best_time(step, repeats=args.steps), sum(p.numel() for p in params.values())
 
 
 def peft_steps(args, hf_dir: str, targets: str) -> tuple[float, int]:
@@ -76,24 +65,14 @@ def peft_steps(args, hf_dir: str, targets: str) -> tuple[float, int]:
     model = get_peft_model(base, config).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
-    ids, labels = _batch(args, base.config.vocab_size)
+    ids, labels = answer_only_batch(args.batch, args.seq, base.config.vocab_size)
 
     def step() -> None:
         model(input_ids=ids, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time(step, args.steps), sum(p.numel() for p in params)
-
-
-def _time(step, steps: int) -> float:
-    step()
-    best = float("inf")
-    for _ in range(steps):
-        tic = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - tic)
-    return best
+    return best_time(step, repeats=args.steps), sum(p.numel() for p in params)
 
 
 def _child(argv: list[str]) -> None:
@@ -101,14 +80,12 @@ def _child(argv: list[str]) -> None:
     args = argparse.Namespace(**json.loads(raw))
     fn = tessera_steps if which == "tessera" else peft_steps
     seconds, size = fn(args, path, targets)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_mb()
     print(json.dumps({"seconds": seconds, "peak_rss_mb": rss, "params": size}))
 
 
 def _run(which: str, path: Path, targets: str, args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", which, str(path), targets,
-                          json.dumps(vars(args))], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(__file__, which, str(path), targets, json.dumps(vars(args)))
 
 
 def run(args) -> list[dict]:

@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
-
-
-def _batch(args, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (args.batch, args.seq), generator=g)
-    labels = ids.clone()
-    labels[:, : args.seq - 8] = -100  # answer-only loss, as in tuning
-    return ids, labels
+from _common import answer_only_batch, best_time, peak_rss_mb, record, run_child  # noqa: E402
 
 
 def tessera_steps(args, ckpt: str, method: str) -> float:
@@ -43,7 +32,7 @@ def tessera_steps(args, ckpt: str, method: str) -> float:
     init = model.tok_embeddings.weight[3: 3 + args.virtual].detach().clone()
     prompts = attach_prompts(model, build_prompts(method, {"t": init}, encoder="mlp"))
     optimizer = torch.optim.AdamW(prompts.parameters(), lr=1e-3)
-    ids, labels = _batch(args, model.config.vocab_size)
+    ids, labels = answer_only_batch(args.batch, args.seq, model.config.vocab_size)
     ids[:, : args.virtual] = 0  # virtual slots carry the task index (0)
     labels = torch.cat([labels[:, 1:], labels[:, :1]], dim=1)
 
@@ -52,7 +41,7 @@ def tessera_steps(args, ckpt: str, method: str) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time(step, args.steps)
+    return best_time(step, repeats=args.steps)
 
 
 def peft_steps(args, hf_dir: str, method: str) -> float:
@@ -68,7 +57,7 @@ def peft_steps(args, hf_dir: str, method: str) -> float:
                                      encoder_reparameterization_type="MLP")
     model = get_peft_model(base, config).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ids, labels = _batch(args, base.config.vocab_size)
+    ids, labels = answer_only_batch(args.batch, args.seq, base.config.vocab_size)
     ids, labels = ids[:, args.virtual:], labels[:, args.virtual:]  # peft prepends its own
 
     def step() -> None:
@@ -76,17 +65,7 @@ def peft_steps(args, hf_dir: str, method: str) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _time(step, args.steps)
-
-
-def _time(step, steps: int) -> float:
-    step()
-    best = float("inf")
-    for _ in range(steps):
-        tic = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - tic)
-    return best
+    return best_time(step, repeats=args.steps)
 
 
 def _child(argv: list[str]) -> None:
@@ -94,14 +73,12 @@ def _child(argv: list[str]) -> None:
     args = argparse.Namespace(**json.loads(raw))
     fn = tessera_steps if which == "tessera" else peft_steps
     seconds = fn(args, path, method)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_mb()
     print(json.dumps({"seconds": seconds, "peak_rss_mb": rss}))
 
 
 def _run(which: str, path: Path, method: str, args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", which, str(path), method,
-                          json.dumps(vars(args))], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(__file__, which, str(path), method, json.dumps(vars(args)))
 
 
 def run(args) -> list[dict]:

@@ -71,3 +71,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
 
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, file_mode())
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks (manifests record it)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -22,7 +22,6 @@ Merging folds it into the base: `W + (alpha / rank) B A`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from tessera.core.checkpoint import atomic_directory
-from tessera.core.files import save_safetensors
+from tessera.core.files import save_safetensors, sha256_file
 
 FORMAT = "tessera-lora"
 FORMAT_VERSION = 1
@@ -87,7 +86,7 @@ def save_adapter(directory: str | os.PathLike, config: AdapterConfig,
         manifest = {"format": FORMAT, "version": FORMAT_VERSION,
                     **{k: list(v) if isinstance(v, tuple) else v
                        for k, v in dataclasses.asdict(config).items()},
-                    "sha256": _sha256(weights)}
+                    "sha256": sha256_file(weights)}
         (tmp / CONFIG_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return Path(directory)
 
@@ -126,7 +125,7 @@ def load_adapter(directory: str | os.PathLike,
     weights = directory / WEIGHTS_FILE
     if verify:
         want = json.loads((directory / CONFIG_FILE).read_text()).get("sha256")
-        if want != _sha256(weights):
+        if want != sha256_file(weights):
             raise AdapterError(f"{weights} does not match the sha256 in {CONFIG_FILE}: the "
                                "adapter is damaged or was edited; export or tune it again")
     from safetensors.torch import load_file
@@ -177,10 +176,3 @@ def _check_tensors(config: AdapterConfig, shapes: dict[str, tuple[int, ...]],
             raise AdapterError(f"adapter {where}: {module} has lora_A {a} and lora_B {b}; "
                                "they must be (r, in) and (out, r)")
 
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

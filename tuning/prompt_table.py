@@ -15,7 +15,6 @@ fingerprint (`core.fingerprint.base_fingerprint`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -26,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from tessera.core.checkpoint import read_manifest
-from tessera.core.files import atomic_file, save_safetensors
+from tessera.core.files import atomic_file, save_safetensors, sha256_file
 from tessera.core.fingerprint import base_fingerprint
 
 FORMAT = "tessera-prompts"
@@ -38,13 +37,6 @@ MANIFEST_FILE = "prompts.json"
 class PromptTableError(ValueError):
     """A prompt table that cannot be used as asked; the message names the directory and why."""
 
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _replace(directory: Path, name: str, write) -> None:
@@ -78,7 +70,7 @@ def write_prompt_table(directory: str | os.PathLike, tables: dict[str, torch.Ten
         "hidden_size": base.hidden_size,
         "tasks": {name: {**tasks.get(name, {}), "name": name,
                          "n_virtual": int(tensors[name].shape[0])} for name in tensors},
-        "sha256": _sha256(directory / TABLE_FILE), **(extra or {}),
+        "sha256": sha256_file(directory / TABLE_FILE), **(extra or {}),
     }
     _replace(directory, MANIFEST_FILE,
              lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
@@ -101,7 +93,7 @@ def read_prompt_table(directory: str | os.PathLike) -> tuple[dict[str, Any], dic
                                f"{manifest.get('format_version')!r}, expected {FORMAT!r} "
                                f"version {FORMAT_VERSION}")
     weights = directory / TABLE_FILE
-    if not weights.is_file() or _sha256(weights) != manifest.get("sha256"):
+    if not weights.is_file() or sha256_file(weights) != manifest.get("sha256"):
         raise PromptTableError(f"{weights} is missing or does not match {MANIFEST_FILE} (an "
                                "interrupted write?); tune or import the table again")
     with safe_open(str(weights), framework="pt") as handle:
