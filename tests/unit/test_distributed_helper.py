@@ -46,6 +46,15 @@ def test_all_reduce_results_come_back_by_rank():
     assert "TESSERA_TEST_FLAG" not in os.environ  # env is for the ranks only
 
 
+def test_forked_ranks_see_the_callers_environment_as_it_is_now(monkeypatch):
+    # Forked ranks come from a forkserver started by an earlier call, with the environment of
+    # that moment; they must see the caller's current one (tests set variables like this).
+    run_ranks(_all_reduce, 2, 1)  # the server is running before the variable is set
+    monkeypatch.setenv("TESSERA_TEST_FLAG", "set-later")
+    out = run_ranks(_all_reduce, 2, 1)
+    assert [r["env"] for r in out] == ["set-later", "set-later"]
+
+
 def test_exception_on_a_rank_is_raised_with_its_traceback():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed") as info:
         run_ranks(_fail_on_rank_1, 2, timeout=60)
@@ -65,7 +74,9 @@ def test_rank_that_dies_without_reporting_is_an_error():
 
 
 def test_ranks_that_cannot_start_in_time_are_named():
-    # Spawning a rank and importing torch takes well over a second; the run's own `timeout`
-    # only starts once every rank has joined the group.
+    # A run given `env` is spawned, and a spawned rank imports torch: well over a second (a
+    # forked one starts in less than 0.5 s). The run's own `timeout` only starts once every
+    # rank has joined the group.
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not start within 0.5 s"):
-        run_ranks(_all_reduce, 2, 4, timeout=60, startup_timeout=0.5)
+        run_ranks(_all_reduce, 2, 4, timeout=60, startup_timeout=0.5,
+                  env={"TESSERA_TEST_FLAG": "spawned"})
