@@ -81,10 +81,6 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
     if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16", "fp8"):
         problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure, "
                         "fp16 or fp8")
-    data = getattr(cfg, "data", None)  # tuning's config has no pretraining data section
-    if data is not None and data.isolate_documents and not data.tokenizer:
-        problems.append("--isolate-documents finds document ends by the EOD id, which comes "
-                        "from the tokenizer: pass --tokenizer (the one the data was made with)")
     if par.data_parallel != "ddp" and par.dp * par.cp > 1 and cfg.train.precision == "fp16":
         problems.append(f"data_parallel {par.data_parallel!r} does not support fp16's gradient "
                         "scaler; use --precision bf16 (or --data-parallel ddp)")
@@ -133,9 +129,10 @@ def fp8_recipe(cfg: Any, device: torch.device) -> Fp8Recipe | None:
 
 
 def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
-             stages: list[GPTModel]) -> Job:
+             stages: list[GPTModel], eod_id: int | None = None) -> Job:
     """The optimizer (over parameters that require grad), pipeline schedule and precision;
-    under `--data-parallel fsdp` the stages are wrapped by FSDP2 first."""
+    under `--data-parallel fsdp` the stages are wrapped by FSDP2 first. `eod_id` set: packed
+    documents are isolated at that token (pretraining's `--isolate-documents`)."""
     par, precision = cfg.parallel, cfg.train.precision
     recipe = fp8_recipe(cfg, device)
     fp8 = None if recipe is None else enable_fp8_training(stages, recipe, groups)
@@ -151,12 +148,6 @@ def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
     # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
     sharded = par.data_parallel in ("zero1", "fsdp")
     optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
-    eod_id = None
-    data = getattr(cfg, "data", None)  # tuning's config has no pretraining data section
-    if data is not None and data.isolate_documents:
-        from tessera.core.tokenizer import load_tokenizer
-
-        eod_id = load_tokenizer(data.tokenizer).eod_id
     return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id)
 
 
@@ -167,7 +158,12 @@ def setup(cfg: PretrainConfig) -> Job:
         m.train()
         if cfg.train.compile:
             m.compile()  # in place: parameter names (checkpoints, optimizer) stay the same
-    return make_job(cfg, device, groups, stages)
+    eod_id = None
+    if cfg.data.isolate_documents:
+        from tessera.core.tokenizer import load_tokenizer
+
+        eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
+    return make_job(cfg, device, groups, stages, eod_id)
 
 
 def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
@@ -397,6 +393,9 @@ def _check_data(cfg: PretrainConfig) -> None:
     if not cfg.data.data:
         raise ConfigError("no training data: pass --data PREFIX (made by `tessera preprocess`) "
                           "or run `tessera pretrain` with no arguments for the demo")
+    if cfg.data.isolate_documents and not cfg.data.tokenizer:
+        raise ConfigError("--isolate-documents finds document ends by the EOD id, which comes "
+                          "from the tokenizer: pass --tokenizer (the one the data was made with)")
     with _as_config_error():
         tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
         sizes = {}

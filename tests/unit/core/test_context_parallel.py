@@ -171,6 +171,12 @@ def test_pretrain_flags_take_cp_and_check_it(tmp_path):
                           "--global-batch", "4"])
     check_config(cfg, 4)
     assert cfg.parallel.dp == 2  # dp fills what tp x cp x pp leave of the world
+    # Isolating documents needs the tokenizer's EOD id; refused before any data is read.
+    from tessera.training.loop import _check_data
+
+    cfg, _ = load_config(["--data", str(tmp_path / "none"), "--isolate-documents", "true"])
+    with pytest.raises(ConfigError, match="--isolate-documents .* pass --tokenizer"):
+        _check_data(cfg)
 
 
 def test_prompt_tuning_refuses_cp():
