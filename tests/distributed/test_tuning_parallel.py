@@ -19,15 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.core import ModelConfig, build_model, save_checkpoint
 from tessera.core.checkpoint import CheckpointReader
-from tessera.core.tokenizer import train_tokenizer
 from tessera.training.loop import train_step
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import prepare_inputs, setup, train_batch, tune
 from tessera.tuning.prompt_table import read_prompt_table
 from tests.distributed_helper import run_ranks
-from tests.unit.tuning.tuning_helper import corpus, task_examples, tune_argv, write_jsonl
+from tests.unit.tuning.tuning_helper import random_base_and_tasks, tune_argv
 
 LAYOUTS = {
     "tp2pp2": ("--tp", "2", "--pp", "2", "--micro-batches", "2"),
@@ -46,16 +44,7 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def setting(tmp_path_factory) -> dict[str, Path]:
     """A random-weight tiny Llama with a tokenizer, and two tasks' train/valid files."""
-    root = tmp_path_factory.mktemp("tuning-parallel")
-    tok = root / "tok.model"
-    train_tokenizer([], 384, tok, "bpe", texts=corpus(300), num_threads=1)
-    config = ModelConfig.from_name("llama-tiny", vocab_size=384, num_layers=4,
-                                   max_position_embeddings=64)
-    base = save_checkpoint(root / "base", build_model(config, seed=5), tokenizer=tok)
-    train = task_examples("kind", "train", 32) + task_examples("count", "train", 32)
-    valid = task_examples("kind", "valid", 6) + task_examples("count", "valid", 6)
-    return {"root": root, "base": base, "train": write_jsonl(root / "train.jsonl", train),
-            "valid": write_jsonl(root / "valid.jsonl", valid)}
+    return random_base_and_tasks(tmp_path_factory.mktemp("tuning-parallel"))
 
 
 def _argv(s: dict[str, Path], out: Path, *extra: str) -> list[str]:

@@ -116,6 +116,24 @@ def make_base(directory: Path, steps: int = 100, layers: int = 4, hidden: int = 
     return Path(summary["checkpoint"])
 
 
+def random_base_and_tasks(root: Path) -> dict[str, Path]:
+    """A random-weight tiny Llama (4 layers) with a tokenizer, saved under `root`, and two
+    tasks' train/valid files: what the multi-rank tuning tests compare layouts on."""
+    from tessera.core import build_model, save_checkpoint
+    from tessera.core.config import ModelConfig
+    from tessera.core.tokenizer import train_tokenizer
+
+    tok = root / "tok.model"
+    train_tokenizer([], 384, tok, "bpe", texts=corpus(300), num_threads=1)
+    config = ModelConfig.from_name("llama-tiny", vocab_size=384, num_layers=4,
+                                   max_position_embeddings=64)
+    base = save_checkpoint(root / "base", build_model(config, seed=5), tokenizer=tok)
+    train = task_examples("kind", "train", 32) + task_examples("count", "train", 32)
+    valid = task_examples("kind", "valid", 6) + task_examples("count", "valid", 6)
+    return {"root": root, "base": base, "train": write_jsonl(root / "train.jsonl", train),
+            "valid": write_jsonl(root / "valid.jsonl", valid)}
+
+
 def tune_argv(base: Path, output: Path, train: Path, valid: Path | None = None,
               *extra: str) -> list[str]:
     """`tessera tune` flags for a short quiet CPU run; later flags win."""
