@@ -51,6 +51,34 @@ def expand_blocks(scale: torch.Tensor, block: Block) -> torch.Tensor:
     return scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
 
 
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2."""
+    return float(torch.finfo(dtype).max)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype | torch.Tensor, margin: int = 0,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_max / amax / 2**margin` (fp32); where amax is 0 or not finite, `previous` (else 1).
+
+    `dtype` is an FP8 dtype, or a tensor of fp8 maxima broadcasting against `amax`.
+    """
+    top = torch.as_tensor(fp8_max(dtype) if isinstance(dtype, torch.dtype) else dtype,
+                          dtype=torch.float32, device=amax.device)
+    amax = amax.float()
+    fallback = torch.ones_like(amax) if previous is None else previous.float()
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, top / amax.clamp(min=1e-30) / 2.0 ** margin, fallback)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`clamp(x * scale, -max, max)` cast to `dtype` (e4m3fn or e5m2), computed in fp32.
+
+    The clamp makes both formats saturate (e5m2 would otherwise overflow to inf); NaN stays NaN.
+    """
+    top = fp8_max(dtype)
+    return (x.float() * scale).clamp(-top, top).to(dtype)
+
+
 def weight_amax(weight: torch.Tensor, per_channel: bool = False, block: Block | None = None
                 ) -> torch.Tensor:
     """The fp32 amax a scale is made from: `()` per tensor, `(out, 1)` per output channel,
@@ -72,10 +100,9 @@ def quantize(weight: torch.Tensor, per_channel: bool = False, amax: torch.Tensor
     the fused tensor a part was split from). `block`: one scale per `block` of the weight.
     """
     amax = weight_amax(weight, per_channel, block) if amax is None else amax.float()
-    scale = torch.where(amax > 0, E4M3_MAX / amax.clamp(min=1e-12), torch.ones_like(amax))
+    scale = scale_from_amax(amax, torch.float8_e4m3fn)
     full = scale if block is None else expand_blocks(scale, block)
-    q = (weight.float() * full).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    return quantize_fp8(weight, full, torch.float8_e4m3fn), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32

@@ -36,40 +36,13 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.config import ConfigError
+from tessera.core.fp8 import fp8_max, quantize_fp8, scale_from_amax
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.parallel.layers import ParallelLinear
 from tessera.core.parallel.weight_format import DENSE, WeightFormat, quantizable
 
 INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of a layer's amax history / entries of its scales
 GEMM_MULTIPLE = 16
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of an FP8 dtype: 448 for e4m3fn, 57344 for e5m2."""
-    return float(torch.finfo(dtype).max)
-
-
-def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype | torch.Tensor, margin: int = 0,
-                    previous: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_max / amax / 2**margin` (fp32); where amax is 0 or not finite, `previous` (else 1).
-
-    `dtype` is an FP8 dtype, or a tensor of fp8 maxima broadcasting against `amax`.
-    """
-    top = torch.as_tensor(fp8_max(dtype) if isinstance(dtype, torch.dtype) else dtype,
-                          dtype=torch.float32, device=amax.device)
-    amax = amax.float()
-    fallback = torch.ones_like(amax) if previous is None else previous.float()
-    ok = torch.isfinite(amax) & (amax > 0)
-    return torch.where(ok, top / amax.clamp(min=1e-30) / 2.0 ** margin, fallback)
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`clamp(x * scale, -max, max)` cast to `dtype` (e4m3fn or e5m2), computed in fp32.
-
-    The clamp makes both formats saturate (e5m2 would otherwise overflow to inf); NaN stays NaN.
-    """
-    top = fp8_max(dtype)
-    return (x.float() * scale).clamp(-top, top).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
