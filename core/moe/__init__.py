@@ -1,0 +1,1 @@
+"""Mixture-of-Experts pieces: token permutation (here first), router, experts, layer."""
