@@ -24,7 +24,10 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
   with tied embeddings, the all-reduce of the word-embedding gradient between the first and
   last stage after the backward (Megatron-LM);
 - the data-parallel gradient reduction over the network, hidden behind the last micro-batch's
-  backward when `overlap_grad_reduce`; and the optimizer step, memory bound.
+  backward (recomputation included) when `overlap_grad_reduce` (and, with a pipeline, only
+  when `overlap_grad_reduce_in_pipeline`: 2021 Megatron overlapped through torch DDP, whose
+  `no_sync` only its no-pipeline schedule used, so its pipelined runs reduced after the
+  backward with its local DDP); and the optimizer step, memory bound.
 
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no
@@ -128,6 +131,7 @@ class Job:
     flash_attention: bool
     overlap_grad_reduce: bool
     grad_reduce_bytes: int = GRAD_REDUCE_BYTES
+    overlap_grad_reduce_in_pipeline: bool = True
     # Per-job values every configuration shares (parameter counts, FLOPs), computed once.
     cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -330,6 +334,25 @@ def _step_flops(job: Job, recompute: str) -> float:
     return model.num_layers * (3 * lf.total + extra) + 3 * logits
 
 
+def overlaps_grad_reduce(job: Job, c: Config) -> bool:
+    """Whether `c`'s data-parallel gradient reduction runs during the backward. Megatron-LM as
+    PTD-P ran it (`megatron/schedules.py`, 2021): torch DDP's bucketed all-reduce overlaps the
+    backward, but only `forward_backward_no_pipelining` wraps the earlier micro-batches in
+    `no_sync`; the pipelined schedules do not, so pipelined runs used the local DDP, which
+    all-reduces after the whole backward (`train_step`). The published Table 1 launch script
+    (`examples/sc21/run_table_1.sh`) passes `--DDP-impl torch` exactly to the pp = 1 rows."""
+    return job.overlap_grad_reduce and (c.pp == 1 or job.overlap_grad_reduce_in_pipeline)
+
+
+def _grad_reduce_window(job: Job, c: Config, layer_backward: float, recompute: float) -> float:
+    """Seconds of the last micro-batch's backward the gradient reduction can hide behind:
+    every layer's backward with its tensor-parallel collectives, and the recomputed forwards,
+    which run inside that backward (checkpointed layers); 0 when it does not overlap."""
+    if not overlaps_grad_reduce(job, c):
+        return 0.0
+    return job.model.num_layers // c.pp * layer_backward + recompute
+
+
 def step_time(job: Job, c: Config) -> StepTime:
     """Predicted time of one training step of `c`, split by cause (see the module doc)."""
     model, hw = job.model, job.hardware
@@ -370,7 +393,11 @@ def step_time(job: Job, c: Config) -> StepTime:
     per_mb_ep = layers_rank * 2 * lt.ep
     per_mb = per_mb_compute + body_recompute + per_mb_comm_tp + per_mb_cp + per_mb_ep
     m = micro_batches(job, c)
-    bubble = (c.pp - 1) / c.virtual_stages * per_mb
+    # The fill and drain cross the other ranks, whose micro-batches lack the output layer: the
+    # last rank's extra work adds to each micro-batch slot, not to the bubble (a replay of
+    # Megatron-LM's 2021 interleaved schedule, tests/unit/plan/test_schedule_replay.py).
+    body = per_mb - (ends - embedding if c.pp > 1 else 0.0)
+    bubble = (c.pp - 1) / c.virtual_stages * body
 
     pp_time = 0.0
     if c.pp > 1:
@@ -394,8 +421,7 @@ def step_time(job: Job, c: Config) -> StepTime:
         else:
             vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n_dp)
         dp_full = _collective_time(vol, n_dp, hw, bw, ops=2)
-        window = layers_rank * (bwd + lt.tp) if job.overlap_grad_reduce else 0.0
-        dp_time = max(0.0, dp_full - window)
+        dp_time = max(0.0, dp_full - _grad_reduce_window(job, c, bwd + lt.tp, rc_layers * rc))
     opt_params = params / (n_dp if c.sharded_optimizer else 1)
     optimizer = OPTIMIZER_STEP_BYTES * opt_params / (hw.memory_gbps * 1e9)
     return StepTime(compute=m * (per_mb_compute + body_recompute), recompute=m * body_recompute,

@@ -43,7 +43,9 @@ class TrainingJob:
     attention runs as one fused kernel (no s^2 score activations; the default, as Tessera's
     SDPA on GPUs); set False to reproduce the 2021-22 papers. `overlap_grad_reduce`: the
     data-parallel gradient reduction overlaps the last backward (modern Megatron, Tessera's
-    DDP buckets); False as in the papers' Megatron. `grad_reduce_bytes`: 4 reduces fp32 main
+    DDP buckets); False as in the papers' Megatron. `overlap_grad_reduce_in_pipeline`: False
+    when the overlap only works without a pipeline (PTD-P's 2021 Megatron: torch DDP for pp = 1,
+    local DDP reducing after the backward otherwise). `grad_reduce_bytes`: 4 reduces fp32 main
     grads (Megatron's default for bf16), 2 reduces 16-bit grads (PTD-P's fp16 runs)."""
 
     model: ModelConfig
@@ -57,6 +59,7 @@ class TrainingJob:
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
     grad_reduce_bytes: int = 4
+    overlap_grad_reduce_in_pipeline: bool = True
 
     @cached_property
     def _estimate(self) -> E.Job:
@@ -64,7 +67,8 @@ class TrainingJob:
                      seq_len=self.seq_len, gpus_per_node=self.gpus_per_node,
                      precision=self.precision, flash_attention=self.flash_attention,
                      overlap_grad_reduce=self.overlap_grad_reduce,
-                     grad_reduce_bytes=self.grad_reduce_bytes)
+                     grad_reduce_bytes=self.grad_reduce_bytes,
+                     overlap_grad_reduce_in_pipeline=self.overlap_grad_reduce_in_pipeline)
 
 
 @dataclass(frozen=True)
