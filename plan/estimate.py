@@ -8,6 +8,8 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 - the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
   scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
   counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
+- a fixed cost per layer forward and per micro-batch (`Hardware.layer_overhead_us`,
+  `microbatch_overhead_us`: eager per-op dispatch, measured on CPUs, 0 on the GPU profiles);
 - backward = 2 x forward (GEMMs for input and weight gradients); a full recompute repeats the
   forward, a selective one the attention scores' part [Korthikanti section 5];
 - tensor-parallel collectives (`formulas.tp_layer_comm_bytes`) over NVLink, not overlapped
@@ -233,6 +235,7 @@ class _LayerTimes:
     attention: float  # forward attention GEMMs (part of gemm)
     elementwise: float  # forward memory-bound ops
     scores: float  # forward elementwise over unfused attention scores (part of elementwise)
+    overhead: float  # forward fixed cost of the layer (Hardware.layer_overhead_us)
     tp: float  # forward tensor-parallel collectives
     cp: float  # forward context-parallel exchange, exposed
     ep: float  # forward expert all-to-alls
@@ -288,7 +291,8 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep, job.act_bytes)
         ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
-                       tp=tp_time, cp=cp_time, ep=ep_time)
+                       overhead=hw.layer_overhead_us * 1e-6, tp=tp_time, cp=cp_time,
+                       ep=ep_time)
 
 
 def _pp_intra(job: Job, c: Config) -> bool:
@@ -358,7 +362,7 @@ def step_time(job: Job, c: Config) -> StepTime:
     model, hw = job.model, job.hardware
     peak = hw.peak(job.precision) * 1e12
     lt = _layer_times(job, c)
-    fwd = lt.gemm + lt.elementwise
+    fwd = lt.gemm + lt.elementwise + lt.overhead
     bwd = 2 * fwd
     layers_per_chunk = model.num_layers // (c.pp * c.virtual_stages)
     layers_rank = model.num_layers // c.pp
@@ -387,6 +391,8 @@ def step_time(job: Job, c: Config) -> StepTime:
     # A pipeline runs at its slowest rank's pace: the first rank adds the embedding, the last
     # the output layer; with pp == 1 one rank does both.
     ends = logits + embedding if c.pp == 1 else max(logits, embedding)
+    # Every rank pays a micro-batch's fixed cost (Hardware.microbatch_overhead_us).
+    ends += hw.microbatch_overhead_us * 1e-6
     per_mb_compute = body_compute + ends
     per_mb_comm_tp = layers_rank * 2 * lt.tp  # forward and backward
     per_mb_cp = layers_rank * 2 * lt.cp
@@ -396,7 +402,7 @@ def step_time(job: Job, c: Config) -> StepTime:
     # The fill and drain cross the other ranks, whose micro-batches lack the output layer: the
     # last rank's extra work adds to each micro-batch slot, not to the bubble (a replay of
     # Megatron-LM's 2021 interleaved schedule, tests/unit/plan/test_schedule_replay.py).
-    body = per_mb - (ends - embedding if c.pp > 1 else 0.0)
+    body = per_mb - (max(0.0, logits - embedding) if c.pp > 1 else 0.0)
     bubble = (c.pp - 1) / c.virtual_stages * body
 
     pp_time = 0.0

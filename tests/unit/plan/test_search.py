@@ -230,6 +230,25 @@ def test_gradient_reduction_overlaps_only_where_the_2021_schedules_let_it():
     assert evaluate(always, tp2).time.dp == 0.0
 
 
+@pytest.mark.parametrize("fields,layer_units", [
+    # (layout, recompute): forward units of layer cost per micro-batch on the slowest rank
+    (dict(tp=1, pp=1, recompute="none"), 24 * 3),  # forward + 2 x backward of 24 layers
+    (dict(tp=1, pp=1, recompute="full"), 24 * 4),  # + the recomputed forward
+    (dict(tp=1, pp=2, recompute="none"), 12 * 3),  # 12 layers a rank
+])
+def test_fixed_costs_per_layer_and_micro_batch(fields, layer_units):
+    # 1.7B on 32 GPUs, micro-batch 16: dp 32 -> m = 1 (pp 1); dp 16 -> m = 2 (pp 2), whose
+    # pipeline adds (p - 1) = 1 micro-batch slot of bubble. By hand: slots x (units x layer +
+    # micro-batch cost).
+    job = dataclasses.replace(ptdp_job(1.7), overlap_grad_reduce=False)
+    costly = dataclasses.replace(job, hardware=dataclasses.replace(
+        A100, layer_overhead_us=100.0, microbatch_overhead_us=500.0))
+    config = dict(micro_batch=16, sequence_parallel=False, sharded_optimizer=False, **fields)
+    slots = 1 if fields["pp"] == 1 else 2 + 1
+    extra = evaluate(costly, config).step_time_s - evaluate(job, config).step_time_s
+    assert extra == pytest.approx(slots * (layer_units * 100e-6 + 500e-6))
+
+
 def test_fixed_dimensions_and_evaluate_agree():
     job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048)
     ranked = plan_training(job, Fixed(tp=2, micro_batch=4), top=3)
