@@ -10,7 +10,9 @@ One rank of `tessera pretrain --nproc-per-node N` on a CPU is one process runnin
   a small message (tiny models are latency-bound);
 - the instruction set the kernels can use (AVX2 / AVX512 / AMX, from /proc/cpuinfo), the core
   count and the memory size;
-- the bandwidth of a one-thread memory copy (what the memory-bound ops see).
+- the bandwidth of a one-thread memory copy (what the memory-bound ops see);
+- the fixed cost of a layer and of a micro-batch (eager PyTorch's per-op dispatch, which
+  dominates the step of a small model): forward + backward of a tiny model at two depths.
 
 The result is a flat JSON object (`hardware.CALIBRATION_KEYS` at least) that
 `tessera.plan.hardware.load_hardware("cpu", path)` reads; `default_path()` (that is,
@@ -127,6 +129,60 @@ def copy_gbps(nbytes: int, seconds: float) -> float:
     return 2 * nbytes / best / 1e9
 
 
+# The model whose forward + backward times the fixed per-op costs: tiny, so that its FLOPs
+# and bytes are negligible next to dispatching its ops (what dominates small models on CPUs).
+OVERHEAD_MODEL = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 172,
+                  "vocab_size": 512}
+OVERHEAD_TOKENS = (4, 32)  # micro-batch, sequence
+OVERHEAD_LAYERS = (1, 4)
+
+
+def framework_overheads(seconds: float) -> tuple[float, float]:
+    """(per-layer, per-micro-batch) fixed costs in microseconds of one rank's forward +
+    backward, as `Hardware.layer_overhead_us` / `microbatch_overhead_us` count them: the best
+    time of a tiny `GPTModel`'s step at 1 and 4 layers (one thread, in the fused-kernel mode
+    the environment selects, as the training ranks run) gives the cost of a layer (slope, a
+    forward and a backward of twice its ops, so three forward units) and of the rest of a
+    micro-batch (intercept: embedding, output layer, loss)."""
+    import dataclasses as dc
+
+    import torch
+
+    from tessera.core.config import ModelConfig
+    from tessera.core.model import GPTModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = []
+    try:
+        torch.manual_seed(0)
+        for layers in OVERHEAD_LAYERS:
+            cfg = dc.replace(ModelConfig.from_name("llama-tiny"), num_layers=layers,
+                             **OVERHEAD_MODEL)
+            model = GPTModel(cfg)
+            tokens = torch.randint(0, cfg.vocab_size, OVERHEAD_TOKENS)
+
+            def step(model: torch.nn.Module = model, tokens: torch.Tensor = tokens) -> None:
+                out = model(tokens)
+                (out if torch.is_tensor(out) else out[0]).float().mean().backward()
+
+            step()  # warm-up (and compilation, with fused kernels)
+            step()
+            best, deadline = float("inf"), time.perf_counter() + seconds
+            while True:
+                tic = time.perf_counter()
+                step()
+                best = min(best, time.perf_counter() - tic)
+                if time.perf_counter() >= deadline:
+                    break
+            times.append(best)
+    finally:
+        torch.set_num_threads(threads)
+    (l1, t1), (l2, t2) = zip(OVERHEAD_LAYERS, times)
+    per_layer = max(0.0, (t2 - t1) / (l2 - l1))  # forward + backward of one layer
+    return per_layer / 3 * 1e6, max(0.0, t1 - l1 * per_layer) * 1e6
+
+
 def _allreduce_body(rank: int, world: int, sizes: tuple[int, ...], seconds: float
                     ) -> list[tuple[int, float]]:
     """(bytes, best seconds) of a float32 gloo all-reduce at each size (spawned by run_ranks)."""
@@ -190,6 +246,9 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         gemms[dtype_name] = rows
     memory_gbps = copy_gbps(2**20 if quick else 64 * 2**20, budget)
     say(f"  memory copy (1 thread): {memory_gbps:.1f} GB/s")
+    layer_us, microbatch_us = framework_overheads(budget)
+    say(f"  fixed costs (1 thread, tiny model): {layer_us:,.0f} us per layer forward, "
+        f"{microbatch_us:,.0f} us per micro-batch")
     say("  gloo all-reduce between 2 local ranks (starting them takes a few seconds) ...")
     sizes = QUICK_ALLREDUCE_BYTES if quick else ALLREDUCE_BYTES
     world = 2
@@ -208,6 +267,8 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         "memory_gbps": memory_gbps,
         # A small all-reduce is latency only: 2 (n - 1) ring steps, as the time model counts.
         "link_latency_us": allreduce[0]["seconds"] / (2 * (world - 1)) * 1e6,
+        "layer_overhead_us": layer_us,
+        "microbatch_overhead_us": microbatch_us,
         # For people, and for a planner that wants the detail.
         "isa": isa, "cpu": cpu_name(), "cores": cores, "threads_per_rank": 1,
         "gemm": gemms, "allreduce": allreduce, "quick": quick,

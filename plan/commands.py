@@ -45,8 +45,8 @@ def _model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
     """The `--gpu` profile. For `cpu`: this machine's calibration (made now if there is none),
-    its memory shared by the ranks on it, and its GEMM rate shared when there are more ranks
-    than cores (the calibration is one rank on one core)."""
+    its memory shared by the ranks on it, and its GEMM rate and fixed per-op costs shared
+    when there are more ranks than cores (the calibration is one rank on one core)."""
     if args.gpu != "cpu":
         return load_hardware(args.gpu)
     path = _calibration_path(args)
@@ -61,7 +61,9 @@ def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
     share = min(1.0, cores / ranks_per_node)
     return dataclasses.replace(
         hw, memory_gib=hw.memory_gib / ranks_per_node,
-        peak_tflops={k: v * share for k, v in hw.peak_tflops.items()})
+        peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
+        layer_overhead_us=hw.layer_overhead_us / share,
+        microbatch_overhead_us=hw.microbatch_overhead_us / share)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
 - the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
   scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
   counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
+- a fixed cost per layer forward and per micro-batch (`Hardware.layer_overhead_us`,
+  `microbatch_overhead_us`: eager per-op dispatch, measured on CPUs, 0 on the GPU profiles);
 - backward = 2 x forward (GEMMs for input and weight gradients); a full recompute repeats the
   forward, a selective one the attention scores' part [Korthikanti section 5];
 - tensor-parallel collectives (`formulas.tp_layer_comm_bytes`) over NVLink, not overlapped
@@ -24,7 +26,10 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
   with tied embeddings, the all-reduce of the word-embedding gradient between the first and
   last stage after the backward (Megatron-LM);
 - the data-parallel gradient reduction over the network, hidden behind the last micro-batch's
-  backward when `overlap_grad_reduce`; and the optimizer step, memory bound.
+  backward (recomputation included) when `overlap_grad_reduce` (and, with a pipeline, only
+  when `overlap_grad_reduce_in_pipeline`: 2021 Megatron overlapped through torch DDP, whose
+  `no_sync` only its no-pipeline schedule used, so its pipelined runs reduced after the
+  backward with its local DDP); and the optimizer step, memory bound.
 
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no
@@ -128,6 +133,7 @@ class Job:
     flash_attention: bool
     overlap_grad_reduce: bool
     grad_reduce_bytes: int = GRAD_REDUCE_BYTES
+    overlap_grad_reduce_in_pipeline: bool = True
     # Per-job values every configuration shares (parameter counts, FLOPs), computed once.
     cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -229,6 +235,7 @@ class _LayerTimes:
     attention: float  # forward attention GEMMs (part of gemm)
     elementwise: float  # forward memory-bound ops
     scores: float  # forward elementwise over unfused attention scores (part of elementwise)
+    overhead: float  # forward fixed cost of the layer (Hardware.layer_overhead_us)
     tp: float  # forward tensor-parallel collectives
     cp: float  # forward context-parallel exchange, exposed
     ep: float  # forward expert all-to-alls
@@ -284,7 +291,8 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep, job.act_bytes)
         ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
-                       tp=tp_time, cp=cp_time, ep=ep_time)
+                       overhead=hw.layer_overhead_us * 1e-6, tp=tp_time, cp=cp_time,
+                       ep=ep_time)
 
 
 def _pp_intra(job: Job, c: Config) -> bool:
@@ -330,12 +338,31 @@ def _step_flops(job: Job, recompute: str) -> float:
     return model.num_layers * (3 * lf.total + extra) + 3 * logits
 
 
+def overlaps_grad_reduce(job: Job, c: Config) -> bool:
+    """Whether `c`'s data-parallel gradient reduction runs during the backward. Megatron-LM as
+    PTD-P ran it (`megatron/schedules.py`, 2021): torch DDP's bucketed all-reduce overlaps the
+    backward, but only `forward_backward_no_pipelining` wraps the earlier micro-batches in
+    `no_sync`; the pipelined schedules do not, so pipelined runs used the local DDP, which
+    all-reduces after the whole backward (`train_step`). The published Table 1 launch script
+    (`examples/sc21/run_table_1.sh`) passes `--DDP-impl torch` exactly to the pp = 1 rows."""
+    return job.overlap_grad_reduce and (c.pp == 1 or job.overlap_grad_reduce_in_pipeline)
+
+
+def _grad_reduce_window(job: Job, c: Config, layer_backward: float, recompute: float) -> float:
+    """Seconds of the last micro-batch's backward the gradient reduction can hide behind:
+    every layer's backward with its tensor-parallel collectives, and the recomputed forwards,
+    which run inside that backward (checkpointed layers); 0 when it does not overlap."""
+    if not overlaps_grad_reduce(job, c):
+        return 0.0
+    return job.model.num_layers // c.pp * layer_backward + recompute
+
+
 def step_time(job: Job, c: Config) -> StepTime:
     """Predicted time of one training step of `c`, split by cause (see the module doc)."""
     model, hw = job.model, job.hardware
     peak = hw.peak(job.precision) * 1e12
     lt = _layer_times(job, c)
-    fwd = lt.gemm + lt.elementwise
+    fwd = lt.gemm + lt.elementwise + lt.overhead
     bwd = 2 * fwd
     layers_per_chunk = model.num_layers // (c.pp * c.virtual_stages)
     layers_rank = model.num_layers // c.pp
@@ -364,13 +391,19 @@ def step_time(job: Job, c: Config) -> StepTime:
     # A pipeline runs at its slowest rank's pace: the first rank adds the embedding, the last
     # the output layer; with pp == 1 one rank does both.
     ends = logits + embedding if c.pp == 1 else max(logits, embedding)
+    # Every rank pays a micro-batch's fixed cost (Hardware.microbatch_overhead_us).
+    ends += hw.microbatch_overhead_us * 1e-6
     per_mb_compute = body_compute + ends
     per_mb_comm_tp = layers_rank * 2 * lt.tp  # forward and backward
     per_mb_cp = layers_rank * 2 * lt.cp
     per_mb_ep = layers_rank * 2 * lt.ep
     per_mb = per_mb_compute + body_recompute + per_mb_comm_tp + per_mb_cp + per_mb_ep
     m = micro_batches(job, c)
-    bubble = (c.pp - 1) / c.virtual_stages * per_mb
+    # The fill and drain cross the other ranks, whose micro-batches lack the output layer: the
+    # last rank's extra work adds to each micro-batch slot, not to the bubble (a replay of
+    # Megatron-LM's 2021 interleaved schedule, tests/unit/plan/test_schedule_replay.py).
+    body = per_mb - (max(0.0, logits - embedding) if c.pp > 1 else 0.0)
+    bubble = (c.pp - 1) / c.virtual_stages * body
 
     pp_time = 0.0
     if c.pp > 1:
@@ -394,8 +427,7 @@ def step_time(job: Job, c: Config) -> StepTime:
         else:
             vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n_dp)
         dp_full = _collective_time(vol, n_dp, hw, bw, ops=2)
-        window = layers_rank * (bwd + lt.tp) if job.overlap_grad_reduce else 0.0
-        dp_time = max(0.0, dp_full - window)
+        dp_time = max(0.0, dp_full - _grad_reduce_window(job, c, bwd + lt.tp, rc_layers * rc))
     opt_params = params / (n_dp if c.sharded_optimizer else 1)
     optimizer = OPTIMIZER_STEP_BYTES * opt_params / (hw.memory_gbps * 1e9)
     return StepTime(compute=m * (per_mb_compute + body_recompute), recompute=m * body_recompute,

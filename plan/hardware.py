@@ -59,6 +59,14 @@ class Hardware:
     comm_efficiency: float = 0.8  # fraction of link bandwidth a ring collective reaches
     framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, allocator slack
     link_latency_us: float = 20.0  # start-up of one collective or p2p operation
+    # Fixed costs that do not grow with the work: one layer's forward on one micro-batch
+    # (its ops' dispatch and launch; the backward counts twice, a recomputed forward once),
+    # and one micro-batch's own (embedding, loss, the schedule's bookkeeping, forward and
+    # backward together). Measured for `cpu` by `tessera plan --calibrate`, where eager
+    # PyTorch's per-op cost dominates small models; 0 for the GPU profiles, whose kernel
+    # launches run ahead of a busy GPU (and which were fitted without them).
+    layer_overhead_us: float = 0.0
+    microbatch_overhead_us: float = 0.0
     notes: str = field(default="", compare=False)
 
     def peak(self, precision: str) -> float:
@@ -115,7 +123,8 @@ def load_hardware(name: str, calibration: Path | None = None) -> Hardware:
     - one of `PROFILES` (a100-40gb, a100-80gb, h100-80gb, h200);
     - `cpu`: this machine, from the JSON file `tessera plan --calibrate` writes (`calibration`,
       default `default_calibration()`) with at least `gemm_tflops`, `allreduce_gbps` (gloo
-      all-reduce bus bandwidth) and `memory_gib`; optional `memory_gbps`;
+      all-reduce bus bandwidth) and `memory_gib`; optional `memory_gbps`,
+      `layer_overhead_us`, `microbatch_overhead_us` (0 when absent);
     - a path ending in `.json`: a full profile, every `Hardware` field by name.
 
     Raises `PlanError` for an unknown name (listing the known ones) or a missing or incomplete
@@ -174,5 +183,7 @@ def _cpu_profile(path: Path) -> Hardware:
         unfused_attention_efficiency=1.0, comm_efficiency=1.0,
         framework_overhead_gib=float(data.get("framework_overhead_gib", 0.5)),
         link_latency_us=float(data.get("link_latency_us", 50.0)),
+        layer_overhead_us=float(data.get("layer_overhead_us", 0.0)),
+        microbatch_overhead_us=float(data.get("microbatch_overhead_us", 0.0)),
         notes=f"measured by tessera plan --calibrate ({path})",
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
@@ -43,7 +43,9 @@ class TrainingJob:
     attention runs as one fused kernel (no s^2 score activations; the default, as Tessera's
     SDPA on GPUs); set False to reproduce the 2021-22 papers. `overlap_grad_reduce`: the
     data-parallel gradient reduction overlaps the last backward (modern Megatron, Tessera's
-    DDP buckets); False as in the papers' Megatron. `grad_reduce_bytes`: 4 reduces fp32 main
+    DDP buckets); False as in the papers' Megatron. `overlap_grad_reduce_in_pipeline`: False
+    when the overlap only works without a pipeline (PTD-P's 2021 Megatron: torch DDP for pp = 1,
+    local DDP reducing after the backward otherwise). `grad_reduce_bytes`: 4 reduces fp32 main
     grads (Megatron's default for bf16), 2 reduces 16-bit grads (PTD-P's fp16 runs)."""
 
     model: ModelConfig
@@ -57,6 +59,7 @@ class TrainingJob:
     flash_attention: bool = True
     overlap_grad_reduce: bool = True
     grad_reduce_bytes: int = 4
+    overlap_grad_reduce_in_pipeline: bool = True
 
     @cached_property
     def _estimate(self) -> E.Job:
@@ -64,7 +67,8 @@ class TrainingJob:
                      seq_len=self.seq_len, gpus_per_node=self.gpus_per_node,
                      precision=self.precision, flash_attention=self.flash_attention,
                      overlap_grad_reduce=self.overlap_grad_reduce,
-                     grad_reduce_bytes=self.grad_reduce_bytes)
+                     grad_reduce_bytes=self.grad_reduce_bytes,
+                     overlap_grad_reduce_in_pipeline=self.overlap_grad_reduce_in_pipeline)
 
 
 @dataclass(frozen=True)
@@ -88,24 +92,14 @@ class Fixed:
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One configuration with its prediction. `memory` is the most loaded GPU's breakdown in
-    GiB; `time` the step's breakdown in seconds. `tflops_per_gpu` counts the FLOPs executed,
-    recomputation included, as PTD-P reports (eq. 3); `mfu` counts the model's FLOPs without
-    recomputation over the dense peak, as Korthikanti et al. (and PaLM) define it."""
+class Candidate(E.Config):
+    """One configuration (the `estimate.Config` fields it extends) with its prediction.
+    `memory` is the most loaded GPU's breakdown in GiB; `time` the step's breakdown in seconds.
+    `tflops_per_gpu` counts the FLOPs executed, recomputation included, as PTD-P reports
+    (eq. 3); `mfu` counts the model's FLOPs without recomputation over the dense peak, as
+    Korthikanti et al. (and PaLM) define it."""
 
-    tp: int
-    pp: int
-    virtual_stages: int
-    cp: int
-    ep: int
-    dp: int
-    micro_batch: int
     micro_batches: int  # per step and data-parallel rank (gradient accumulation x pipeline)
-    sequence_parallel: bool
-    recompute: str
-    recompute_layers: int | None
-    sharded_optimizer: bool
     memory: E.Memory
     memory_capacity_gib: float
     fits: bool
@@ -115,6 +109,11 @@ class Candidate:
     mfu: float
     tokens_per_s: float
     days: float | None
+
+    @property
+    def config(self) -> E.Config:
+        """The configuration alone, without the prediction."""
+        return E.Config(**{f.name: getattr(self, f.name) for f in fields(E.Config)})
 
     @property
     def memory_gib(self) -> float:
@@ -139,14 +138,11 @@ class Candidate:
         """The JSON form (`tessera plan --json`): flat fields plus `memory` and `time`
         breakdowns; `memory_gib` is the peak per GPU."""
         return {
-            "tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages, "cp": self.cp,
-            "ep": self.ep, "dp": self.dp, "micro_batch": self.micro_batch,
-            "micro_batches": self.micro_batches, "sequence_parallel": self.sequence_parallel,
-            "recompute": self.recompute, "recompute_layers": self.recompute_layers,
-            "sharded_optimizer": self.sharded_optimizer, "memory_gib": self.memory_gib,
-            "memory_capacity_gib": self.memory_capacity_gib, "fits": self.fits,
-            "step_time_s": self.step_time_s, "tflops_per_gpu": self.tflops_per_gpu,
-            "mfu": self.mfu, "tokens_per_s": self.tokens_per_s, "days": self.days,
+            **asdict(self.config), "micro_batches": self.micro_batches,
+            "memory_gib": self.memory_gib, "memory_capacity_gib": self.memory_capacity_gib,
+            "fits": self.fits, "step_time_s": self.step_time_s,
+            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_s, "days": self.days,
             "memory": self.memory.to_dict(), "time": self.time.to_dict(),
         }
 
@@ -242,10 +238,8 @@ def _candidate(job: TrainingJob, c: E.Config, mem: E.Memory | None = None) -> Ca
     model_flops = E.hardware_flops(ej, "none")
     tps = tokens / step
     return Candidate(
-        tp=c.tp, pp=c.pp, virtual_stages=c.virtual_stages, cp=c.cp, ep=c.ep, dp=c.dp,
-        micro_batch=c.micro_batch, micro_batches=E.micro_batches(ej, c),
-        sequence_parallel=c.sequence_parallel, recompute=c.recompute,
-        recompute_layers=c.recompute_layers, sharded_optimizer=c.sharded_optimizer,
+        **{f.name: getattr(c, f.name) for f in fields(E.Config)},
+        micro_batches=E.micro_batches(ej, c),
         memory=mem, memory_capacity_gib=job.hardware.memory_gib,
         fits=mem.total <= job.hardware.memory_gib, time=t, step_time_s=step,
         tflops_per_gpu=hw_flops / step / job.gpus / 1e12,

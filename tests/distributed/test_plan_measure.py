@@ -27,7 +27,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FUSED_KERNELS": "off"}
 # A stand-in calibration with this machine's orders of magnitude (`--calibrate` measures them;
 # tests/unit/plan/test_calibrate.py checks that).
 CALIBRATION = {"gemm_tflops": 0.08, "allreduce_gbps": 1.0, "memory_gib": 16.0, "cores": 2,
-               "link_latency_us": 200.0, "memory_gbps": 10.0}
+               "link_latency_us": 200.0, "memory_gbps": 10.0, "layer_overhead_us": 4000.0,
+               "microbatch_overhead_us": 2000.0}
 
 
 def _plan(tmp_path: Path, nproc: int, *argv: str) -> subprocess.CompletedProcess:

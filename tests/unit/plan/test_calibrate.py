@@ -56,6 +56,13 @@ def _check_calibration(path):
     rates = [r["tflops"] for rows in result["gemm"].values() for r in rows]
     assert rates and all(0 < r < 10 for r in rates)
     assert result["gemm_tflops"] == max(r["tflops"] for r in result["gemm"]["fp32"])
+    # A tiny model's layer costs its ops' dispatch: milliseconds here, measured, never zero
+    # (three more layers' forward and backward); the micro-batch's own cost is >= 0.
+    assert 0 < result["layer_overhead_us"] < 1e6
+    assert 0 <= result["microbatch_overhead_us"] < 1e6
+    hw = load_hardware("cpu", path)
+    assert hw.layer_overhead_us == result["layer_overhead_us"]
+    assert hw.microbatch_overhead_us == result["microbatch_overhead_us"]
     assert [r["bytes"] for r in result["allreduce"]] == [4096, 262144]
     assert all(r["seconds"] > 0 for r in result["allreduce"])
     hw = load_hardware("cpu", path)

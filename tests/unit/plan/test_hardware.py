@@ -53,6 +53,12 @@ def test_cpu_profile_from_calibration(tmp_path):
     assert hw.memory_gib == 16
     # Measured rates are achieved rates: no efficiency discount, no shape penalty.
     assert hw.gemm_fraction(8, 8, 8) == 1.0
+    assert hw.layer_overhead_us == hw.microbatch_overhead_us == 0.0  # not measured: none
+    path.write_text(json.dumps({"gemm_tflops": 0.4, "allreduce_gbps": 2.5, "memory_gib": 16,
+                                "layer_overhead_us": 900, "microbatch_overhead_us": 300}))
+    hw = load_hardware("cpu", calibration=path)
+    assert (hw.layer_overhead_us, hw.microbatch_overhead_us) == (900, 300)
+    assert PROFILES["a100-80gb"].layer_overhead_us == 0.0  # GPUs: launches run ahead
 
 
 def test_profile_from_json_file(tmp_path):

@@ -195,6 +195,20 @@ def test_cpu_profile_shares_the_machine_between_its_ranks(capsys, tmp_path):
                          "--model", "llama-tiny", "--gpus", "4", "--global-batch", "16",
                          "--seq-len", "64", "--measure", "--nproc-per-node", "2")
     assert code == 2 and "--gpus (4) must equal --nproc-per-node (2)" in err
+    # The fixed per-op costs are shared too: 4 ranks on 2 cores pay each twice. By hand for
+    # llama-tiny (2 layers), micro-batch 4 x 1 on dp 4, no recompute: 2 x (2 layers x 3 x
+    # 1000 us + 500 us) = 13 ms more a step.
+    one = ("--gpu", "cpu", "--calibration-file", str(calibration), "--model", "llama-tiny",
+           "--gpus", "4", "--global-batch", "16", "--seq-len", "64", "--tp", "1", "--pp", "1",
+           "--micro-batch", "4", "--recompute", "none", "--sequence-parallel", "off",
+           "--json", "--top", "1")
+    code, out, _ = _plan(capsys, *one)
+    base = json.loads(out)["candidates"][0]["step_time_s"]
+    calibration.write_text(json.dumps({"gemm_tflops": 0.08, "allreduce_gbps": 1.0,
+                                       "memory_gib": 16.0, "cores": 2,
+                                       "layer_overhead_us": 1000, "microbatch_overhead_us": 500}))
+    code, out, _ = _plan(capsys, *one)
+    assert json.loads(out)["candidates"][0]["step_time_s"] - base == pytest.approx(0.013)
 
 
 def test_measured_table_puts_the_rankings_side_by_side():

@@ -35,10 +35,18 @@ TABLE1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64,
           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
           (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
 ROWS = {row[0]: row for row in TABLE1}
-# The 2021 runs: fp16 with 16-bit gradient all-reduce after the backward (no overlap), full
-# activation recomputation (the FLOPs of eq. 3), no sequence parallelism and no distributed
-# optimizer (neither existed), unfused attention; the interleaved schedule, whose virtual
-# stages and micro-batch the paper does not list, so the planner searches them.
+# The 2021 runs: fp16 with 16-bit gradient all-reduce, full activation recomputation (the
+# FLOPs of eq. 3), no sequence parallelism and no distributed optimizer (neither existed),
+# unfused attention. The published launch script of Table 1 (Megatron-LM
+# examples/sc21/run_table_1.sh) gives what the paper does not list: the micro-batch, the layers
+# per virtual stage, and torch DDP (reduction overlapping the backward) for the pp = 1 rows,
+# local DDP (reduction after the backward) for the pipelined ones, as the 2021 schedules
+# require (see estimate.overlaps_grad_reduce). The search tests below leave micro-batch and
+# virtual stages to the planner; test_ptdp_table1_published_configurations fixes them.
+# billions: (micro-batch, layers per virtual stage or None for 1F1B)
+SC21_RUNS = {1.7: (16, None), 3.6: (16, None), 7.5: (16, None), 18.4: (8, None),
+             39.1: (4, None), 76.1: (2, 5), 145.6: (2, 5), 310.1: (1, 3), 529.6: (1, 1),
+             1008.0: (1, None)}
 PAPER_FIXED = Fixed(recompute="full", sequence_parallel=False, sharded_optimizer=False, cp=1)
 
 
@@ -49,7 +57,8 @@ def ptdp_job(billions: float) -> TrainingJob:
                         tied_embeddings=True, vocab_size=51200, hidden_size=h, num_layers=L,
                         num_heads=a, ffn_hidden_size=4 * h, max_position_embeddings=2048)
     return TrainingJob(model, gpus, A100, batch, 2048, flash_attention=False,
-                       overlap_grad_reduce=False, grad_reduce_bytes=2)
+                       overlap_grad_reduce=True, overlap_grad_reduce_in_pipeline=False,
+                       grad_reduce_bytes=2)
 
 
 @functools.cache  # each row is searched once for both tests below
@@ -58,6 +67,22 @@ def paper_and_best(billions: float):
     ranked = plan_training(ptdp_job(billions), PAPER_FIXED)
     paper = next(c for c in ranked if (c.tp, c.pp) == (tp, pp))
     return paper, ranked[0]
+
+
+@pytest.mark.parametrize("billions", list(ROWS))
+def test_ptdp_table1_published_configurations(billions):
+    # Each row exactly as launched (layout, micro-batch, virtual stages, DDP): the predicted
+    # TFLOP/s per GPU against the measured one. All within 7% (1T: -6.7%, 76.1B: +4.6%, the
+    # rest within 3.1%); the brief's bar is 15%.
+    _, _, _, L, tp, pp, _, _, measured = ROWS[billions]
+    mb, layers_per_virtual = SC21_RUNS[billions]
+    v = 1 if layers_per_virtual is None else L // pp // layers_per_virtual
+    c = evaluate(ptdp_job(billions), dict(tp=tp, pp=pp, virtual_stages=v, micro_batch=mb,
+                                          **{f: getattr(PAPER_FIXED, f) for f in
+                                             ("recompute", "sequence_parallel",
+                                              "sharded_optimizer", "cp")}))
+    assert c.fits
+    assert c.tflops_per_gpu == pytest.approx(measured, rel=0.07)
 
 
 @pytest.mark.parametrize("billions", list(ROWS))
@@ -73,20 +98,20 @@ def test_ptdp_table1_throughput_within_15_percent(billions):
 # The paper's (tp, pp) is the planner's first choice or within 3% of its best throughput.
 # The model disagrees with the paper's rule of thumb (PTD-P section 5.4, takeaway #1: tp up
 # to the node size first) where a smaller tp with a few interleaved pipeline stages avoids
-# tp's all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work (no
-# sequence parallelism in 2021), even after the pipeline's own costs beyond the bubble
-# (scatter/gather all-gather, fill and drain transfers, tied-embedding all-reduce, slowest
-# stage): 18.4B (tp2 pp4 v5 predicted 12.9% faster), and by less 3.6B, 7.5B, 39.1B. Where
-# the paper measured the trade-off itself (Fig. 13 and 15) the model agrees with it (below).
+# tp's NVLink all-reduces, its thinner per-rank GEMMs and its replicated norm/dropout work (no
+# sequence parallelism in 2021), after the pipeline's own costs (bubble, blocking p2p with
+# scatter/gather, fill and drain, tied-embedding all-reduce, the heavier last stage, and a
+# gradient reduction that cannot overlap the backward in a 2021 pipeline): 18.4B (tp2 pp4 v5
+# predicted 7.8% faster), and by less 3.6B, 7.5B, 39.1B. Table 1's runs did not measure those
+# layouts; where the paper measured the trade-off itself (Fig. 13 to 15) the model agrees with
+# it (below). API_NOTES.md "PTD-P Table 1, 18.4B" has the analysis.
 _18B_REASON = (
-    "tp2 pp4 v5 mb2 predicted 12.9% faster than the paper's tp8 pp1 (8.46 vs 9.55 s a step): "
-    "tp8 spends 1.42 s in NVLink all-reduces (0.95 s + 0.47 s in the recompute; 2 per layer "
-    "forward, backward or recompute, each 2 x 7/8 x s b h x 2 bytes at 240 GB/s), 0.45 s in "
-    "a dp all-reduce with one rank (one NIC) per node, and 0.5 s more compute (h/8-wide "
-    "GEMMs, elementwise work replicated 8x); tp2 pp4 v5 pays 0.22 s tp, 0.12 s dp (4 ranks "
-    "share 4 NICs per node), 0.29 s bubble and 0.25 s of inter-node p2p; no refit of the "
-    "shared constants brings it under 10.8% (grid over GEMM efficiency, half-size, unfused "
-    "attention, elementwise passes), nor under 8% with collectives at the full link rate")
+    "tp2 pp4 v5 mb2 predicted 7.8% faster than the paper's tp8 pp1 (8.45 vs 9.10 s a step; "
+    "150.2 vs 139.4 TFLOP/s, the paper measured 135): tp8 spends 1.42 s in NVLink "
+    "all-reduces (0.95 s + 0.47 s in the recompute: 6 a layer per micro-batch, each "
+    "2 x 7/8 x s b h x 2 bytes at 240 GB/s; nccl-tests users measure ~205 GB/s, which would cost more) "
+    "against tp2's 0.22 s; tp2 pp4 v5 pays 0.28 s bubble, 0.25 s p2p and 0.12 s of "
+    "data-parallel reduction that tp8 hides behind its backward (torch DDP, pp = 1)")
 LAYOUT_CHOICE = [
     pytest.param(1.7, 0.03, id="1.7B"),
     pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(strict=True,
@@ -100,7 +125,7 @@ LAYOUT_CHOICE = [
     pytest.param(3.6, 0.05, id="3.6B-deviation"),
     pytest.param(7.5, 0.08, id="7.5B-deviation"),
     pytest.param(39.1, 0.085, id="39.1B-deviation"),
-    pytest.param(18.4, 0.135, id="18.4B-deviation"),
+    pytest.param(18.4, 0.08, id="18.4B-deviation"),
 ]
 
 
@@ -177,6 +202,53 @@ def test_nemotron4_340b_serving_on_one_dgx_h100():
     assert fp8.recommended.max_batch >= 1
 
 
+def test_gradient_reduction_overlaps_only_where_the_2021_schedules_let_it():
+    # 18.4B, 256 GPUs, dp 32 either way, 16-bit gradients.
+    # Without overlap, by hand: ring all-reduce 2 x 31/32 x P x 2 bytes over the link of the
+    # ranks' nodes (tp8: one dp rank per node, one 25 GB/s NIC at 80%; tp2: four ranks, four
+    # NICs) plus two start-ups of 20 us.
+    job = ptdp_job(18.4)
+    fixed = dict(recompute="full", sequence_parallel=False, sharded_optimizer=False)
+    tp8 = dict(tp=8, pp=1, micro_batch=8, **fixed)
+    tp2 = dict(tp=2, pp=4, virtual_stages=5, micro_batch=2, **fixed)
+    never = dataclasses.replace(job, overlap_grad_reduce=False)
+    always = dataclasses.replace(job, overlap_grad_reduce_in_pipeline=True)
+    # Parameters of the most loaded rank: its layers' 12 h^2 / tp, the word embedding's
+    # V h / tp and the learned positions' s h (norms and biases: < 0.1%).
+    h = 6144
+    params = {8: 40 * 12 * h * h / 8 + 51200 * h / 8 + 2048 * h,
+              2: 10 * 12 * h * h / 2 + 51200 * h / 2 + 2048 * h}
+    by_hand = {8: 2 * 31 / 32 * params[8] * 2 / 20e9 + 40e-6,
+               2: 2 * 31 / 32 * params[2] * 2 / 80e9 + 40e-6}
+    assert evaluate(never, tp8).time.dp == pytest.approx(by_hand[8], rel=0.01)
+    assert evaluate(never, tp2).time.dp == pytest.approx(by_hand[2], rel=0.01)
+    # torch DDP (pp 1) hides it behind the last micro-batch's backward (~1 s here) ...
+    assert evaluate(job, tp8).time.dp == 0.0
+    # ... the pipelined schedules of 2021 did not (local DDP, after the backward) ...
+    assert evaluate(job, tp2).time.dp == evaluate(never, tp2).time.dp
+    # ... and a schedule that can overlap in a pipeline hides it there too.
+    assert evaluate(always, tp2).time.dp == 0.0
+
+
+@pytest.mark.parametrize("fields,layer_units", [
+    # (layout, recompute): forward units of layer cost per micro-batch on the slowest rank
+    (dict(tp=1, pp=1, recompute="none"), 24 * 3),  # forward + 2 x backward of 24 layers
+    (dict(tp=1, pp=1, recompute="full"), 24 * 4),  # + the recomputed forward
+    (dict(tp=1, pp=2, recompute="none"), 12 * 3),  # 12 layers a rank
+])
+def test_fixed_costs_per_layer_and_micro_batch(fields, layer_units):
+    # 1.7B on 32 GPUs, micro-batch 16: dp 32 -> m = 1 (pp 1); dp 16 -> m = 2 (pp 2), whose
+    # pipeline adds (p - 1) = 1 micro-batch slot of bubble. By hand: slots x (units x layer +
+    # micro-batch cost).
+    job = dataclasses.replace(ptdp_job(1.7), overlap_grad_reduce=False)
+    costly = dataclasses.replace(job, hardware=dataclasses.replace(
+        A100, layer_overhead_us=100.0, microbatch_overhead_us=500.0))
+    config = dict(micro_batch=16, sequence_parallel=False, sharded_optimizer=False, **fields)
+    slots = 1 if fields["pp"] == 1 else 2 + 1
+    extra = evaluate(costly, config).step_time_s - evaluate(job, config).step_time_s
+    assert extra == pytest.approx(slots * (layer_units * 100e-6 + 500e-6))
+
+
 def test_fixed_dimensions_and_evaluate_agree():
     job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048)
     ranked = plan_training(job, Fixed(tp=2, micro_batch=4), top=3)
@@ -193,7 +265,12 @@ def test_fixed_dimensions_and_evaluate_agree():
 
 def test_candidate_json_contract():
     job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 32, A100, 512, 2048, tokens=1e11)
-    d = plan_training(job, Fixed(tp=2, cp=1), top=1)[0].to_dict()
+    best = plan_training(job, Fixed(tp=2, cp=1), top=1)[0]
+    d = best.to_dict()
+    # A candidate is its configuration plus the prediction: the configuration alone, passed
+    # back, predicts the same.
+    assert dataclasses.asdict(best.config).items() <= d.items()
+    assert evaluate(job, dataclasses.asdict(best.config)).to_dict() == d
     for key in ("tp", "pp", "virtual_stages", "dp", "cp", "ep", "micro_batch",
                 "sequence_parallel", "recompute", "recompute_layers", "memory_gib",
                 "step_time_s", "tflops_per_gpu", "mfu", "days"):
