@@ -97,7 +97,8 @@ class RelativeBias(nn.Module):
         k = torch.arange(k_len, device=device).unsqueeze(0)
         buckets = relative_position_buckets(k - q, self.bidirectional, self.weight.shape[0],
                                             self.max_distance)
-        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
+        # Contiguous: it may be sent to the next pipeline stage, whose receive buffer is.
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
