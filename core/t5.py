@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.core.config import Layout, ModelConfig, TrainSchedule
+from tessera.core.config import ConfigError, Layout, ModelConfig, TrainSchedule
 from tessera.core.model import Norm
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import (
@@ -55,7 +55,11 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import local_shape
-from tessera.core.parallel.t5_sharding import t5_stage_layers, t5_stage_split
+from tessera.core.parallel.t5_sharding import (
+    t5_model_problems,
+    t5_stage_layers,
+    t5_stage_split,
+)
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -271,7 +275,10 @@ class T5Model(nn.Module):
                  schedule: TrainSchedule | None = None, encoder_stages: int | None = None):
         super().__init__()
         if config.family != "t5":
-            raise ValueError(f"T5Model builds family 't5', not {config.family!r}")
+            raise ConfigError(f"T5Model builds family 't5', not {config.family!r}")
+        problems = t5_model_problems(config)
+        if problems:
+            raise ConfigError("not a T5 configuration:\n  - " + "\n  - ".join(problems))
         self.config, self.layout = config, layout or Layout()
         self.train_schedule = schedule or TrainSchedule()
         if self.train_schedule.recompute != "none":

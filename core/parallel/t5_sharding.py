@@ -129,6 +129,22 @@ def t5_stage_layers(stage_id: int, num_stages: int, config: ModelConfig,
     return range(0), range(k * per, (k + 1) * per)
 
 
+def t5_model_problems(config: ModelConfig) -> list[str]:
+    """What a `ModelConfig` of family "t5" sets that T5 does not compute (decoder-only flags),
+    each with the value T5 needs; empty when it is a T5."""
+    want = {"norm": ("rmsnorm",), "position": ("relative",), "activation": ("geglu", "relu"),
+            "bias": (False,), "num_kv_heads": (config.num_heads,)}
+    out = [f"T5 takes {field} in {list(allowed)}, got {getattr(config, field)!r}"
+           for field, allowed in want.items() if getattr(config, field) not in allowed]
+    if config.scaled_output and not config.tied_embeddings:
+        out.append("scaled_output (the original T5's hidden_size ** -0.5 before the output) "
+                   "goes with tied_embeddings; set both or neither")
+    if decoder_layers(config) < 1 or config.num_layers < 1:
+        out.append(f"T5 needs encoder and decoder layers, got {config.num_layers} and "
+                   f"{decoder_layers(config)}")
+    return out
+
+
 def t5_layout_problems(config: ModelConfig, layout: Layout) -> list[str]:
     """What a layout cannot do for T5 (empty when it can), beyond `Layout.problems`."""
     out = []
