@@ -1,5 +1,6 @@
-"""A converted T5 answers through the OpenAI completions route with HF `generate`'s greedy
-output (text with sentinels in and out), and the thin T5 engine refuses what it cannot do."""
+"""A converted T5 answers through the OpenAI completions route and Triton's generate with HF
+`generate`'s greedy output (text with sentinels in and out), and the thin T5 engine refuses
+what it cannot do."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ def test_completion_is_hf_greedy_generate(served):
     assert body["choices"][0]["text"] == tok.decode(want)
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["usage"]["completion_tokens"] == len(want) > 0
+    r = client.post("/v2/models/t5/generate", json={"text_input": PROMPT, "max_tokens": 8,
+                                                     "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == tok.decode(want)  # Triton's generate extension too
 
 
 def test_sampling_requests_are_refused_clearly(served):
