@@ -17,7 +17,8 @@ Deterministic and resumable like the GPT data: sample i depends only on the data
 arguments and i (its noise is drawn from a generator seeded by (seed, i)), so a run resumed at
 sample n reads exactly what an uninterrupted one would.
 
-`ds[i]` is a dict of LongTensors:
+`build_t5_datasets` makes the train / valid / test splits (and blends) from `--data` arguments as
+`gpt_dataset.build_datasets` does. `ds[i]` is a dict of LongTensors:
 - `encoder_ids (encoder_length,)`, `encoder_mask (encoder_length,)` (1 = real token);
 - `decoder_input_ids (target_length,)`: the decoder start token, then the labels shifted right
   (-100 as the pad id), as Hugging Face's `_shift_right` makes them;
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +37,14 @@ import torch
 from torch.utils.data import Dataset
 
 from tessera.core.t5_tokens import SentinelError, SentinelTokenizer
-from tessera.training.gpt_dataset import GPTDataset
+from tessera.training.gpt_dataset import (
+    SPLIT_NAMES,
+    BlendedDataset,
+    GPTDataset,
+    blend_indices,
+    parse_data_args,
+    split_ranges,
+)
 from tessera.training.indexed_dataset import IndexedDataset
 
 Sample = dict[str, torch.Tensor]
@@ -209,3 +218,40 @@ class T5SpanDataset(Dataset[Sample]):
         dec[dec == -100] = self.tok.pad_id
         return {"encoder_ids": torch.from_numpy(enc), "encoder_mask": torch.from_numpy(mask),
                 "decoder_input_ids": torch.from_numpy(dec), "labels": torch.from_numpy(labels)}
+
+
+def build_t5_datasets(
+    data_args: Sequence[str],
+    tokenizer: SentinelTokenizer,
+    encoder_length: int,
+    split: str,
+    num_samples: Sequence[int],
+    seed: int = 1234,
+    cache_dir: str | os.PathLike[str] | None = None,
+    model_vocab_size: int | None = None,
+) -> tuple[Dataset[Sample] | None, Dataset[Sample] | None, Dataset[Sample] | None]:
+    """Train, valid and test span-corruption datasets (None where 0 samples are asked) from
+    `--data` arguments, split by documents and blended exactly as `gpt_dataset.build_datasets`
+    does for GPT (same split ratios, same blend); the other arguments as `T5SpanDataset`'s."""
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must give train, valid, test counts, got {num_samples}")
+    blend = parse_data_args(data_args)
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    ranges = [split_ranges(split, len(ds)) for ds in indexed]
+    weights = tuple(w for w, _ in blend)
+    result: list[Dataset[Sample] | None] = []
+    for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
+        if n <= 0:
+            result.append(None)
+            continue
+        counts = (np.bincount(blend_indices(weights, n)[0], minlength=len(blend))
+                  if len(blend) > 1 else [n])
+        parts = [T5SpanDataset(ds, tokenizer, encoder_length, int(c), seed, ranges[k][s],
+                               cache_dir, f"t5-{name}", model_vocab_size=model_vocab_size)
+                 for k, (ds, c) in enumerate(zip(indexed, counts))]
+        if len(parts) == 1:
+            result.append(parts[0])
+        else:
+            blend_cache = cache_dir if cache_dir is not None else indexed[0].prefix + "_cache"
+            result.append(BlendedDataset(parts, weights, n, blend_cache))
+    return result[0], result[1], result[2]

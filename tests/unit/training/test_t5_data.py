@@ -120,3 +120,17 @@ def test_t5_tiny_learns_span_corruption(data):
         losses.append(loss.item())
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < 0.8 * first, losses
+
+
+def test_splits_and_blends_are_built_like_the_gpt_data(data):
+    from tessera.training.t5_data import build_t5_datasets
+
+    tiny, tok, tmp = data
+    prefix = str(tiny.prefix)
+    train, valid, test = build_t5_datasets([prefix], tok, 32, "90,10,0", [40, 8, 0], seed=3,
+                                           cache_dir=tmp / "cache")
+    assert (len(train), len(valid), test) == (40, 8, None)
+    assert valid.raw.documents[0] == train.raw.documents[1]  # valid starts where train ends
+    blended, _, _ = build_t5_datasets(["0.5", prefix, "0.5", prefix], tok, 32, "90,10,0",
+                                      [10, 0, 0], seed=3, cache_dir=tmp / "cache")
+    assert len(blended) == 10 and set(blended[0]) == set(train[0])
