@@ -62,3 +62,10 @@ def test_dropout_is_applied_only_in_training():
     with torch.no_grad():
         b, c = model(ids, decoder_input_ids=ids), model(ids, decoder_input_ids=ids)
     assert torch.equal(b, c) and not torch.allclose(a, b)
+
+
+def test_t5_base_preset_has_t5_v1_1_base_parameter_count():
+    from tessera.core.parallel.sharding import num_parameters
+
+    # google/t5-v1_1-base: 247,577,856 parameters (embedding, untied lm_head, 12 + 12 layers)
+    assert num_parameters(ModelConfig.from_name("t5-base")) == 247_577_856
