@@ -3,6 +3,8 @@ decode equals the full decoder pass, the pipeline split and decoder-only flags f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.parallel.t5_sharding import t5_stage_layers, t5_stage_split
 from tessera.core.t5 import T5Cache, relative_position_buckets
 from tessera.core.t5_init import build_t5_model
+
+SMALL = ModelConfig.from_name("t5-tiny", vocab_size=64, hidden_size=32, ffn_hidden_size=64)
 
 
 @pytest.mark.parametrize("buckets,distance", [(32, 128), (8, 20)])
@@ -25,9 +29,9 @@ def test_buckets_equal_transformers(buckets, distance):
 
 @torch.no_grad()
 def test_cached_decode_equals_the_full_decoder_pass():
-    model = build_t5_model(ModelConfig.from_name("t5-tiny"), seed=3).eval()
-    enc_ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
-    dec_ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    model = build_t5_model(SMALL, seed=3).eval()
+    enc_ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    dec_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     full = model(enc_ids, decoder_input_ids=dec_ids)
     enc, cache = model.encode(enc_ids), T5Cache()
     steps = [model.decode(dec_ids[:, :3], enc, None, cache)]  # a prefill, then single tokens
@@ -55,8 +59,8 @@ def test_decoder_only_flags_are_refused():
 
 
 def test_dropout_is_applied_only_in_training():
-    model = build_t5_model(ModelConfig.from_name("t5-tiny", dropout=0.2), seed=1)
-    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = build_t5_model(dataclasses.replace(SMALL, dropout=0.2), seed=1)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     a = model(ids, decoder_input_ids=ids)
     model.eval()
     with torch.no_grad():
