@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tessera.core.config import ModelConfig
-from tessera.core.parallel.t5_sharding import decoder_layers, t5_param_shapes
+from tessera.core.parallel.t5_sharding import t5_param_shapes
+from tessera.core.t5_layout import decoder_layers
 
 _ACTIVATIONS = {"gated-gelu": "geglu", "relu": "relu"}
 _STACK = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")

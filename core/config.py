@@ -306,7 +306,11 @@ def _layout_problems(
     if model.ffn_hidden_size % lay.tp:
         out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {lay.tp}")
     stages = lay.num_stages
-    if model.num_layers % stages:
+    if model.family == "t5":  # encoder and decoder share out the stages (core.t5_layout)
+        from tessera.core.t5_layout import t5_layout_problems
+
+        out += t5_layout_problems(model, lay)
+    elif model.num_layers % stages:
         out.append(
             f"num_layers {model.num_layers} is not divisible by pp {lay.pp} x virtual_stages "
             f"{lay.virtual_stages} = {stages}; use a stage count in {divisors(model.num_layers)}"

@@ -9,8 +9,8 @@ layers; decoder blocks add cross-attention over the encoder output; the MLP is g
 output projection is separate (v1.1) or the embedding, with the decoder output scaled by
 hidden_size ** -0.5 first (`scaled_output`, the original).
 
-One `T5Model` is one pipeline stage (see `core.parallel.t5_sharding` for the names, the tp
-splits and how stages share out encoder and decoder). Call it as
+One `T5Model` is one pipeline stage (see `core.parallel.t5_sharding` for the names and tp
+splits, `core.t5_layout` for how stages share out encoder and decoder). Call it as
 
     model(encoder_ids (B, S), decoder_input_ids=(B, T), labels=(B, T) | None,
           encoder_mask=(B, S) | None, local_logits=False)
@@ -55,11 +55,7 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import local_shape
-from tessera.core.parallel.t5_sharding import (
-    t5_model_problems,
-    t5_stage_layers,
-    t5_stage_split,
-)
+from tessera.core.t5_layout import t5_model_problems, t5_stage_layers, t5_stage_split
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -267,7 +263,7 @@ class T5Model(nn.Module):
     """One pipeline stage (by default: all) of a T5 encoder-decoder; see the module docstring.
 
     `encoder_stages`: how many of the `num_stages` stages hold the encoder (default: see
-    `t5_sharding.t5_stage_split`).
+    `t5_layout.t5_stage_split`).
     """
 
     def __init__(self, config: ModelConfig, layout: Layout | None = None,

@@ -17,8 +17,8 @@ import torch
 from tessera.core.config import ConfigError, Layout, ModelConfig, TrainSchedule
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import global_param_shapes, shard_tensor
-from tessera.core.parallel.t5_sharding import decoder_layers, t5_layout_problems
 from tessera.core.t5 import T5Model
+from tessera.core.t5_layout import decoder_layers
 
 
 def init_t5_tensor(name: str, config: ModelConfig, seed: int,
@@ -69,9 +69,7 @@ def build_t5_stages(config: ModelConfig, layout: Layout, groups: ParallelGroups,
                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     seed: int = 0, init: bool = True) -> list[T5Model]:
     """This rank's T5 stage (one per pipeline rank), as a list like `pipeline.build_stages`."""
-    problems = t5_layout_problems(config, layout)
-    if problems:
-        raise ConfigError("invalid parallel layout for T5:\n  - " + "\n  - ".join(problems))
+    layout.validate(config)  # with the T5 checks (`t5_sharding.t5_layout_problems`)
     return [build_t5_model(config, layout, groups, schedule=schedule, stage_id=groups.pp_rank,
                            num_stages=layout.num_stages, encoder_stages=encoder_stages,
                            device=device, dtype=dtype, seed=seed, init=init)]

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.parallel.groups import ParallelGroups, rank_of
-from tessera.core.parallel.t5_sharding import t5_stage_split
 from tessera.core.t5 import T5Model
+from tessera.core.t5_layout import t5_stage_split
 
 
 def embedding_stages(config: ModelConfig, num_stages: int, encoder_stages: int | None = None

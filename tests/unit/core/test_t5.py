@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tessera.core.config import ConfigError, ModelConfig
-from tessera.core.parallel.t5_sharding import t5_stage_layers, t5_stage_split
 from tessera.core.t5 import T5Cache, relative_position_buckets
 from tessera.core.t5_init import build_t5_model
+from tessera.core.t5_layout import t5_stage_layers, t5_stage_split
 
 SMALL = ModelConfig.from_name("t5-tiny", vocab_size=64, hidden_size=32, ffn_hidden_size=64)
 
@@ -73,3 +73,14 @@ def test_t5_base_preset_has_t5_v1_1_base_parameter_count():
 
     # google/t5-v1_1-base: 247,577,856 parameters (embedding, untied lm_head, 12 + 12 layers)
     assert num_parameters(ModelConfig.from_name("t5-base")) == 247_577_856
+
+
+def test_layouts_are_checked_for_t5():
+    from tessera.core.config import Layout
+
+    tiny = ModelConfig.from_name("t5-tiny")  # 2 + 2 layers: pp 4 is one layer per stage
+    assert Layout(pp=4).problems(tiny) == []
+    problems = " ".join(Layout(pp=2, virtual_stages=2, cp=2).problems(tiny))
+    assert "without context parallelism" in problems and "one pipeline stage per rank" in problems
+    three = ModelConfig.from_name("t5-tiny", num_layers=3, num_decoder_layers=3)
+    assert "cannot split over" in " ".join(Layout(pp=4).problems(three))
