@@ -130,11 +130,13 @@ class T5Cache:
 
 
 class SelfAttention(nn.Module):
+    """Self-attention over fused `[q; k; v]` (this rank's heads); layer 0 holds the bias."""
+
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups, sp: bool,
                  causal: bool):
         super().__init__()
-        self.n_heads, self.dropout, self.layer = config.num_heads // groups.tp_size, \
-            config.dropout, layer
+        self.n_heads = config.num_heads // groups.tp_size
+        self.dropout, self.layer = config.dropout, layer
         hd = self.n_heads * config.head_dim
         self.wqkv = ColumnParallelLinear(config.hidden_size, 3 * hd, False, groups.tp_group, sp)
         self.wo = RowParallelLinear(hd, config.hidden_size, False, groups.tp_group, sp)
@@ -154,10 +156,12 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
+    """Decoder queries over the encoder output's keys and values (`wkv = [k; v]`)."""
+
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups, sp: bool):
         super().__init__()
-        self.n_heads, self.dropout, self.layer = config.num_heads // groups.tp_size, \
-            config.dropout, layer
+        self.n_heads = config.num_heads // groups.tp_size
+        self.dropout, self.layer = config.dropout, layer
         hd = self.n_heads * config.head_dim
         self.wq = ColumnParallelLinear(config.hidden_size, hd, False, groups.tp_group, sp)
         self.wkv = ColumnParallelLinear(config.hidden_size, 2 * hd, False, groups.tp_group, sp)
