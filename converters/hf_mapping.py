@@ -188,9 +188,15 @@ def _nemotron_config(hf: dict[str, Any]) -> ModelConfig:
                        **_llama_like_fields(hf, 0.5))  # 0.5: transformers' default for Nemotron
 
 
+def _t5_config(hf: dict[str, Any]) -> ModelConfig:  # T5: converters.hf_t5
+    from tessera.converters.hf_t5 import t5_config_from_hf
+
+    return t5_config_from_hf(hf)
+
+
 _FROM_HF: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gpt2": _gpt2_config, "llama": _llama_config, "mistral": _llama_config,
-    "nemotron": _nemotron_config,
+    "nemotron": _nemotron_config, "t5": _t5_config,
 }
 SUPPORTED_MODEL_TYPES = tuple(_FROM_HF)
 
@@ -221,6 +227,10 @@ _FAMILY_TRAITS: dict[str, dict[str, Any]] = {
 
 
 def _check_exportable(config: ModelConfig) -> None:
+    if config.family == "t5":  # converters.hf_t5
+        from tessera.converters.hf_t5 import check_t5_exportable
+
+        return check_t5_exportable(config)
     if config.family not in _FAMILY_TRAITS:
         raise ConversionError(f"family {config.family!r} has no Hugging Face mapping; "
                               f"known: {', '.join(_FAMILY_TRAITS)}")
@@ -242,6 +252,11 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
                  bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None) -> dict[str, Any]:
     """The `config.json` contents of `config` for transformers (v5, and v4 via legacy keys)."""
+    if config.family == "t5":  # converters.hf_t5
+        from tessera.converters.hf_t5 import t5_config_to_hf
+
+        return t5_config_to_hf(config, dtype=dtype, bos_token_id=bos_token_id,
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     _check_exportable(config)
     c = config
     out: dict[str, Any]
@@ -283,6 +298,11 @@ def _pattern(name: str) -> tuple[str, str]:
 
 def tensor_pairs(config: ModelConfig) -> Iterator[tuple[str, list[tuple[str, bool]]]]:
     """(Tessera global name, [(HF name, transposed?), ...]) in `global_param_shapes` order."""
+    if config.family == "t5":  # converters.hf_t5
+        from tessera.converters.hf_t5 import t5_tensor_pairs
+
+        yield from t5_tensor_pairs(config)
+        return
     names = NAME_MAPS[config.family]
     for name in global_param_shapes(config):
         pattern, layer = _pattern(name)
@@ -321,6 +341,10 @@ def import_tensors(config: ModelConfig, read: Read,
             used.add(found)
         plan.append((name, resolved))
     tied_head = {"lm_head.weight"} if config.tied_embeddings else set()  # a stored tied copy
+    if config.family == "t5":  # converters.hf_t5
+        from tessera.converters.hf_t5 import t5_unread
+
+        tied_head = t5_unread(config)
     unknown = sorted(n for n in hf_names - used - tied_head if not IGNORED.search(n))
     if unknown:
         raise ConversionError(f"the Hugging Face weights hold tensors the {config.family} map "

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
-Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu"]
-Position = Literal["learned", "rope"]
+Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
+Position = Literal["learned", "rope", "relative"]
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -47,6 +47,15 @@ class ModelConfig:
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
+    # T5 (family "t5", `core.t5`): an encoder of `num_layers` and a decoder of
+    # `num_decoder_layers` (None: as many), relative position buckets, the decoder starting
+    # from `decoder_start_token_id`; `scaled_output` multiplies the decoder output by
+    # hidden_size ** -0.5 before the (tied) output projection, as the original T5 does.
+    num_decoder_layers: int | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    decoder_start_token_id: int = 0
+    scaled_output: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -76,7 +85,7 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         """True when the first MLP projection holds two fused halves (gate and up)."""
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "geglu")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,6 +158,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
 }
 PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
+# T5 (`core.t5`): v1.1 (gated GELU, untied output, no output scaling); relu + tied + scaled
+# output gives the original T5.
+_T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",
+           bias=False, tied_embeddings=False, scaled_output=False, init_std=0.05)
+PRESETS["t5-tiny"] = {**_T5, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
+                      "num_decoder_layers": 2, "num_heads": 4, "ffn_hidden_size": 128,
+                      "max_position_embeddings": 512, "relative_attention_num_buckets": 32,
+                      "relative_attention_max_distance": 128}
+PRESETS["t5-base"] = {**_T5, "vocab_size": 32128, "hidden_size": 768, "num_layers": 12,
+                      "num_decoder_layers": 12, "num_heads": 12, "ffn_hidden_size": 2048,
+                      "max_position_embeddings": 512}
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
 
 
@@ -286,7 +306,11 @@ def _layout_problems(
     if model.ffn_hidden_size % lay.tp:
         out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {lay.tp}")
     stages = lay.num_stages
-    if model.num_layers % stages:
+    if model.family == "t5":  # encoder and decoder share out the stages (core.t5_layout)
+        from tessera.core.t5_layout import t5_layout_problems
+
+        out += t5_layout_problems(model, lay)
+    elif model.num_layers % stages:
         out.append(
             f"num_layers {model.num_layers} is not divisible by pp {lay.pp} x virtual_stages "
             f"{lay.virtual_stages} = {stages}; use a stage count in {divisors(model.num_layers)}"

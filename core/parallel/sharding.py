@@ -67,6 +67,10 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every global parameter name and its unsharded shape, in module order."""
+    if config.family == "t5":  # encoder-decoder: its own names (core.parallel.t5_sharding)
+        from tessera.core.parallel.t5_sharding import t5_param_shapes
+
+        return t5_param_shapes(config)
     c, hd = config.hidden_size, config.head_dim
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
     ffn_rows = config.ffn_hidden_size * (2 if config.gated else 1)
@@ -108,6 +112,10 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     lora = _LORA.match(name)
     if lora:
         return _lora_spec(lora["module"], lora["factor"], config)
+    if config.family == "t5":  # encoder-decoder: its own names (core.parallel.t5_sharding)
+        from tessera.core.parallel.t5_sharding import t5_shard_spec
+
+        return t5_shard_spec(name, config)
     if name in ("tok_embeddings.weight", "output.weight"):
         return ShardSpec(dim=0, vocab=True)
     m = _LAYER.match(name)

@@ -1,0 +1,152 @@
+"""The Hugging Face <-> Tessera contract for `T5ForConditionalGeneration` (model type "t5").
+
+`converters.hf_mapping` hands T5 configs and tensors here; `hf_io.import_hf` / `export_hf` and
+resharding then work as for the decoder families (the tp splits and pipeline split of T5
+weights live in `core.parallel.t5_sharding`).
+
+Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transformers' gelu_new is
+the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
+by d_model ** -0.5 is one question in the original T5 and v1.1 alike: transformers v5 records it
+as `scale_decoder_outputs` (and always writes `tie_word_embeddings: true`), v4 as
+`tie_word_embeddings`. So `scaled_output = tied_embeddings = that flag`. Other activations
+(gated-silu, ...) are refused, as is `num_decoder_layers` 0.
+
+Tensors: q/k/v are stacked into `attention.wqkv`, cross-attention k/v into `wkv`, gated
+`wi_0`/`wi_1` into `feed_forward.w1` ([gate; up]); the relative position bias of block 0 of
+each stack is copied. The tied copies transformers may store (`encoder.embed_tokens`,
+`decoder.embed_tokens`, `lm_head` when tied) and the unused cross-attention bias of old
+checkpoints are not read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from tessera.core.config import ModelConfig
+from tessera.core.parallel.t5_sharding import t5_param_shapes
+from tessera.core.t5_layout import decoder_layers
+
+_ACTIVATIONS = {"gated-gelu": "geglu", "relu": "relu"}
+_STACK = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
+
+# Tessera leaf (after `{stack}.layers.{i}.`) -> HF leaves after `{stack}.block.{i}.`, per stack.
+_ENCODER = {
+    "attention_norm.weight": ("layer.0.layer_norm.weight",),
+    "attention.wqkv.weight": tuple(f"layer.0.SelfAttention.{x}.weight" for x in "qkv"),
+    "attention.wo.weight": ("layer.0.SelfAttention.o.weight",),
+    "attention.relative_attention_bias.weight": (
+        "layer.0.SelfAttention.relative_attention_bias.weight",),
+    "ffn_norm.weight": ("layer.1.layer_norm.weight",),
+    "feed_forward.w2.weight": ("layer.1.DenseReluDense.wo.weight",),
+}
+_DECODER = {
+    **{k: v for k, v in _ENCODER.items() if not k.startswith(("ffn", "feed"))},
+    "cross_attention_norm.weight": ("layer.1.layer_norm.weight",),
+    "cross_attention.wq.weight": ("layer.1.EncDecAttention.q.weight",),
+    "cross_attention.wkv.weight": ("layer.1.EncDecAttention.k.weight",
+                                   "layer.1.EncDecAttention.v.weight"),
+    "cross_attention.wo.weight": ("layer.1.EncDecAttention.o.weight",),
+    "ffn_norm.weight": ("layer.2.layer_norm.weight",),
+    "feed_forward.w2.weight": ("layer.2.DenseReluDense.wo.weight",),
+}
+_TOP = {"tok_embeddings.weight": "shared.weight", "encoder.norm.weight":
+        "encoder.final_layer_norm.weight", "decoder.norm.weight": "decoder.final_layer_norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def _fail(message: str) -> Exception:
+    from tessera.converters.hf_mapping import ConversionError
+
+    return ConversionError(message)
+
+
+def t5_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The `ModelConfig` of a transformers T5 `config.json` (v4 or v5)."""
+    proj = hf.get("feed_forward_proj", "relu")
+    if proj not in _ACTIVATIONS:
+        raise _fail(f"t5 config: feed_forward_proj={proj!r} is not supported (supported: "
+                    f"{', '.join(map(repr, _ACTIVATIONS))})")
+    if hf.get("num_decoder_layers") == 0:
+        raise _fail("t5 config: num_decoder_layers=0 (an encoder only) is not a "
+                    "T5ForConditionalGeneration")
+    tied = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
+    layers = hf.get("num_layers", 6)
+    start = hf.get("decoder_start_token_id")
+    return ModelConfig(
+        name="t5", family="t5", vocab_size=hf["vocab_size"], hidden_size=hf["d_model"],
+        num_layers=layers, num_decoder_layers=hf.get("num_decoder_layers") or layers,
+        num_heads=hf["num_heads"], head_dim=hf["d_kv"], ffn_hidden_size=hf["d_ff"],
+        max_position_embeddings=hf.get("n_positions", 512), norm="rmsnorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-6), activation=_ACTIVATIONS[proj],
+        position="relative", bias=False, tied_embeddings=tied, scaled_output=tied,
+        dropout=hf.get("dropout_rate", 0.0),
+        init_std=hf.get("initializer_factor", 1.0) * 0.05,
+        relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
+        relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
+        decoder_start_token_id=hf.get("pad_token_id", 0) if start is None else start)
+
+
+def check_t5_exportable(config: ModelConfig) -> None:
+    """Raise ConversionError when `config` computes what no transformers T5 does."""
+    want = dict(norm="rmsnorm", position="relative", bias=False,
+                scaled_output=config.tied_embeddings, num_kv_heads=config.num_heads)
+    clash = {k: getattr(config, k) for k, v in want.items() if getattr(config, k) != v}
+    if config.activation not in ("geglu", "relu"):
+        clash["activation"] = config.activation
+    if clash:
+        raise _fail(f"this t5 model cannot be written as a Hugging Face T5: {clash} differ from "
+                    f"what it computes ({want}, activation geglu or relu)")
+
+
+def t5_config_to_hf(config: ModelConfig, *, dtype: str = "float32",
+                    bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
+                    pad_token_id: int | None = None) -> dict[str, Any]:
+    """The `config.json` of `config` for `T5ForConditionalGeneration` (v5 and v4 read it)."""
+    check_t5_exportable(config)
+    c = config
+    return dict(
+        architectures=["T5ForConditionalGeneration"], model_type="t5", vocab_size=c.vocab_size,
+        d_model=c.hidden_size, d_kv=c.head_dim, d_ff=c.ffn_hidden_size, num_layers=c.num_layers,
+        num_decoder_layers=decoder_layers(c), num_heads=c.num_heads,
+        relative_attention_num_buckets=c.relative_attention_num_buckets,
+        relative_attention_max_distance=c.relative_attention_max_distance,
+        dropout_rate=c.dropout, layer_norm_epsilon=c.norm_eps,
+        initializer_factor=c.init_std / 0.05,
+        feed_forward_proj="gated-gelu" if c.activation == "geglu" else "relu",
+        is_encoder_decoder=True, n_positions=c.max_position_embeddings,
+        # v4 reads the tying from tie_word_embeddings, v5 the scaling from scale_decoder_outputs
+        # (and unties a stored lm_head that differs from the embedding).
+        tie_word_embeddings=c.tied_embeddings, scale_decoder_outputs=c.scaled_output,
+        decoder_start_token_id=c.decoder_start_token_id,
+        pad_token_id=c.decoder_start_token_id if pad_token_id is None else pad_token_id,
+        eos_token_id=eos_token_id, bos_token_id=bos_token_id, dtype=dtype, torch_dtype=dtype)
+
+
+def t5_tensor_pairs(config: ModelConfig) -> Iterator[tuple[str, list[tuple[str, bool]]]]:
+    """(Tessera global name, [(HF name, transposed?), ...]) in `t5_param_shapes` order."""
+    gated = config.gated
+    for name in t5_param_shapes(config):
+        if name in _TOP:
+            yield name, [(_TOP[name], False)]
+            continue
+        m = _STACK.match(name)
+        stack, layer, leaf = m.group(1), m.group(2), m.group(3)
+        if leaf == "feed_forward.w1.weight":
+            idx = 1 if stack == "encoder" else 2
+            subs = ("wi_0", "wi_1") if gated else ("wi",)
+            hf = tuple(f"layer.{idx}.DenseReluDense.{s}.weight" for s in subs)
+        else:
+            hf = (_ENCODER if stack == "encoder" else _DECODER)[leaf]
+        yield name, [(f"{stack}.block.{layer}.{h}", False) for h in hf]
+
+
+def t5_unread(config: ModelConfig) -> set[str]:
+    """HF tensors a T5 import may find and leaves unread: the tied copies and the unused
+    cross-attention bias of old checkpoints."""
+    out = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+           "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}
+    if config.tied_embeddings:
+        out.add("lm_head.weight")
+    return out

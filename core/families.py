@@ -1,0 +1,20 @@
+"""Which module class builds one pipeline stage of a model family: `T5Model` for "t5", else the
+decoder-only `GPTModel`. For code that builds stages for any family (on the meta device, to
+learn names and shapes: `converters.reshard.target_files`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tessera.core.config import ModelConfig
+
+
+def stage_class(config: ModelConfig) -> type[nn.Module]:
+    """The class whose `(config, layout, groups, stage_id, num_stages)` builds one stage."""
+    if config.family == "t5":
+        from tessera.core.t5 import T5Model
+
+        return T5Model
+    from tessera.core.model import GPTModel
+
+    return GPTModel
