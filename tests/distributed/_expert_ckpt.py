@@ -1,4 +1,5 @@
-"""Checkpoints of expert banks under any ep / etp (issue 14), through the checkpoint writer.
+"""Checkpoints of expert banks under any ep / etp (issue 14), through the checkpoint writer:
+the checks `test_expert_parallel` runs before, on and after 4 ranks.
 
 The MoE layer lives on another branch, so a stand-in model chunk holds only expert banks
 (`layers.{i}.feed_forward.experts.w1` / `.w2`, the contract's names and shapes), each rank its
@@ -24,7 +25,6 @@ from tessera.core.parallel.sharding import (
     expert_global_shape,
     shard_expert_tensor,
 )
-from tessera.core.parallel.spawn import run_ranks
 
 CONFIG = ModelConfig.from_name("llama-tiny", num_experts=4, moe_ffn_hidden_size=12)
 BANKS = [f"layers.{i}.feed_forward.experts.{w}" for i in range(CONFIG.num_layers)
@@ -79,7 +79,8 @@ def _check_pieces(model, groups: ParallelGroups, banks, what: str) -> None:
         assert torch.equal(params[name], want), (what, name)
 
 
-def _body(rank: int, world: int, root: str) -> None:
+def check_checkpoints(rank: int, world: int, root: str) -> None:
+    """On 4 ranks: load the one-process checkpoint, save and reload under other layouts."""
     root_path, banks = Path(root), full_banks()
     with mock.patch("tessera.core.checkpoint.global_param_shapes", _with_banks):
         a = Layout(dp=4, ep=2, etp=2)
@@ -101,20 +102,25 @@ def _body(rank: int, world: int, root: str) -> None:
         _check_pieces(model, groups, banks, "tp2 x ep2 -> tp2")
 
 
-def test_expert_checkpoints_load_under_any_expert_layout(tmp_path):
+def save_single(root: Path) -> None:
+    """Before the ranks: the one-process (ep 1) checkpoint they load."""
+    with mock.patch("tessera.core.checkpoint.global_param_shapes", _with_banks):
+        save_checkpoint(root / "single", stand_in(Layout(), ParallelGroups(), full_banks()))
+
+
+def check_saved(root: Path) -> None:
+    """After the ranks: every checkpoint they wrote, read back by one process."""
     banks = full_banks()
     with mock.patch("tessera.core.checkpoint.global_param_shapes", _with_banks):
-        save_checkpoint(tmp_path / "single", stand_in(Layout(), ParallelGroups(), banks))
-        run_ranks(_body, 4, str(tmp_path))
-        files = sorted(p.name for p in (tmp_path / "ep2xetp2").glob("experts-*"))
+        files = sorted(p.name for p in (root / "ep2xetp2").glob("experts-*"))
         assert files == [f"experts-ep{e:02d}-etp{t:02d}-pp00.safetensors"
                          for e in range(2) for t in range(2)]
         for ckpt in ("single", "ep2xetp2", "tp2xep2"):
-            reader = CheckpointReader(tmp_path / ckpt)
+            reader = CheckpointReader(root / ckpt)
             for name in BANKS:
                 assert torch.equal(reader.global_tensor(name), banks[name]), (ckpt, name)
             model = stand_in(Layout(), ParallelGroups(), None)
-            load_weights(model, tmp_path / ckpt)
+            load_weights(model, root / ckpt)
             _check_pieces(model, ParallelGroups(), banks, f"{ckpt} -> one process")
-        manifest = CheckpointReader(tmp_path / "tp2xep2").manifest
+        manifest = CheckpointReader(root / "tp2xep2").manifest
         assert (manifest.layout.tp, manifest.layout.ep, manifest.layout.etp) == (2, 2, 1)
