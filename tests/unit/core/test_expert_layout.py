@@ -67,3 +67,22 @@ def test_expert_grid_folds_over_each_stage():
     # etp 1 < tp 2 folds ep over the tp peers (kept on one node, as Megatron folds it).
     folded = Layout(tp=2, dp=2, ep=2, sequence_parallel=True)
     assert [expert_coords(r, folded)[1] for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_pretrain_and_tune_flags_and_yaml_reach_the_layout(tmp_path):
+    from tessera.training.config import load_config
+    from tessera.training.loop import check_config
+    from tessera.tuning.config import build_parser as build_tune_parser
+
+    cfg, _ = load_config(["--ep", "2", "--etp", "2", "--model", "llama-tiny",
+                          "--model-overrides", "num_experts=4", "moe_ffn_hidden_size=32"])
+    assert (cfg.parallel.layout().ep, cfg.parallel.layout().etp) == (2, 2)
+    check_config(cfg, 4)  # dp 4 from the world; ep x etp folded over it
+    assert cfg.parallel.layout() == Layout(dp=4, ep=2, etp=2)
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model: llama-tiny\nparallel:\n  ep: 2\n")
+    cfg, _ = load_config(["--config", str(yaml_file)])
+    assert cfg.parallel.ep == 2
+    with pytest.raises(ConfigError, match="this model is dense"):
+        check_config(cfg, 2)
+    assert "--ep N" in build_tune_parser().format_help()
