@@ -56,7 +56,8 @@ def read_expert_shard(reader: CheckpointReader, name: str, groups: ParallelGroup
     ep and etp, otherwise sliced from the whole bank."""
     lay, files = reader.manifest.layout, reader.manifest.weight_map[name]
     ep, etp = groups.ep_size, groups.etp_size
-    if (lay.ep, lay.etp) == (ep, etp) and len(files) == ep * etp:
+    if (lay.ep, lay.etp) == (ep, etp) and len(files) == ep * etp and all(
+            f.startswith("experts-") for f in files):
         return reader._dequantized(files[groups.ep_rank * etp + groups.etp_rank], name)
     return shard_expert_tensor(name, reader.global_tensor(name), reader.manifest.model,
                                groups.ep_rank, ep, groups.etp_rank, etp)

@@ -52,7 +52,6 @@ from torch import nn
 
 from tessera.core.config import TrainSchedule
 from tessera.core.parallel.expert_data_parallel import (
-    expert_parallel,
     expert_parameters,
     reduce_expert_gradients,
 )
@@ -76,8 +75,9 @@ def wrap_data_parallel(
     if groups.dp_cp_size == 1:
         return modules
     kind = schedule.data_parallel
-    if expert_parallel(groups) and (kind == "fsdp" or groups.pp_size == 1):
-        # DDP's reducer and FSDP2 would average expert banks over dp x cp (other experts).
+    if expert_parameters(modules, groups) and (kind == "fsdp" or groups.pp_size == 1):
+        # DDP's reducer and FSDP2 would average trainable expert banks over dp x cp (other
+        # experts); frozen ones (prompt tuning on an MoE base) are never reduced.
         raise ValueError(f"data_parallel {kind!r} wrapping does not know expert banks (ep "
                          f"{groups.ep_size} x etp {groups.etp_size}); leave the modules "
                          "unwrapped and call allreduce_gradients after backward, with "

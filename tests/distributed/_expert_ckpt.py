@@ -124,3 +124,19 @@ def check_saved(root: Path) -> None:
             _check_pieces(model, ParallelGroups(), banks, f"{ckpt} -> one process")
         manifest = CheckpointReader(root / "tp2xep2").manifest
         assert (manifest.layout.tp, manifest.layout.ep, manifest.layout.etp) == (2, 2, 1)
+    # The resharder reads expert pieces of any ep / etp and writes whole banks (ep 1) into
+    # each tp file; the model's file list comes from the stand-in's banks here.
+    from tessera.converters.reshard import reshard_checkpoint
+
+    def banks_in_every_file(config, layout):
+        return {(t, 0): _with_banks(config) for t in range(layout.tp)}
+
+    with mock.patch("tessera.core.checkpoint.global_param_shapes", _with_banks), \
+            mock.patch("tessera.converters.reshard.global_param_shapes", _with_banks), \
+            mock.patch("tessera.converters.reshard.target_files", banks_in_every_file):
+        reshard_checkpoint(root / "ep2xetp2", root / "resharded", tp=2, progress=False)
+        reader = CheckpointReader(root / "resharded")
+        assert (reader.manifest.layout.tp, reader.manifest.layout.ep) == (2, 1)
+        for name in BANKS:
+            assert torch.equal(reader.global_tensor(name), banks[name]), ("resharded", name)
+            assert torch.equal(reader.shard(name, 1, 2), banks[name]), ("resharded tp1", name)
