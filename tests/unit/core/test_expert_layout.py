@@ -70,19 +70,32 @@ def test_expert_grid_folds_over_each_stage():
 
 
 def test_pretrain_and_tune_flags_and_yaml_reach_the_layout(tmp_path):
+    # (Not training.loop.check_config: importing the loop costs seconds; it validates with
+    # the same Layout.validate.)
     from tessera.training.config import load_config
-    from tessera.training.loop import check_config
     from tessera.tuning.config import build_parser as build_tune_parser
 
-    cfg, _ = load_config(["--ep", "2", "--etp", "2", "--model", "llama-tiny",
+    cfg, _ = load_config(["--ep", "2", "--etp", "2", "--dp", "4", "--model", "llama-tiny",
                           "--model-overrides", "num_experts=4", "moe_ffn_hidden_size=32"])
-    assert (cfg.parallel.layout().ep, cfg.parallel.layout().etp) == (2, 2)
-    check_config(cfg, 4)  # dp 4 from the world; ep x etp folded over it
     assert cfg.parallel.layout() == Layout(dp=4, ep=2, etp=2)
+    cfg.parallel.layout().validate(cfg.model, world_size=4)
     yaml_file = tmp_path / "run.yaml"
-    yaml_file.write_text("model: llama-tiny\nparallel:\n  ep: 2\n")
+    yaml_file.write_text("model: llama-tiny\nparallel:\n  ep: 2\n  dp: 2\n")
     cfg, _ = load_config(["--config", str(yaml_file)])
-    assert cfg.parallel.ep == 2
+    assert cfg.parallel.layout() == Layout(dp=2, ep=2)
     with pytest.raises(ConfigError, match="this model is dense"):
-        check_config(cfg, 2)
+        cfg.parallel.layout().validate(cfg.model, world_size=2)
     assert "--ep N" in build_tune_parser().format_help()
+
+
+def test_sharded_data_parallel_refused_with_expert_parallelism():
+    from tessera.core import TrainSchedule
+    from tessera.core.parallel.pipeline import train_schedule_problems
+
+    lay = Layout(dp=4, ep=2)
+    for kind in ("zero1", "fsdp"):
+        problems = train_schedule_problems(lay, TrainSchedule(data_parallel=kind))
+        assert any(f"data_parallel {kind!r} shards every parameter" in p and "ep 2 x etp 1" in p
+                   for p in problems), problems
+    assert train_schedule_problems(lay, TrainSchedule()) == []
+    assert train_schedule_problems(Layout(dp=4), TrainSchedule(data_parallel="zero1")) == []
