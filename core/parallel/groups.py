@@ -87,6 +87,8 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
     each kv head; above 1 it builds the replica groups whose kv gradients are summed (training
     needs them; `pipeline.sync_kv_replica_grads` refuses to run without).
     Without an initialized process group this returns the single-process `ParallelGroups()`.
+    With expert parallelism (ep x etp > 1) it also builds the ep, etp and edp groups of the
+    expert grid (`core.parallel.expert_groups`), after all the others.
     """
     if not dist.is_available() or not dist.is_initialized():
         if par.world_size != 1:
