@@ -59,3 +59,40 @@ def test_shard_and_unshard_experts(config, ep, etp):
         assert torch.equal(unshard_tensors(name, pieces, config), full)
         # Whole copies (replicated over tp) give the whole tensor.
         assert torch.equal(unshard_tensors(name, [full, full.clone()], config), full)
+
+
+def test_init_gives_each_expert_grid_rank_its_piece_of_the_global_init():
+    """`init_weights` under ep x etp equals the one-process initialization, sliced."""
+    from unittest import mock
+
+    from torch import nn
+
+    from tessera.core.init import init_global_tensor, init_weights
+    from tessera.core.parallel.groups import ParallelGroups
+
+    banks = {f"layers.0.feed_forward.experts.{w}": expert_global_shape(
+        f"layers.0.feed_forward.experts.{w}", GATED) for w in ("w1", "w2")}
+
+    class Banks(nn.Module):  # a model chunk holding only this rank's expert pieces
+        def __init__(self, groups: ParallelGroups) -> None:
+            super().__init__()
+            self.config, self.groups = GATED, groups
+            self.layers = nn.ModuleDict({"0": nn.Module()})
+            self.layers["0"].feed_forward = nn.Module()
+            experts = self.layers["0"].feed_forward.experts = nn.Module()
+            for name in banks:
+                shape = expert_local_shape(name, GATED, groups.ep_size, groups.etp_size)
+                experts.register_parameter(name[-2:], nn.Parameter(torch.empty(shape)))
+
+        def global_name(self, local_name: str) -> str:
+            return local_name
+
+    with mock.patch("tessera.core.init.global_param_shapes", lambda config: banks):
+        for ep_rank, etp_rank in ((0, 0), (1, 1), (0, 2)):
+            g = ParallelGroups(ep_rank=ep_rank, ep_size=2, etp_rank=etp_rank, etp_size=3)
+            model = Banks(g)
+            init_weights(model, seed=5)
+            for name, param in model.named_parameters():
+                want = shard_expert_tensor(name, init_global_tensor(name, GATED, 5), GATED,
+                                           ep_rank, 2, etp_rank, 3)
+                assert torch.equal(param, want), (name, ep_rank, etp_rank)
