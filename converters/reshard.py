@@ -59,13 +59,13 @@ from tessera.core.checkpoint import (
     write_manifest,
 )
 from tessera.core.config import Layout, ModelConfig
+from tessera.core.expert_checkpoint import stored_in_pieces
 from tessera.core.fp8 import quantize, weight_amax
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     expert_local_shape,
     global_param_shapes,
-    is_expert_param,
     num_parameters,
     shard_columns,
     shard_row_ranges,
@@ -171,7 +171,7 @@ class StreamingReader(CheckpointReader):
                 # source's expert bank: its expert-grid piece.
                 lay = self.manifest.layout
                 want = expert_local_shape(name, config, lay.ep, lay.etp) if (
-                    is_expert_param(name) and len(files) > 1) else stored_shape(
+                    stored_in_pieces(name, files)) else stored_shape(
                     name, config, rank, len(files))
                 handle = self._open(file)
                 if name not in handle.keys():
@@ -480,7 +480,7 @@ def expert_bank(reader: StreamingReader, name: str, config: ModelConfig) -> torc
     otherwise: it streams like any tensor). The target is written without expert parallelism
     (`target_layout` keeps ep and etp at 1); loading under any ep / etp slices it."""
     files = reader.manifest.weight_map[name]
-    if not is_expert_param(name) or len(files) == 1:
+    if not stored_in_pieces(name, files):
         return None
     return unshard_tensors(name, [reader.read(f, name) for f in files], config)
 

@@ -52,13 +52,13 @@ from tessera.core.config import ConfigError, Layout, ModelConfig
 from tessera.core.expert_checkpoint import (
     expert_sharded,
     read_expert_shard,
+    stored_in_pieces,
     write_expert_weights,
 )
 from tessera.core.files import atomic_file, dir_mode, file_mode
 from tessera.core.model import GPTModel
 from tessera.core.parallel.sharding import (
     global_param_shapes,
-    is_expert_param,
     shard_spec,
     shard_tensor,
     stored_shard,
@@ -227,7 +227,8 @@ class CheckpointReader:
     def global_tensor(self, name: str) -> torch.Tensor:
         """The unsharded tensor `name`, dequantized to the checkpoint's dtype if stored as FP8."""
         files = self.manifest.weight_map[name]
-        if shard_spec(name, self.manifest.model).dim is None and not is_expert_param(name):
+        if shard_spec(name, self.manifest.model).dim is None and not stored_in_pieces(name,
+                                                                                     files):
             files = files[:1]  # replicated: any copy is the whole tensor
         shards = [self._dequantized(f, name) for f in files]
         return unshard_tensors(name, shards, self.manifest.model)
@@ -245,7 +246,7 @@ class CheckpointReader:
         """The tensor `name` for tp rank `tp_rank` of `tp_size`, read from as few files as can be."""
         files, config = self.manifest.weight_map[name], self.manifest.model
         if len(files) == tp_size and tp_size == self.manifest.layout.tp and not (
-                is_expert_param(name)):  # expert banks: split over ep x etp, not tp
+                stored_in_pieces(name, files)):  # expert pieces: split over ep x etp, not tp
             sources = stored_sources(name, config, tp_rank, tp_size)
             if sources is None:
                 return self._dequantized(files[tp_rank], name)

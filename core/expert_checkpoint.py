@@ -35,6 +35,12 @@ def expert_file_name(ep_rank: int, etp_rank: int, pp_rank: int) -> str:
     return f"experts-ep{ep_rank:02d}-etp{etp_rank:02d}-pp{pp_rank:02d}.safetensors"
 
 
+def stored_in_pieces(name: str, files: list[str]) -> bool:
+    """Whether the weight map's `files` for `name` are expert-grid pieces (to put together),
+    not whole copies (an expert bank written without expert parallelism, once per tp rank)."""
+    return is_expert_param(name) and any(f.startswith("experts-") for f in files)
+
+
 def write_expert_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str]]:
     """Write this rank's expert pieces (expert-data-parallel rank 0 only; nothing without
     expert parallelism) into `directory`; return its part of the weight map."""
@@ -56,8 +62,8 @@ def read_expert_shard(reader: CheckpointReader, name: str, groups: ParallelGroup
     ep and etp, otherwise sliced from the whole bank."""
     lay, files = reader.manifest.layout, reader.manifest.weight_map[name]
     ep, etp = groups.ep_size, groups.etp_size
-    if (lay.ep, lay.etp) == (ep, etp) and len(files) == ep * etp and all(
-            f.startswith("experts-") for f in files):
+    if (lay.ep, lay.etp) == (ep, etp) and len(files) == ep * etp and stored_in_pieces(
+            name, files):
         return reader._dequantized(files[groups.ep_rank * etp + groups.etp_rank], name)
     return shard_expert_tensor(name, reader.global_tensor(name), reader.manifest.model,
                                groups.ep_rank, ep, groups.etp_rank, etp)
