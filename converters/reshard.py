@@ -59,10 +59,12 @@ from tessera.core.checkpoint import (
     write_manifest,
 )
 from tessera.core.config import Layout, ModelConfig
+from tessera.core.expert_checkpoint import stored_in_pieces
 from tessera.core.families import stage_class
 from tessera.core.fp8 import quantize, weight_amax
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
+    expert_local_shape,
     global_param_shapes,
     num_parameters,
     shard_columns,
@@ -73,6 +75,7 @@ from tessera.core.parallel.sharding import (
     stored_shape,
     stored_shard,
     unshard_scales,
+    unshard_tensors,
 )
 from tessera.core.parallel.weight_format import quantizable
 from tessera.core.progress import progress_iter
@@ -164,8 +167,12 @@ class StreamingReader(CheckpointReader):
         config = self.manifest.model
         for name, files in self.manifest.weight_map.items():
             for rank, file in enumerate(files):
-                # The rank's stored form; replicated: the global shape.
-                want = stored_shape(name, config, rank, len(files))
+                # The rank's stored form; replicated: the global shape; an expert-parallel
+                # source's expert bank: its expert-grid piece.
+                lay = self.manifest.layout
+                want = expert_local_shape(name, config, lay.ep, lay.etp) if (
+                    stored_in_pieces(name, files)) else stored_shape(
+                    name, config, rank, len(files))
                 handle = self._open(file)
                 if name not in handle.keys():
                     raise CheckpointError(f"{self.path / file} lacks tensor {name!r} (see weight_map)")
@@ -391,6 +398,9 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     fresh per-tensor FP8 scales take a first pass over the chunks for the global amax.
     """
     files = reader.manifest.weight_map[name]
+    # An expert bank of an expert-parallel source (ep x etp piece files): put together whole,
+    # one layer's bank at a time rather than in row chunks (`core.expert_checkpoint`).
+    whole = expert_bank(reader, name, config)
     if shard_spec(name, config).dim is None:
         files = files[:1]  # replicated: any copy is the whole tensor
     src_dtype, rows = reader.stored_dtype(name), shape[0]
@@ -409,6 +419,8 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     step = max(1, CHUNK_BYTES // max(1, row_bytes))
 
     def read(g0: int, g1: int) -> torch.Tensor:
+        if whole is not None:
+            return whole[g0:g1]
         chunk = scratch.get("chunk", (g1 - g0, *shape[1:]), src_dtype)
         for file, ranges, col in sources:
             for a, b, local in ranges:
@@ -461,6 +473,16 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     for t, writer, *_ in outs:
         part = stored_shard(name, shard_scale(name, scale, config, t, tp), config, t, tp)
         writer.write(name + ".scale", part.contiguous())
+
+
+def expert_bank(reader: StreamingReader, name: str, config: ModelConfig) -> torch.Tensor | None:
+    """The whole expert bank `name` when the source stores it in expert-parallel pieces (None
+    otherwise: it streams like any tensor). The target is written without expert parallelism
+    (`target_layout` keeps ep and etp at 1); loading under any ep / etp slices it."""
+    files = reader.manifest.weight_map[name]
+    if not stored_in_pieces(name, files):
+        return None
+    return unshard_tensors(name, [reader.read(f, name) for f in files], config)
 
 
 def _write_piece(writer: SafetensorsWriter, name: str, row: int, kept: tuple[int, ...],

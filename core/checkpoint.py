@@ -11,7 +11,9 @@ Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
 - `model-tp{t}-pp{p}.safetensors`: the tensors of tp rank t, pipeline rank p, under their global
   names. Rank (t, p) of the same layout reads only its own file; any other layout reads the shards
   it needs and re-slices them with `sharding`, so every checkpoint loads under every layout,
-  bit-exactly. Under kv-head replication (tp > num_kv_heads) each file holds its rank's
+  bit-exactly. Under expert parallelism the expert banks go to
+  `experts-ep{e}-etp{t}-pp{p}.safetensors` instead (`core.expert_checkpoint`). Under kv-head
+  replication (tp > num_kv_heads) each file holds its rank's
   `sharding.stored_shard`: a kv head is stored once, by the first rank of its replica group, and
   the other ranks of the group read it from there. An FP8 weight (see `core.fp8`) keeps its fp32
   scale `NAME.scale` next to each shard, in the same file. Files are opened lazily
@@ -47,6 +49,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tessera.core.config import ConfigError, Layout, ModelConfig
+from tessera.core.expert_checkpoint import (
+    expert_sharded,
+    read_expert_shard,
+    stored_in_pieces,
+    write_expert_weights,
+)
 from tessera.core.files import atomic_file, dir_mode, file_mode
 from tessera.core.model import GPTModel
 from tessera.core.parallel.sharding import (
@@ -219,7 +227,8 @@ class CheckpointReader:
     def global_tensor(self, name: str) -> torch.Tensor:
         """The unsharded tensor `name`, dequantized to the checkpoint's dtype if stored as FP8."""
         files = self.manifest.weight_map[name]
-        if shard_spec(name, self.manifest.model).dim is None:
+        if shard_spec(name, self.manifest.model).dim is None and not stored_in_pieces(name,
+                                                                                     files):
             files = files[:1]  # replicated: any copy is the whole tensor
         shards = [self._dequantized(f, name) for f in files]
         return unshard_tensors(name, shards, self.manifest.model)
@@ -236,7 +245,8 @@ class CheckpointReader:
     def shard(self, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
         """The tensor `name` for tp rank `tp_rank` of `tp_size`, read from as few files as can be."""
         files, config = self.manifest.weight_map[name], self.manifest.model
-        if len(files) == tp_size and tp_size == self.manifest.layout.tp:
+        if len(files) == tp_size and tp_size == self.manifest.layout.tp and not (
+                stored_in_pieces(name, files)):  # expert pieces: split over ep x etp, not tp
             sources = stored_sources(name, config, tp_rank, tp_size)
             if sources is None:
                 return self._dequantized(files[tp_rank], name)
@@ -259,6 +269,8 @@ def stored_parameters(models: list[GPTModel]) -> dict[str, torch.nn.Parameter]:
             if local_name.startswith("embedding_hook."):
                 continue
             if model.global_name(local_name) != local_name:  # the tied output copy
+                continue
+            if expert_sharded(local_name, g):  # written by `write_expert_weights`
                 continue
             if shard_spec(local_name, config).dim is not None or g.tp_rank == 0:
                 out.setdefault(local_name, param)
@@ -304,6 +316,7 @@ def save_checkpoint(
     if distributed:
         dist.barrier()
     weight_map = write_weights(tmp, models) if g.dp_cp_rank == 0 else {}  # cp replicas too
+    weight_map.update(write_expert_weights(tmp, models))  # expert parallelism only
     if write_extra_files is not None:
         write_extra_files(tmp)
     maps = [weight_map]
@@ -349,7 +362,8 @@ def load_weights(models: GPTModel | list[GPTModel], path: str | os.PathLike) -> 
             if local_name.startswith("embedding_hook."):
                 continue
             name = model.global_name(local_name)
-            value = reader.shard(name, g.tp_rank, g.tp_size)
+            value = read_expert_shard(reader, name, g) if expert_sharded(name, g) else \
+                reader.shard(name, g.tp_rank, g.tp_size)
             if value.shape != param.shape:
                 raise CheckpointError(f"{path}: tensor {name} has shape {tuple(value.shape)}, "
                                       f"the model expects {tuple(param.shape)}")

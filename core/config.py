@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tessera.core.expert_config import expert_layout_problems
+
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
 Position = Literal["learned", "rope", "relative"]
@@ -56,6 +58,11 @@ class ModelConfig:
     relative_attention_max_distance: int = 128
     decoder_start_token_id: int = 0
     scaled_output: bool = False
+    # --- Mixture-of-Experts, expert-parallel branch (issue 14): the two fields expert
+    # parallelism reads. The MoE branch owns these and adds the rest (moe_top_k, ...);
+    # reconciled at merge. 0 experts: a dense model.
+    num_experts: int = 0
+    moe_ffn_hidden_size: int | None = None  # each expert's FFN size; None: ffn_hidden_size
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -205,10 +212,24 @@ class Layout:
     last (the ZBV and DualPipeV schedules). Placement is part of the layout, not of the
     schedule, so converters, checkpoints and the server can describe it without one.
 
-    Room for what comes next (not implemented): expert parallelism `ep` will not add ranks
-    but split the data-parallel ranks (dp x cp) into expert groups for the MoE layers, so it
-    must divide them. Each new field defaults to 1, so an older manifest (without them) still
-    reads as the same layout.
+    Expert parallelism (`ep`, `etp`; Mixture-of-Experts models only) adds no ranks: it folds
+    the same `tp * cp * dp` ranks of each pipeline stage into a second grid for the expert
+    layers, as Megatron's "parallel folding" does (Liu et al. 2025, arXiv 2504.14960). Within
+    a stage, let `q = (dp_rank * cp + cp_rank) * tp + tp_rank` (the rank's index in its stage);
+    the expert grid is etp fastest, then ep, then edp: `etp_rank = q % etp`,
+    `ep_rank = (q // etp) % ep`, `edp_rank = q // (etp * ep)`, `edp = tp * cp * dp / (ep *
+    etp)` (`core.parallel.expert_groups`). The *ep group* (same etp and edp rank) holds the
+    experts split along the expert dimension (`num_experts / ep` each) and exchanges tokens
+    with all-to-alls; the *etp group* (same ep and edp rank, consecutive ranks) splits each
+    expert's FFN like tensor parallelism and talks in every MoE layer, so it is fastest, as tp
+    is; the *edp group* (same etp and ep rank) holds identical expert shards, and expert
+    gradients are reduced over it only. With etp equal to tp the etp group is the tp group
+    and the ep group is carved out of the dp x cp ranks (Megatron's layout without folding);
+    a smaller etp folds ep over tp peers too, which keeps the all-to-all on one node. ep must
+    divide dp x cp and ep x etp must divide tp x cp x dp (checked). Each rank must enter the
+    expert layer with tokens of its own, so tp > 1 with ep x etp > 1 needs sequence
+    parallelism (Megatron asks the same). Both fields default to 1 (no expert parallelism:
+    every rank holds every expert), so an older manifest reads as the same layout.
 
     The training schedule (pipeline schedule, micro-batches, recomputation, data-parallel
     flavour, cp communication) is a separate `TrainSchedule`: how a step runs, not where
@@ -222,6 +243,9 @@ class Layout:
     dp: int = 1  # data-parallel size
     sequence_parallel: bool = False  # shard norm/dropout activations along the sequence over tp
     cp: int = 1  # context-parallel size: each sequence split over cp ranks
+    # --- Expert parallelism (issue 14; see the docstring): folded over tp x cp x dp.
+    ep: int = 1  # expert-parallel size: experts split over ep ranks
+    etp: int = 1  # expert-tensor-parallel size: each expert's FFN split over etp ranks
 
     @property
     def world_size(self) -> int:
@@ -334,6 +358,7 @@ def _layout_problems(
             out.append(f"each cp rank's {seq_len // lay.cp} tokens (sequence length {seq_len} / "
                        f"cp {lay.cp}) do not split over tp {lay.tp} (sequence parallel); use a "
                        f"sequence length that is a multiple of {lay.tp * 2 * lay.cp}")
+    out += expert_layout_problems(lay, model)  # expert parallelism (issue 14)
     return out
 
 

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
+from tessera.core.expert_checkpoint import expert_sharded
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.sharding import global_param_shapes, shard_tensor
+from tessera.core.parallel.sharding import global_param_shapes, shard_expert_tensor, shard_tensor
 
 
 def init_global_tensor(name: str, config: ModelConfig, seed: int,
@@ -46,6 +47,10 @@ def init_weights(model: GPTModel, seed: int) -> None:
             continue
         name = model.global_name(local_name)
         full = init_global_tensor(name, model.config, seed, param.device)
+        if expert_sharded(name, g):  # expert parallelism: this rank's piece of the grid
+            param.copy_(shard_expert_tensor(name, full, model.config, g.ep_rank, g.ep_size,
+                                            g.etp_rank, g.etp_size))
+            continue
         param.copy_(shard_tensor(name, full, model.config, g.tp_rank, g.tp_size))
 
 

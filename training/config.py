@@ -120,6 +120,9 @@ class ParallelSection:
     schedule: str = "1f1b"
     micro_batches: int = 1
     data_parallel: DataParallel = "ddp"
+    # --- Expert parallelism (issue 14): MoE models only, folded over tp x cp x dp.
+    ep: int = 1
+    etp: int = 1
 
     def layout(self) -> Layout:
         from tessera.core.parallel.pipeline import split_layout_and_schedule
@@ -163,6 +166,10 @@ _PARALLEL_HELP = {
     "schedule": "pipeline schedule: 1f1b | interleaved-1f1b | zero-bubble | zbv | gpipe | ...",
     "micro_batches": "micro-batches per step (pipeline fill / gradient accumulation)",
     "data_parallel": "ddp | zero1 (optimizer state sharded over dp) | fsdp (FSDP2: parameters too)",
+    "ep": "expert-parallel size (MoE models): the experts split over ep of the dp x cp ranks; "
+          "adds no ranks",
+    "etp": "expert-tensor-parallel size (MoE models): each expert's FFN split over etp ranks, "
+           "set apart from tp; ep x etp must divide tp x cp x dp",
 }
 
 

@@ -6,7 +6,9 @@ are summed over the tp group, replicated parameters (norms, row biases) are coun
 only, stages are summed over the pp group, and a tied embedding's output copy on the last stage
 is skipped (its gradient was already summed into the embedding's). Data-parallel replicas hold
 identical (averaged) gradients, so nothing is summed over dp, except under FSDP2, whose
-gradients are row shards over dp: their squares are summed over the dp group too.
+gradients are row shards over dp: their squares are summed over the dp group too. Under expert
+parallelism the expert banks' squares are summed over the ep and etp groups instead
+(`core.parallel.expert_data_parallel`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from tessera.core.model import GPTModel
 from tessera.core.parallel.data_parallel import build_zero_optimizer
+from tessera.core.parallel.expert_data_parallel import expert_grad_norm_squared, expert_parallel
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.sharding import shard_spec, stored_shard
+from tessera.core.parallel.sharding import is_expert_param, shard_spec, stored_shard
 from tessera.training.config import TrainConfig
 
 
@@ -79,13 +82,16 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, identical on every rank of the job."""
     g = models[0].groups
     device = next(models[0].parameters()).device
-    counted, dp_sharded = [], False
+    counted, dp_sharded, experts = [], False, []
     for model in models:
         for local_name, p in model.named_parameters():
             if p.grad is None:
                 continue
             name = model.global_name(local_name)
             if name != local_name:  # tied output copy: counted through the embedding
+                continue
+            if expert_parallel(g) and is_expert_param(name):  # summed over ep x etp below
+                experts.append(p.grad.detach())
                 continue
             replicated = shard_spec(name, model.config).dim is None
             if replicated and g.tp_rank != 0:
@@ -105,6 +111,8 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
     for group in (g.tp_group, g.pp_group, g.dp_cp_group if dp_sharded else None):
         if group is not None:
             dist.all_reduce(total, group=group)
+    if expert_parallel(g):  # every expert piece once: over ep x etp (and pp), not edp or tp
+        total = total + expert_grad_norm_squared(experts, g, device)
     return total.sqrt()
 
 

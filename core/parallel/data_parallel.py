@@ -42,6 +42,7 @@ ZeRO-1 / FSDP shard rows over dp x cp. With cp 1 it is exactly the dp group.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -50,6 +51,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.config import TrainSchedule
+from tessera.core.parallel.expert_data_parallel import (
+    expert_parameters,
+    reduce_expert_gradients,
+)
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
 
@@ -70,6 +75,13 @@ def wrap_data_parallel(
     if groups.dp_cp_size == 1:
         return modules
     kind = schedule.data_parallel
+    if expert_parameters(modules, groups) and (kind == "fsdp" or groups.pp_size == 1):
+        # DDP's reducer and FSDP2 would average trainable expert banks over dp x cp (other
+        # experts); frozen ones (prompt tuning on an MoE base) are never reduced.
+        raise ValueError(f"data_parallel {kind!r} wrapping does not know expert banks (ep "
+                         f"{groups.ep_size} x etp {groups.etp_size}); leave the modules "
+                         "unwrapped and call allreduce_gradients after backward, with "
+                         "data_parallel 'ddp'")
     if kind == "fsdp":
         split = groups.pp_size > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES
         per_layer = not split or SHARD_LAYERS_UNDER_SPLIT_BACKWARD
@@ -107,13 +119,19 @@ def allreduce_gradients(modules: Sequence[nn.Module], groups: ParallelGroups) ->
 
     Parameters without a gradient get zeros first, so every dp rank reduces the same buffer.
     FSDP2 (`DTensor`) parameters are skipped: FSDP2 reduce-scatters their gradients itself.
+    Under expert parallelism the expert banks are reduced over their expert-data-parallel
+    group instead (`expert_data_parallel.reduce_expert_gradients`).
     """
+    reduce_expert_gradients(modules, groups)  # nothing without expert parallelism
     if groups.dp_cp_group is None:
         return
-    from torch.distributed.tensor import DTensor
-
+    # FSDP2 imports DTensor; until something has, no parameter is one (and importing it here
+    # would cost seconds in every process that never shards).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    experts = set(expert_parameters(modules, groups))
     params = [p for m in modules for p in m.parameters()
-              if p.requires_grad and not isinstance(p, DTensor)]
+              if p.requires_grad and not (dtensor and isinstance(p, dtensor.DTensor))
+              and p not in experts]
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.config import Layout
+from tessera.core.parallel.expert_groups import build_expert_groups, expert_fields
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,18 @@ class ParallelGroups:
     dp_cp_rank: int = 0
     dp_cp_size: int = 1
     dp_cp_group: dist.ProcessGroup | None = None
+    # --- Expert parallelism (issue 14; `core.parallel.expert_groups`): the expert grid folded
+    # over the stage's tp x cp x dp ranks. Without it (ep = etp = 1) these stay at their
+    # defaults and the expert layer's parameters are plain replicated ones.
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None  # ranks holding the other experts
+    etp_rank: int = 0
+    etp_size: int = 1
+    etp_group: dist.ProcessGroup | None = None  # ranks holding other FFN slices of my experts
+    edp_rank: int = 0
+    edp_size: int = 1
+    edp_group: dist.ProcessGroup | None = None  # ranks holding my expert shards: grads reduced
 
     @property
     def is_first_pp(self) -> bool:
@@ -74,6 +87,8 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
     each kv head; above 1 it builds the replica groups whose kv gradients are summed (training
     needs them; `pipeline.sync_kv_replica_grads` refuses to run without).
     Without an initialized process group this returns the single-process `ParallelGroups()`.
+    With expert parallelism (ep x etp > 1) it also builds the ep, etp and edp groups of the
+    expert grid (`core.parallel.expert_groups`), after all the others.
     """
     if not dist.is_available() or not dist.is_initialized():
         if par.world_size != 1:
@@ -137,6 +152,8 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
                 make("dp_cp", [rank_of(t, d, p, par, c) for d in dps for c in cps])
     else:
         mine["dp_cp"] = mine.get("dp")
+    build_expert_groups(par, make)  # expert parallelism: nothing without it
+    expert = expert_fields(rank, par, mine) if par.ep * par.etp > 1 else {}
     return ParallelGroups(
         tp_rank=tp_rank, tp_size=par.tp, tp_group=mine.get("tp"),
         pp_rank=pp_rank, pp_size=par.pp, pp_group=mine.get("pp"),
@@ -148,6 +165,7 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
         cp_ranks=tuple(rank_of(tp_rank, dp_rank, pp_rank, par, c) for c in range(par.cp)),
         dp_cp_rank=dp_rank * par.cp + cp_rank, dp_cp_size=par.dp * par.cp,
         dp_cp_group=mine.get("dp_cp"),
+        **expert,
     )
 
 

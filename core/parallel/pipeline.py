@@ -45,6 +45,7 @@ from tessera.core.config import (
     TrainSchedule,
     divisors,
 )
+from tessera.core.parallel.expert_data_parallel import expert_schedule_problems
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import last_stage_pp_rank, stage_ids
 
@@ -163,6 +164,7 @@ def train_schedule_problems(
     if schedule.data_parallel not in DATA_PARALLEL:
         out.append(f"unknown data_parallel {schedule.data_parallel!r}; choose one of "
                    f"{list(DATA_PARALLEL)}")
+    out += expert_schedule_problems(layout, schedule)  # expert parallelism (issue 14)
     if global_batch is not None and schedule.micro_batches >= 1:
         per_dp = global_batch // layout.dp
         if global_batch % layout.dp:

@@ -31,6 +31,17 @@ Special cases:
   `lora_global_shapes`, `lora_local_shape`, `shard_adapter` and `unshard_adapter` are the
   adapter-level forms (the model builds local shapes, converters and the server shard a global
   adapter for a tp rank or put one together).
+- Mixture-of-Experts expert banks (issue 14) `layers.{i}.feed_forward.experts.w1`
+  `(E, F * (2 if gated else 1), hidden)` (each expert's `[gate; up]` stacked along dim 1) and
+  `.experts.w2` `(E, hidden, F)` are never split over the attention's tp group (`shard_spec`
+  calls them replicated, so every tp-based path stores and reads them once). Under expert
+  parallelism they are split over the expert grid instead (`Layout` docstring): along dim 0
+  over ep (ep rank r holds experts `[r E/ep, (r+1) E/ep)`), then within each expert like a
+  dense FFN over etp: w1 along dim 1, its gate and up halves each split on their own, w2 along
+  dim 2 (`expert_spec`, `shard_expert_tensor`, `expert_local_shape`). `unshard_tensors` puts
+  back a list of `ep x etp` expert shards (ep-major, etp-minor; ep and etp read from the
+  shards' shapes), so a checkpoint of any ep / etp loads under any other. The router, its
+  expert bias and the shared expert follow the dense rules.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.core.config import Layout, ModelConfig
+from tessera.core.expert_config import expert_ffn_size
 
 
 @dataclass(frozen=True)
@@ -363,6 +375,8 @@ def unshard_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig) 
     Each shard may be the local form (`shard_tensor`) or the stored form (`stored_shard`);
     a replicated kv head is taken from the first rank of its replica group.
     """
+    if is_expert_param(name) and len(shards) > 1:  # expert parallelism: see `expert_spec`
+        return unshard_expert_tensors(name, shards, config)
     spec = shard_spec(name, config)
     tp_size = len(shards)
     if spec.dim is None:
@@ -439,3 +453,85 @@ def unshard_scales(name: str, scales: list[torch.Tensor], config: ModelConfig) -
     if scales[0].dim() == 0 or shard_spec(name, config).dim != 0:
         return scales[0]
     return unshard_tensors(name, scales, config)
+
+
+# ----------------------------------------------------- expert parallelism (issue 14)
+# Expert banks are split over the expert grid (ep along dim 0, then etp within each expert),
+# never over tp; see the module docstring.
+
+_EXPERT = re.compile(r"^layers\.\d+\.feed_forward\.experts\.(w1|w2)$")
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether `name` is an expert bank (`layers.{i}.feed_forward.experts.w1` / `.w2`)."""
+    return _EXPERT.match(name) is not None
+
+
+def expert_global_shape(name: str, config: ModelConfig) -> tuple[int, int, int]:
+    """The global shape of expert bank `name`: w1 `(E, F x (2 if gated), h)`, w2 `(E, h, F)`."""
+    e, f, h = config.num_experts, expert_ffn_size(config), config.hidden_size
+    if name.endswith(".w1"):
+        return (e, f * (2 if config.gated else 1), h)
+    return (e, h, f)
+
+
+def expert_spec(name: str, config: ModelConfig) -> ShardSpec:
+    """How one ep rank's block of expert bank `name` is split over the etp group: w1 along
+    dim 1 (`[gate; up]` halves each split on their own), w2 along dim 2."""
+    if name.endswith(".w1"):
+        f = expert_ffn_size(config)
+        return ShardSpec(dim=1, parts=(f, f) if config.gated else None)
+    return ShardSpec(dim=2)
+
+
+def _etp_slice(spec: ShardSpec, block: torch.Tensor, etp_rank: int, etp_size: int
+               ) -> torch.Tensor:
+    if etp_size == 1:
+        return block
+    if not spec.parts:
+        return block.chunk(etp_size, dim=spec.dim)[etp_rank]
+    pieces = [block.narrow(spec.dim, lo, hi - lo) for lo, hi, _ in _pieces(spec, etp_rank,
+                                                                            etp_size)]
+    return torch.cat(pieces, dim=spec.dim)
+
+
+def shard_expert_tensor(name: str, full: torch.Tensor, config: ModelConfig, ep_rank: int,
+                        ep_size: int, etp_rank: int, etp_size: int) -> torch.Tensor:
+    """Expert-grid rank `(ep_rank, etp_rank)`'s piece of the global expert bank `full`."""
+    block = full.chunk(ep_size, dim=0)[ep_rank]
+    return _etp_slice(expert_spec(name, config), block, etp_rank, etp_size)
+
+
+def expert_local_shape(name: str, config: ModelConfig, ep_size: int, etp_size: int
+                       ) -> tuple[int, ...]:
+    """The shape each expert-grid rank holds of expert bank `name` (the MoE layer builds its
+    parameters with it): `(E / ep, rows / etp, h)` for w1, `(E / ep, h, F / etp)` for w2."""
+    meta = torch.empty(expert_global_shape(name, config), device="meta")
+    return tuple(shard_expert_tensor(name, meta, config, 0, ep_size, 0, etp_size).shape)
+
+
+def unshard_expert_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig
+                           ) -> torch.Tensor:
+    """The global expert bank from the pieces of every expert-grid rank, ep-major then
+    etp-minor (`ep x etp` of them; ep and etp follow from the pieces' shapes). A list of whole
+    copies (a replicated bank saved once per tp rank) gives the first."""
+    spec = expert_spec(name, config)
+    full = expert_global_shape(name, config)
+    ep = full[0] // shards[0].shape[0]
+    etp = full[spec.dim] // shards[0].shape[spec.dim]
+    if ep * etp == 1:
+        return shards[0]
+    if ep * etp != len(shards):
+        raise ValueError(f"{name}: {len(shards)} pieces of shape {tuple(shards[0].shape)} do "
+                         f"not make an ep {ep} x etp {etp} grid of {full}")
+    blocks = []
+    for e in range(ep):
+        part = shards[e * etp:(e + 1) * etp]
+        if not spec.parts:
+            blocks.append(torch.cat(part, dim=spec.dim))
+            continue
+        # Each piece is [its slice of gate; its slice of up]: regroup the halves.
+        halves = [p.chunk(len(spec.parts), dim=spec.dim) for p in part]
+        blocks.append(torch.cat([h[i] for i in range(len(spec.parts)) for h in halves],
+                                dim=spec.dim))
+    return torch.cat(blocks, dim=0)

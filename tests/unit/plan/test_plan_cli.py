@@ -132,8 +132,9 @@ def test_output_is_a_pretrain_config_with_the_planned_layout(capsys, tmp_path):
     assert path.read_text().startswith("# Planned by `tessera plan` for 16 x a100-80gb")
 
 
-def test_output_carries_cp_and_refuses_what_pretrain_lacks(capsys, tmp_path):
-    from tessera.core.config import ConfigError
+def test_output_carries_cp_and_ep(capsys, tmp_path):
+    import yaml
+
     from tessera.plan.run_config import parallel_section
     from tessera.training.config import load_config
 
@@ -142,9 +143,12 @@ def test_output_carries_cp_and_refuses_what_pretrain_lacks(capsys, tmp_path):
     assert code == 0, out
     cfg, _ = load_config(["--config", str(path)])
     assert cfg.parallel.layout().cp == 2 == json.loads(out)["candidates"][0]["cp"]
-    # Expert parallelism has no Layout field yet: a plan that needs it cannot be written.
-    with pytest.raises(ConfigError, match="uses ep 2, .*no expert parallelism yet.*--ep 1"):
-        parallel_section({"tp": 1, "ep": 2})
+    # Layout has expert parallelism now (issue 14): a plan that needs it is written as is,
+    # and pretraining reads it back.
+    assert parallel_section({"tp": 1, "ep": 2}) == {"tp": 1, "ep": 2, "cp": 1}
+    path.write_text(yaml.safe_dump({"parallel": parallel_section({"dp": 2, "ep": 2})}))
+    cfg, _ = load_config(["--config", str(path)])
+    assert cfg.parallel.layout().ep == 2
 
 
 @pytest.mark.parametrize("argv, message", [
