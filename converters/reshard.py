@@ -60,7 +60,7 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.fp8 import quantize, weight_amax
-from tessera.core.model import GPTModel
+from tessera.core.init import model_class
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     global_param_shapes,
@@ -212,7 +212,7 @@ def target_files(config: ModelConfig, layout: Layout
         stages = stage_ids(layout, p)
         g = ParallelGroups(tp_rank=0, tp_size=layout.tp, pp_rank=p, pp_size=layout.pp)
         with torch.device("meta"):
-            chunks = [GPTModel(config, layout, g, s, n_stages) for s in stages]
+            chunks = [model_class(config)(config, layout, g, s, n_stages) for s in stages]
         names = list(stored_parameters(chunks))
         out.update({(t, p): {n: stored_shape(n, config, t, layout.tp) for n in names}
                     for t in range(layout.tp)})

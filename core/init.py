@@ -81,7 +81,7 @@ def build_model(
         raise RuntimeError("backend 'te' needs a CUDA device and transformer_engine installed "
                            '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
-        model = GPTModel(config, layout, groups, stage_id, num_stages, schedule)
+        model = model_class(config)(config, layout, groups, stage_id, num_stages, schedule)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
     # the `sequence_parallel` mark that the gradient sync looks for: carry it over.
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
@@ -95,6 +95,16 @@ def build_model(
     if use_te:
         apply_transformer_engine(model)
     return model
+
+
+def model_class(config: ModelConfig) -> type[GPTModel]:
+    """The stage class of `config`'s family: `core.bert.BertModel` for BERT, else `GPTModel`
+    (both take `(config, layout, groups, stage_id, num_stages, schedule)`)."""
+    if config.family == "bert":
+        from tessera.core.bert import BertModel
+
+        return BertModel  # type: ignore[return-value]
+    return GPTModel
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.core.config import Layout, ModelConfig
+from tessera.core.parallel.bert_sharding import bert_param_shapes
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every global parameter name and its unsharded shape, in module order."""
+    if config.family == "bert":
+        return bert_param_shapes(config)
     c, hd = config.hidden_size, config.head_dim
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
     ffn_rows = config.ffn_hidden_size * (2 if config.gated else 1)
@@ -108,7 +111,7 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     lora = _LORA.match(name)
     if lora:
         return _lora_spec(lora["module"], lora["factor"], config)
-    if name in ("tok_embeddings.weight", "output.weight"):
+    if name in ("tok_embeddings.weight", "output.weight", "lm_head.bias"):  # lm_head: BERT
         return ShardSpec(dim=0, vocab=True)
     m = _LAYER.match(name)
     local = m.group(2) if m else name
