@@ -40,11 +40,7 @@ from tessera.core.parallel.layers import (
     column_parallel_linear,
     vocab_parallel_cross_entropy,
 )
-from tessera.core.parallel.mappings import (
-    gather_from_sequence,
-    gather_from_tp,
-    scatter_to_sequence,
-)
+from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_shape, stage_layers
 
@@ -222,6 +218,11 @@ class BertModel(nn.Module):
         if not self.config.binary_head:
             raise ValueError("this BERT has no next-sentence head: set binary_head=True")
         if self.layout.sequence_parallel:
-            h = gather_from_sequence(h, self.groups.tp_group)
-        pooled = torch.tanh(self.pooler.dense(h[0]))
+            # [CLS] sits in tp rank 0's chunk. Gather along the last dim, whose backward
+            # splits: the replicated pooler gives every rank the same full gradient, which
+            # `gather_from_sequence`'s reduce-scatter would count tp times.
+            cls = gather_from_tp(h.permute(1, 2, 0).contiguous(), self.groups.tp_group)[..., 0]
+        else:
+            cls = h[0]  # (B, C)
+        pooled = torch.tanh(self.pooler.dense(cls))
         return self.binary_head(pooled)
