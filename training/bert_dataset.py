@@ -2,7 +2,8 @@
 
 Special tokens: the tokenizer's vocabulary (ids `[0, V)`) is kept as is and BERT's four special
 tokens are appended after it, `[CLS] = V`, `[SEP] = V + 1`, `[MASK] = V + 2`, `[PAD] = V + 3`
-(`BertSpecials`), so the model's vocabulary is `V + 4`. A model whose vocabulary was set
+(`BertSpecials`), so the model's vocabulary is `V + 4`: the specials are always the last four
+ids of a BERT model's vocabulary (`BertSpecials.of_model`). A model whose vocabulary was set
 explicitly without that room is an error that says so (`bert_specials`).
 
 Samples: sample i starts from the packed window of `seq_len - 3` tokens that GPT's dataset
@@ -31,6 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +68,11 @@ class BertSpecials:
     def vocab_size(self) -> int:
         """The model vocabulary that holds the tokenizer's tokens and the four specials."""
         return self.base + NUM_SPECIALS
+
+    @classmethod
+    def of_model(cls, model_vocab: int) -> BertSpecials:
+        """The specials of a BERT model whose vocabulary is `model_vocab` (the last four ids)."""
+        return cls(model_vocab - NUM_SPECIALS)
 
     def names(self) -> dict[str, int]:
         return {"[CLS]": self.cls, "[SEP]": self.sep, "[MASK]": self.mask, "[PAD]": self.pad}
@@ -118,6 +125,23 @@ class BertDataset(Dataset[Sample]):
         self.seed, self.masking = seed, masking or MaskingConfig()
 
     def __len__(self) -> int:
+        return len(self.windows)
+
+    # What the run banner reads of a GPT dataset or blend (`banner.split_epochs`): the windows'.
+    @property
+    def datasets(self) -> list[Any] | None:
+        return getattr(self.windows, "datasets", None)
+
+    @property
+    def documents(self) -> tuple[int, int]:
+        return self.windows.documents
+
+    @property
+    def indexed(self) -> Any:
+        return self.windows.indexed
+
+    @property
+    def num_samples(self) -> int:
         return len(self.windows)
 
     def _window(self, i: int) -> np.ndarray:
