@@ -43,9 +43,9 @@ def main(argv: list[str]) -> int:
     from tessera.training.evaluate import (
         DEFAULT_RATIOS,
         document_tokens,
-        evaluate,
         training_split_ratios,
     )
+    from tessera.training.objectives import objective_for
 
     try:
         model = load_checkpoint(args.checkpoint, dtype=args.dtype)
@@ -53,13 +53,9 @@ def main(argv: list[str]) -> int:
         ratios = args.split_ratios or training_split_ratios(args.checkpoint) or DEFAULT_RATIOS
         docs = document_tokens(args.data, Path(args.checkpoint), args.json_key, args.split,
                                ratios)
-        if model.config.family == "bert":  # masked-LM loss and accuracy (issue 18)
-            from tessera.training.evaluate_mlm import evaluate_masked_lm
-
-            result = evaluate_masked_lm(model, docs, seq_len, args.batch,
-                                        args.max_windows or None)
-        else:
-            result = evaluate(model, docs, seq_len, args.batch, args.max_windows or None)
+        # The model family's own metrics (GPT: `evaluate.evaluate`; BERT: masked-LM accuracy).
+        result = objective_for(model.config).evaluate(model, docs, seq_len, args.batch,
+                                                      args.max_windows or None)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"tessera evaluate: {exc}", file=sys.stderr)
         return 2

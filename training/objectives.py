@@ -18,7 +18,10 @@ gathered in one `Objective`, picked by the model's family (`objective_for`):
   in one stage; `pipeline.pipeline_step(..., extra=extra)` across stages, which splits them
   into micro-batches with the rows);
 - `pipeline_loss(model_config, groups)`: the pipeline schedule's loss function of the last
-  stage's output (`local_logits=True`) and the labels, the mean of one micro-batch.
+  stage's output (`local_logits=True`) and the labels, the mean of one micro-batch;
+- `evaluate(model, documents, seq_len, batch, max_windows)`: what `tessera evaluate` reports
+  for a single-process model over token documents (GPT: loss and perplexity; BERT: masked-LM
+  loss, perplexity and accuracy), a dict with at least `loss` and `tokens`.
 
 A model's forward with labels must return the mean loss of its micro-batch (the loop averages
 micro-batches and data-parallel ranks), and without labels its output (logits) for evaluation.
@@ -52,6 +55,18 @@ def _default_pipeline_loss(config: ModelConfig, groups: Any) -> Callable:
     return pipeline_loss_fn(config, groups)
 
 
+def _gpt_evaluate(*args: Any) -> dict[str, float]:
+    from tessera.training.evaluate import evaluate
+
+    return evaluate(*args)
+
+
+def _bert_evaluate(*args: Any) -> dict[str, float]:
+    from tessera.training.evaluate_mlm import evaluate_masked_lm
+
+    return evaluate_masked_lm(*args)
+
+
 @dataclass(frozen=True)
 class Objective:
     """One family's part of pretraining; see the module docstring for each member's contract."""
@@ -62,6 +77,7 @@ class Objective:
     datasets: Callable[[PretrainConfig], tuple[Any, Any]]
     split_batch: Callable[[Batch], Split]
     pipeline_loss: Callable[[ModelConfig, Any], Callable] = _default_pipeline_loss
+    evaluate: Callable[..., dict[str, float]] = _gpt_evaluate
 
 
 # ------------------------------------------------------------------------------ causal LM
@@ -130,7 +146,7 @@ def _bert_split(batch: Batch) -> Split:
 
 
 MASKED_LM = Objective(name="masked-lm", problems=_bert_problems, model_vocab=_bert_vocab,
-                      datasets=_bert_datasets, split_batch=_bert_split)
+                      datasets=_bert_datasets, split_batch=_bert_split, evaluate=_bert_evaluate)
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CAUSAL_LM, MASKED_LM)}
