@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from tessera.converters.cli import main as convert  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -43,7 +44,13 @@ def test_fill_mask_route_matches_hf(bert_ckpt, tiny):
     masks = answer.json()["masks"]
     assert len(masks) == 2 and all(len(m) == 3 for m in masks)
 
-    hf = transformers.BertForMaskedLM.from_pretrained(bert_ckpt / "hf").eval()
+    # The exported directory, loaded by hand (cheaper than `from_pretrained`, same tensors).
+    hf = transformers.BertForMaskedLM(transformers.BertConfig.from_pretrained(bert_ckpt / "hf"))
+    missing, unexpected = hf.load_state_dict(load_file(bert_ckpt / "hf" / "model.safetensors"),
+                                             strict=False)
+    assert not unexpected and set(missing) <= {"cls.predictions.decoder.weight",
+                                               "cls.predictions.decoder.bias"}  # tied copies
+    hf.eval()
     ids = torch.tensor([fill.encode(text)])
     with torch.no_grad():
         logits = hf(ids).logits[0]
