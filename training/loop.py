@@ -173,17 +173,15 @@ def setup(cfg: PretrainConfig) -> Job:
 def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's share of global batch `step` (samples indexed by step)."""
-    per_dp = cfg.train.global_batch // groups.dp_size
-    start = step * cfg.train.global_batch + groups.dp_rank * per_dp
-    items = [dataset[i] for i in range(start, start + per_dp)]
-    tokens = torch.stack([it["tokens"] for it in items]).to(device)
-    labels = torch.stack([it["labels"] for it in items]).to(device)
-    return tokens, labels
+    rows = local_rows(dataset, step, cfg, groups, device)
+    return rows["tokens"], rows["labels"]
 
 
 def local_rows(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
                device: torch.device) -> dict[str, torch.Tensor]:
-    """`local_batch` for any objective: every tensor of the items, stacked (rows first)."""
+    """This data-parallel rank's share of global batch `step` (samples indexed by step), for
+    any objective: every tensor of the items, stacked (rows first); `Objective.split_batch`
+    says what each is."""
     per_dp = cfg.train.global_batch // groups.dp_size
     start = step * cfg.train.global_batch + groups.dp_rank * per_dp
     items = [dataset[i] for i in range(start, start + per_dp)]

@@ -1,7 +1,8 @@
 """Multi-rank pretraining on gloo: the same loss curve as one process, under tp2 x pp2 (also
-BERT's masked-LM objective, with sequence parallelism), tp2 x dp2 and context parallel layouts (cp2 x dp2 ring with ZeRO-1, cp2 x tp2 with isolated
-documents), resuming a one-process checkpoint under another layout (tp2 x pp2, cp2 x tp2), a cp2
-run resuming its own checkpoint exactly, and `--nproc-per-node`.
+BERT's masked-LM objective, with sequence parallelism), tp2 x dp2 and context parallel layouts
+(cp2 x dp2 ring with ZeRO-1, cp2 x tp2 with isolated documents), resuming a one-process
+checkpoint under another layout (tp2 x pp2, cp2 x tp2), a cp2 run resuming its own checkpoint
+exactly, and `--nproc-per-node`.
 
 One spawn of 4 ranks runs every 4-rank job in turn (spawning costs seconds); each test then checks
 its own job against the single-process reference runs made here.
