@@ -6,13 +6,16 @@ of the masked-LM head is the word embedding (`cls.predictions.decoder.weight`, a
 that transformers does not save) and its bias is `cls.predictions.bias` (`decoder.bias` is the
 same tensor); both copies are skipped on import when present. `architectures` decides the
 next-sentence head: `BertForPreTraining` has the pooler and `cls.seq_relationship`
-(`binary_head=True`), `BertForMaskedLM` has neither. HF config features the Tessera model
-cannot compute (relative position embeddings, a decoder, cross-attention, different hidden and
-attention dropouts) are errors that name the field.
+(`binary_head=True`), `BertForMaskedLM` has neither (but a MaskedLM config whose weights hold
+the head, as the original Hub checkpoints do, imports with it: `bert_head_from_weights`). HF
+config features the Tessera model cannot compute (relative position embeddings, a decoder,
+cross-attention, different hidden and attention dropouts) are errors that name the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Set
 from typing import Any
 
 from tessera.core.config import ModelConfig
@@ -92,3 +95,13 @@ def bert_config_to_hf(c: ModelConfig) -> dict[str, Any]:
                 max_position_embeddings=c.max_position_embeddings,
                 type_vocab_size=c.type_vocab_size, layer_norm_eps=c.norm_eps,
                 hidden_dropout_prob=c.dropout, attention_probs_dropout_prob=c.dropout)
+
+
+def bert_head_from_weights(config: ModelConfig, hf_names: Set[str]) -> ModelConfig:
+    """`config` with the next-sentence head on when the HF weights hold it (pooler and
+    `cls.seq_relationship`) although `architectures` says `BertForMaskedLM`, as the original
+    BERT checkpoints on the Hub do; any other config is returned as it is."""
+    head = {"bert.pooler.dense.weight", "cls.seq_relationship.weight"}
+    if config.family != "bert" or config.binary_head or not head <= set(hf_names):
+        return config
+    return dataclasses.replace(config, binary_head=True)

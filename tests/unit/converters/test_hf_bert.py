@@ -102,6 +102,15 @@ def test_export_round_trip_and_reshard_are_bit_exact(imported):
         assert torch.equal(before.global_tensor(name), after.global_tensor(name)), name
 
 
+def test_pretraining_weights_under_a_masked_lm_config_keep_their_head(tmp_path):
+    # As the original Hub checkpoints: architectures BertForMaskedLM, weights with the NSP head.
+    model = _hf_model("BertForPreTraining")
+    model.config.architectures = ["BertForMaskedLM"]
+    model.save_pretrained(tmp_path / "hf")
+    _convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
+    assert load_checkpoint(tmp_path / "ckpt").config.binary_head
+
+
 def test_unsupported_hf_bert_is_refused():
     with pytest.raises(ConversionError, match="position_embedding_type"):
         config_from_hf({"model_type": "bert", "vocab_size": 10, "hidden_size": 8,
