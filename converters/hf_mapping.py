@@ -25,6 +25,13 @@ from typing import Any
 
 import torch
 
+from tessera.converters.hf_bert import (
+    BERT_IGNORED,
+    BERT_NAMES,
+    BERT_TRAITS,
+    bert_config_from_hf,
+    bert_config_to_hf,
+)
 from tessera.core.config import ModelConfig
 from tessera.core.parallel.sharding import global_param_shapes, shard_spec
 
@@ -89,6 +96,7 @@ NAME_MAPS: dict[str, dict[str, tuple[str, ...]]] = {
         "layers.{}.feed_forward.w1.weight": ("model.layers.{}.mlp.up_proj.weight",),
         "layers.{}.feed_forward.w1.bias": ("model.layers.{}.mlp.up_proj.bias",),
     },
+    "bert": BERT_NAMES,
 }
 
 # HF tensors stored `(in, out)` (GPT-2's Conv1D): transposed on the way in and out.
@@ -96,7 +104,7 @@ TRANSPOSED = frozenset(f"transformer.h.{{}}.{leaf}.weight"
                        for leaf in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
 
 # HF entries that are buffers, not weights: GPT-2's causal mask, cached RoPE frequencies.
-IGNORED = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
+IGNORED = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$" + BERT_IGNORED)
 
 # Old checkpoints name tensors without the base-model prefix (`h.0.ln_1.weight`).
 _BASE_PREFIXES = ("transformer.", "model.")
@@ -196,7 +204,7 @@ def _t5_config(hf: dict[str, Any]) -> ModelConfig:  # T5: converters.hf_t5
 
 _FROM_HF: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gpt2": _gpt2_config, "llama": _llama_config, "mistral": _llama_config,
-    "nemotron": _nemotron_config, "t5": _t5_config,
+    "nemotron": _nemotron_config, "t5": _t5_config, "bert": bert_config_from_hf,
 }
 SUPPORTED_MODEL_TYPES = tuple(_FROM_HF)
 
@@ -223,6 +231,7 @@ _FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "gpt2": dict(norm="layernorm", position="learned", bias=True),
     "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", rotary_fraction=1.0),
     "nemotron": dict(norm="layernorm1p", activation="squared_relu", position="rope"),
+    "bert": BERT_TRAITS,
 }
 
 
@@ -260,7 +269,9 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
     _check_exportable(config)
     c = config
     out: dict[str, Any]
-    if c.family == "gpt2":
+    if c.family == "bert":
+        out = bert_config_to_hf(c)
+    elif c.family == "gpt2":
         out = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size,
                    n_embd=c.hidden_size, n_layer=c.num_layers, n_head=c.num_heads,
                    n_inner=None if c.ffn_hidden_size == 4 * c.hidden_size else c.ffn_hidden_size,

@@ -63,6 +63,10 @@ class ModelConfig:
     # reconciled at merge. 0 experts: a dense model.
     num_experts: int = 0
     moe_ffn_hidden_size: int | None = None  # each expert's FFN size; None: ffn_hidden_size
+    # BERT (issue 18): family "bert" is a bidirectional post-LayerNorm encoder with a masked-LM
+    # head (`core.bert`); these fields mean nothing to the decoder families.
+    type_vocab_size: int = 0  # token-type (segment A / B) embeddings; 0: none
+    binary_head: bool = False  # [CLS] pooler (dense + tanh) and next-sentence classifier
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -84,6 +88,10 @@ class ModelConfig:
                 f"rotary dims {self.rotary_dim} (head_dim {self.head_dim} x rotary_fraction "
                 f"{self.rotary_fraction}) must be even."
             )
+        if self.family == "bert":
+            from tessera.core.bert_config import check_bert_config
+
+            check_bert_config(self)
 
     @property
     def rotary_dim(self) -> int:
@@ -177,6 +185,19 @@ PRESETS["t5-base"] = {**_T5, "vocab_size": 32128, "hidden_size": 768, "num_layer
                       "num_decoder_layers": 12, "num_heads": 12, "ffn_hidden_size": 2048,
                       "max_position_embeddings": 512}
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
+
+# BERT (issue 18): post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
+# masked-LM decoder tied to the word embedding (`core.bert`).
+_BERT = dict(family="bert", norm="layernorm", norm_eps=1e-12, activation="gelu",
+             position="learned", bias=True, tied_embeddings=True, type_vocab_size=2)
+BERT_PRESETS: dict[str, dict[str, Any]] = {
+    "bert-tiny": {**_BERT, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
+                  "num_heads": 4, "ffn_hidden_size": 256, "max_position_embeddings": 256},
+    # bert-base-uncased's shape, for planning.
+    "bert-base": {**_BERT, "vocab_size": 30522, "hidden_size": 768, "num_layers": 12,
+                  "num_heads": 12, "ffn_hidden_size": 3072, "max_position_embeddings": 512},
+}
+PRESETS.update(BERT_PRESETS)
 
 
 Placement = Literal["looped", "v"]

@@ -1,5 +1,5 @@
-"""Which module class builds one pipeline stage of a model family: `T5Model` for "t5", else the
-decoder-only `GPTModel`. For code that builds stages for any family (on the meta device, to
+"""Which module class builds one pipeline stage of a model family: `T5Model` for "t5",
+`BertModel` for "bert", else the decoder-only `GPTModel`. For code that builds stages for any family (on the meta device, to
 learn names and shapes: `converters.reshard.target_files`)."""
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ def stage_class(config: ModelConfig) -> type[nn.Module]:
         from tessera.core.t5 import T5Model
 
         return T5Model
+    if config.family == "bert":
+        from tessera.core.bert import BertModel
+
+        return BertModel
     from tessera.core.model import GPTModel
 
     return GPTModel

@@ -16,6 +16,7 @@ from torch import nn
 
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.expert_checkpoint import expert_sharded
+from tessera.core.families import stage_class
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import global_param_shapes, shard_expert_tensor, shard_tensor
@@ -86,7 +87,7 @@ def build_model(
         raise RuntimeError("backend 'te' needs a CUDA device and transformer_engine installed "
                            '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
-        model = GPTModel(config, layout, groups, stage_id, num_stages, schedule)
+        model = stage_class(config)(config, layout, groups, stage_id, num_stages, schedule)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
     # the `sequence_parallel` mark that the gradient sync looks for: carry it over.
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}

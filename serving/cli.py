@@ -99,10 +99,18 @@ def main(argv: list[str]) -> int:
 
         return launch_local_ranks("serve", argv, args.nproc_per_node)
     try:
-        engine = _start(args)
+        from tessera.serving.fill_mask import fill_mask_app_for
+
+        fill_mask = fill_mask_app_for(args)  # a BERT checkpoint: fill-mask, not generation
+        engine = None if fill_mask else _start(args)
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"tessera serve: {exc}", file=sys.stderr)
         return 2
+    if fill_mask is not None:
+        import uvicorn
+
+        uvicorn.run(fill_mask, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
     if engine is None:
         return 0  # a worker rank: rank 0 has stopped
     try:

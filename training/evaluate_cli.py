@@ -43,9 +43,9 @@ def main(argv: list[str]) -> int:
     from tessera.training.evaluate import (
         DEFAULT_RATIOS,
         document_tokens,
-        evaluate,
         training_split_ratios,
     )
+    from tessera.training.objectives import objective_for
 
     try:
         model = load_checkpoint(args.checkpoint, dtype=args.dtype)
@@ -53,13 +53,19 @@ def main(argv: list[str]) -> int:
         ratios = args.split_ratios or training_split_ratios(args.checkpoint) or DEFAULT_RATIOS
         docs = document_tokens(args.data, Path(args.checkpoint), args.json_key, args.split,
                                ratios)
-        result = evaluate(model, docs, seq_len, args.batch, args.max_windows or None)
+        # The model family's own metrics (GPT: `evaluate.evaluate`; BERT: masked-LM accuracy).
+        result = objective_for(model.config).evaluate(model, docs, seq_len, args.batch,
+                                                      args.max_windows or None)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"tessera evaluate: {exc}", file=sys.stderr)
         return 2
     result.update(split=args.split, split_ratios=ratios)
     if args.json:
         print(json.dumps(result))
+    elif "accuracy" in result:
+        print(f"masked-LM loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
+              f"accuracy {result['accuracy']:.4f} | {result['tokens']:,} masked tokens scored | "
+              f"split {args.split} (ratios {ratios})")
     else:
         print(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
               f"{result['tokens']:,} tokens scored | split {args.split} (ratios {ratios})")

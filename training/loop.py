@@ -39,6 +39,7 @@ from tessera.core.parallel.sharding import kv_replicas
 from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
 from tessera.training.metrics import MetricsLogger, resolve_peak
+from tessera.training.objectives import CAUSAL_LM, Objective, check_objective, objective_for
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
 from tessera.training.run_dir import claim_run_dir
 from tessera.training.state import (
@@ -62,6 +63,7 @@ class Job:
     scaler: Any  # torch.amp.GradScaler for fp16, else None
     fp8: Fp8Training | None = None  # --precision fp8: the FP8 layers, scales and their state
     eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
+    objective: Objective = CAUSAL_LM  # the family's batches and losses (training.objectives)
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:
@@ -141,14 +143,16 @@ def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
     schedule = None
     if par.pp > 1:
         schedule = pipeline.build_schedule(stages, par.layout(), par.train_schedule(), groups,
-                                           pipeline.pipeline_loss_fn(cfg.model, groups))
+                                           objective_for(cfg.model).pipeline_loss(cfg.model,
+                                                                                  groups))
     # fp8: the block linears in FP8, everything else in bf16 (fp32 master weights).
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
     sharded = par.data_parallel in ("zero1", "fsdp")
     optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
-    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id)
+    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id,
+               objective_for(cfg.model))
 
 
 def setup(cfg: PretrainConfig) -> Job:
@@ -169,12 +173,19 @@ def setup(cfg: PretrainConfig) -> Job:
 def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's share of global batch `step` (samples indexed by step)."""
+    rows = local_rows(dataset, step, cfg, groups, device)
+    return rows["tokens"], rows["labels"]
+
+
+def local_rows(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's share of global batch `step` (samples indexed by step), for
+    any objective: every tensor of the items, stacked (rows first); `Objective.split_batch`
+    says what each is."""
     per_dp = cfg.train.global_batch // groups.dp_size
     start = step * cfg.train.global_batch + groups.dp_rank * per_dp
     items = [dataset[i] for i in range(start, start + per_dp)]
-    tokens = torch.stack([it["tokens"] for it in items]).to(device)
-    labels = torch.stack([it["labels"] for it in items]).to(device)
-    return tokens, labels
+    return {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
 
 
 @contextlib.contextmanager
@@ -189,22 +200,26 @@ def compute_context(job: Job) -> Iterator[None]:
         yield
 
 
-def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Accumulate this rank's gradients for one global batch; return the global mean loss."""
+def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
+                     extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Accumulate this rank's gradients for one global batch; return the global mean loss.
+    `extra`: the objective's per-row keyword inputs for every stage (`Objective.split_batch`)."""
     g, par = job.groups, job.cfg.parallel
     docs = document_ids(tokens, job.eod_id) if job.eod_id is not None else None
     if job.schedule is not None:
         with compute_context(job):
             loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels,
-                                          document_ids=docs)
+                                          document_ids=docs, extra=extra)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
         model, n_mb = job.stages[0], par.micro_batches
         loss = torch.zeros((), device=job.device)
         doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
-        for mb_tokens, mb_labels, mb_docs in zip(tokens.chunk(n_mb), labels.chunk(n_mb),
-                                                 doc_chunks):
+        extra_chunks = _chunk_rows(extra, n_mb)
+        for mb_tokens, mb_labels, mb_docs, mb_extra in zip(tokens.chunk(n_mb), labels.chunk(n_mb),
+                                                           doc_chunks, extra_chunks):
             kw = {} if mb_docs is None else {"document_ids": mb_docs}
+            kw.update(mb_extra)
             with compute_context(job):
                 mb_loss = model(mb_tokens, mb_labels, **kw) / n_mb
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
@@ -220,13 +235,22 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> to
     return loss
 
 
-def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor) -> dict:
+def _chunk_rows(extra: dict[str, torch.Tensor] | None, n: int) -> list[dict[str, torch.Tensor]]:
+    """`n` micro-batches of the per-row tensors `extra` (n empty dicts without them)."""
+    if not extra:
+        return [{} for _ in range(n)]
+    parts = {k: v.chunk(n) for k, v in extra.items()}
+    return [{k: parts[k][i] for k in extra} for i in range(n)]
+
+
+def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
+               extra: dict[str, torch.Tensor] | None = None) -> dict:
     """One optimizer step; returns the metrics of the step."""
     lr = learning_rate(step, job.cfg.train)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     job.optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(job, tokens, labels)
+    loss = forward_backward(job, tokens, labels, extra)
     if job.fp8 is not None:
         job.fp8.step_end()  # delayed scaling: this step's amaxes set the next step's scales
     if job.scaler is not None:
@@ -249,16 +273,19 @@ def evaluate_loss(job: Job, dataset, batches: int) -> float:
         m.eval()
     total = 0.0
     for b in range(batches):
-        tokens, labels = local_batch(dataset, b, job.cfg, job.groups, job.device)
-        total += float(_eval_batch(job, tokens, labels))
+        tokens, labels, extra = job.objective.split_batch(
+            local_rows(dataset, b, job.cfg, job.groups, job.device))
+        total += float(_eval_batch(job, tokens, labels, extra))
     for m in job.stages:
         m.train()
     return total / batches
 
 
-def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
+                extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     g, par = job.groups, job.cfg.parallel
     kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
+    kw.update(extra or {})
     if job.schedule is not None:
         loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
@@ -335,8 +362,9 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     with _StopFlag() as stop:
         while step < t.steps:
             tic = time.perf_counter()
-            tokens, labels = local_batch(train_ds, step, cfg, job.groups, job.device)
-            metrics = train_step(job, step, tokens, labels)
+            tokens, labels, extra = job.objective.split_batch(
+                local_rows(train_ds, step, cfg, job.groups, job.device))
+            metrics = train_step(job, step, tokens, labels, extra)
             step += 1
             elapsed = time.perf_counter() - tic
             tokens_per_s = t.global_batch * t.seq_len / elapsed
@@ -393,6 +421,7 @@ def _check_data(cfg: PretrainConfig) -> None:
     if not cfg.data.data:
         raise ConfigError("no training data: pass --data PREFIX (made by `tessera preprocess`) "
                           "or run `tessera pretrain` with no arguments for the demo")
+    check_objective(cfg)  # what the model's family cannot do, before anything is read
     if cfg.data.isolate_documents and not cfg.data.tokenizer:
         raise ConfigError("--isolate-documents finds document ends by the EOD id, which comes "
                           "from the tokenizer: pass --tokenizer (the one the data was made with)")
@@ -409,6 +438,9 @@ def _check_data(cfg: PretrainConfig) -> None:
     else:
         source, vocab = max(sizes.items(), key=lambda item: item[1])
         source = f"the data {source}"
+    with _as_config_error():  # BERT appends its special tokens after the data's vocabulary
+        set_vocab = cfg.model.vocab_size if "vocab_size" in cfg.model_fields_set else None
+        vocab = objective_for(cfg.model).model_vocab(vocab, set_vocab)
     if "vocab_size" not in cfg.model_fields_set:
         cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab)
     # Without a tokenizer a larger vocabulary than the data's stays allowed (as it always was).
@@ -420,16 +452,10 @@ def _check_data(cfg: PretrainConfig) -> None:
 
 
 def _datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
-    """The train and validation datasets, sized for the whole run."""
-    from tessera.training.gpt_dataset import build_datasets
-
-    t = cfg.train
+    """The train and validation datasets, sized for the whole run, as the objective makes
+    them (GPT: `gpt_dataset.build_datasets`)."""
     with _as_config_error():
-        train_ds, valid_ds, _ = build_datasets(
-            cfg.data.data, t.seq_len, cfg.data.split,
-            [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
-            cfg.data.data_cache or None)
-    return train_ds, valid_ds
+        return objective_for(cfg.model).datasets(cfg)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, resolve_peak
+from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.training.state import restore_fp8_state
 from tessera.tuning import checkpoint as ckpt
@@ -130,6 +131,7 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     if not t.checkpoint:
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
+    require_decoder(model, "prompt tuning (and LoRA tuning)")  # BERT: no generation to tune
     cfg.model = model
     lora = t.method == "lora"
     modules: tuple[str, ...] = ()

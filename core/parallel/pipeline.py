@@ -316,13 +316,16 @@ def pipeline_step(
     input_ids: torch.Tensor | None,
     labels: torch.Tensor | None,
     document_ids: torch.Tensor | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Run forward and backward of one batch through the pipeline; gradients accumulate.
 
     `input_ids (B, T)` is needed where the first stage lives and `labels (B, T)` where the last
     one does (other ranks may pass None). Returns, on the rank holding the last stage, the mean
     of the micro-batch losses (detached), and None elsewhere; see `broadcast_loss`.
-    `document_ids (B, T)` (packed documents; every rank passes them) reach every stage.
+    `document_ids (B, T)` (packed documents; every rank passes them) reach every stage, and so
+    do the keyword tensors `extra` (rows first, split into micro-batches like the ids: a model
+    family's own inputs, e.g. BERT's `token_types` and `attention_mask`).
     """
     n_mb = schedule._n_microbatches
     first = any(m.is_first for m in stages)
@@ -338,7 +341,7 @@ def pipeline_step(
                              f"micro-batches; use a batch that is a multiple of {n_mb}")
     losses: list[torch.Tensor] | None = [] if last else None
     args = (input_ids,) if first else ()
-    extra = {} if document_ids is None else {"document_ids": document_ids}
+    extra = {**(extra or {}), **({} if document_ids is None else {"document_ids": document_ids})}
     schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False,
                   local_logits=True, **extra)
     if not last:

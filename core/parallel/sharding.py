@@ -54,6 +54,7 @@ import torch
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.expert_config import expert_ffn_size
+from tessera.core.parallel.bert_sharding import bert_param_shapes
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         from tessera.core.parallel.t5_sharding import t5_param_shapes
 
         return t5_param_shapes(config)
+    if config.family == "bert":
+        return bert_param_shapes(config)
     c, hd = config.hidden_size, config.head_dim
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
     ffn_rows = config.ffn_hidden_size * (2 if config.gated else 1)
@@ -128,7 +131,7 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
         from tessera.core.parallel.t5_sharding import t5_shard_spec
 
         return t5_shard_spec(name, config)
-    if name in ("tok_embeddings.weight", "output.weight"):
+    if name in ("tok_embeddings.weight", "output.weight", "lm_head.bias"):  # lm_head: BERT
         return ShardSpec(dim=0, vocab=True)
     m = _LAYER.match(name)
     local = m.group(2) if m else name

@@ -1,7 +1,8 @@
-"""Multi-rank pretraining on gloo: the same loss curve as one process, under tp2 x pp2,
-tp2 x dp2 and context parallel layouts (cp2 x dp2 ring with ZeRO-1, cp2 x tp2 with isolated
-documents), resuming a one-process checkpoint under another layout (tp2 x pp2, cp2 x tp2), a cp2
-run resuming its own checkpoint exactly, and `--nproc-per-node`.
+"""Multi-rank pretraining on gloo: the same loss curve as one process, under tp2 x pp2 (also
+BERT's masked-LM objective, with sequence parallelism), tp2 x dp2 and context parallel layouts
+(cp2 x dp2 ring with ZeRO-1, cp2 x tp2 with isolated documents), resuming a one-process
+checkpoint under another layout (tp2 x pp2, cp2 x tp2), a cp2 run resuming its own checkpoint
+exactly, and `--nproc-per-node`.
 
 One spawn of 4 ranks runs every 4-rank job in turn (spawning costs seconds); each test then checks
 its own job against the single-process reference runs made here.
@@ -35,6 +36,8 @@ RTOL = 1e-4  # fp32: tensor-parallel sums and Adam keep the curves within ~1e-6 
 CP_RTOL = 1e-5  # issue 13's bound for context parallel runs
 STEPS = 8
 GPT2 = ("--model", "gpt2-tiny", "--model-overrides", "vocab_size=320", "num_layers=4")
+# BERT (masked-LM objective): its vocabulary follows the tokenizer plus 4 special tokens.
+BERT = ("--model", "bert-tiny", "--model-overrides", "num_layers=4")
 
 
 def _assert_close_curves(got: dict[int, float], want: dict[int, float], steps: range,
@@ -60,8 +63,8 @@ def reference(tiny: TinyData, root: Path) -> dict[str, Path]:
     """Single-process runs: Llama (checkpoints at steps 4 and 8), tied-embedding GPT-2, and
     Llama with isolated (packed) documents."""
     runs = {"llama": root / "single-llama", "gpt2": root / "single-gpt2",
-            "llama-isolated": root / "single-llama-isolated"}
-    flags = {"llama": (), "gpt2": GPT2, "llama-isolated": ISOLATED}
+            "llama-isolated": root / "single-llama-isolated", "bert": root / "single-bert"}
+    flags = {"llama": (), "gpt2": GPT2, "llama-isolated": ISOLATED, "bert": BERT}
     for name, run in runs.items():
         cfg, _ = load_config(pretrain_argv(tiny, run, *flags[name]))
         pretrain(cfg)
@@ -88,6 +91,7 @@ ISOLATED = ("--isolate-documents", "true")
 LAYOUTS = {  # job name -> flags; every job runs on the same 4 ranks
     "tp2pp2": ("--tp", "2", "--pp", "2"),
     "tp2pp2-gpt2": ("--tp", "2", "--pp", "2", *GPT2),
+    "tp2pp2-sp-bert": ("--tp", "2", "--pp", "2", "--sequence-parallel", "true", *BERT),
     "tp2dp2": ("--tp", "2", "--dp", "2"),
     "resume-tp2pp2": ("--tp", "2", "--pp", "2", "--resume"),
     "tp4": ("--tp", "4"),  # llama-tiny has 2 kv heads: each is replicated on 2 tp ranks
@@ -119,7 +123,7 @@ def parallel(tiny: TinyData, root: Path, reference: dict[str, Path]) -> dict[str
 
 
 @pytest.mark.parametrize(("layout", "model"), [("tp2pp2", "llama"), ("tp2pp2-gpt2", "gpt2"),
-                                                ("tp2dp2", "llama")])
+                                                ("tp2pp2-sp-bert", "bert"), ("tp2dp2", "llama")])
 def test_parallel_loss_curve_matches_single_process(parallel, reference, layout, model):
     got, want = read_losses(parallel[layout]), read_losses(reference[model])
     _assert_close_curves(got, want, range(1, STEPS + 1))

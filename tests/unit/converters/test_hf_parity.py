@@ -218,12 +218,13 @@ def test_tokenizer_json_round_trip(tmp_path, with_config):
 
 
 def test_unsupported_architecture_is_named(tmp_path, capsys):
-    transformers.BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            intermediate_size=64).save_pretrained(tmp_path / "bert")
-    assert main(["--from", "hf", "--input", str(tmp_path / "bert"), "--output",
+    # (BERT, the example here until issue 18, is supported now: OPT is not.)
+    transformers.OPTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           ffn_dim=64).save_pretrained(tmp_path / "opt")
+    assert main(["--from", "hf", "--input", str(tmp_path / "opt"), "--output",
                  str(tmp_path / "ckpt")]) == 1
     err = capsys.readouterr().err
-    assert "'bert'" in err and "gpt2, llama, mistral, nemotron" in err
+    assert "'opt'" in err and "gpt2, llama, mistral, nemotron" in err
     assert not (tmp_path / "ckpt").exists()
 
 
