@@ -1,6 +1,7 @@
 """Which module class builds one pipeline stage of a model family: `T5Model` for "t5",
-`BertModel` for "bert", else the decoder-only `GPTModel`. For code that builds stages for any family (on the meta device, to
-learn names and shapes: `converters.reshard.target_files`)."""
+`BertModel` for "bert", else the decoder-only `GPTModel`. For code that builds stages for any
+family: `core.init.build_model`, and `converters.reshard.target_files` (on the meta device, to
+learn names and shapes)."""
 
 from __future__ import annotations
 
