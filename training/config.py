@@ -120,6 +120,8 @@ class ParallelSection:
     schedule: str = "1f1b"
     micro_batches: int = 1
     data_parallel: DataParallel = "ddp"
+    # dynamic context parallelism
+    cp_dynamic: bool = False
 
     def layout(self) -> Layout:
         from tessera.core.parallel.pipeline import split_layout_and_schedule
@@ -163,6 +165,8 @@ _PARALLEL_HELP = {
     "schedule": "pipeline schedule: 1f1b | interleaved-1f1b | zero-bubble | zbv | gpipe | ...",
     "micro_batches": "micro-batches per step (pipeline fill / gradient accumulation)",
     "data_parallel": "ddp | zero1 (optimizer state sharded over dp) | fsdp (FSDP2: parameters too)",
+    "cp_dynamic": "per micro-batch, spread each sequence (packed document) over as few cp ranks "
+                  "as its length needs (short ones stay whole on one rank) instead of all cp",
 }
 
 

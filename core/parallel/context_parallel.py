@@ -126,6 +126,12 @@ class SequenceContext:
             return self.index.expand(batch, -1)
         return document_positions(self.documents)[:, self.index]
 
+    def whole_positions(self, batch: int) -> torch.Tensor:
+        """Every token's position `(B, T)` (global index, restarted per document)."""
+        if self.documents is None:
+            return torch.arange(self.seq_len, device=self.index.device).expand(batch, -1)
+        return document_positions(self.documents)
+
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The local tokens of a whole-sequence tensor (ids, labels: dim 1)."""
         if self.cp_size == 1:
@@ -157,11 +163,51 @@ def sequence_context(seq_len: int, batch: int, device: torch.device, *, cp_size:
 # ------------------------------------------------------------------------------ attention
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceContext,
-              dropout_p: float = 0.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class SegmentedContext:
+    """Dynamic context parallelism (`core.parallel.dynamic_cp_runtime`): this rank's tokens are
+    one row of consecutive segments, each the local part of its own sequence spread over its
+    own (sub-)group of cp ranks (`SequenceContext`, cp 1 for sequences kept whole here).
+
+    It stands in for a `SequenceContext` in the model: the caller has already laid out the
+    local tokens (`split` is the identity), `positions` are theirs, and the loss is normalised
+    over the whole cp group (`cp_size`, `group`), which holds every token of the micro-batch
+    exactly once. `starts[i]` is where segment i begins in the local row.
+    """
+
+    segments: tuple[SequenceContext, ...]
+    starts: tuple[int, ...]
+    local_positions: torch.Tensor  # (1, T_local)
+    cp_size: int
+    group: dist.ProcessGroup | None
+
+    def positions(self, batch: int) -> torch.Tensor:
+        return self.local_positions
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  dropout_p: float) -> torch.Tensor:
+        """Each segment's attention over its own group, in segment order (the same order on
+        every rank, so the groups' collectives never cross), concatenated along the tokens."""
+        if not self.segments:  # nothing placed here this micro-batch
+            return q * 0.0
+        outs = []
+        for start, seg in zip(self.starts, self.segments):
+            n = seg.index.numel()
+            outs.append(attention(q[:, :, start:start + n], k[:, :, start:start + n],
+                                  v[:, :, start:start + n], seg, dropout_p))
+        return torch.cat(outs, dim=2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              seq: SequenceContext | SegmentedContext, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of the local queries `q (B, H, T_local, D)` against the keys and values
     of the whole sequence (`k`, `v`: `(B, H_kv, T_local, D)` local; grouped-query heads when
     H_kv < H), masked by global index and document. Returns `(B, H, T_local, D)`."""
+    if isinstance(seq, SegmentedContext):
+        return seq.attention(q, k, v, dropout_p)
     if seq.cp_size > 1 and seq.comm == "ring":
         if dropout_p:
             raise ValueError("cp_comm 'ring' does not apply attention dropout; use allgather")
