@@ -71,6 +71,17 @@ def unsplit_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return out.index_copy_(dim, order, torch.cat(parts, dim))
 
 
+def gather_sequence(x: torch.Tensor, dim: int, cp: int,
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence on every cp rank from each rank's part `x` (`split_sequence` order)
+    along `dim`; no gradient (evaluation, generation)."""
+    if cp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unsplit_sequence(parts, dim)
+
+
 # ------------------------------------------------------------------------- packed documents
 
 
