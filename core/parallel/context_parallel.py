@@ -183,7 +183,9 @@ class SegmentedContext:
     It stands in for a `SequenceContext` in the model: the caller has already laid out the
     local tokens (`split` is the identity), `positions` are theirs, and the loss is normalised
     over the whole cp group (`cp_size`, `group`), which holds every token of the micro-batch
-    exactly once. `starts[i]` is where segment i begins in the local row.
+    exactly once. `starts[i]` is where segment i begins in the local row; `documents[i]`, for
+    a segment kept whole on this rank, the lengths of its documents in order (each runs alone
+    through the causal kernel, so no query-key pair across documents is computed), else None.
     """
 
     segments: tuple[SequenceContext, ...]
@@ -191,6 +193,7 @@ class SegmentedContext:
     local_positions: torch.Tensor  # (1, T_local)
     cp_size: int
     group: dist.ProcessGroup | None
+    documents: tuple[tuple[int, ...] | None, ...] = ()
 
     def positions(self, batch: int) -> torch.Tensor:
         return self.local_positions
@@ -205,7 +208,16 @@ class SegmentedContext:
         if not self.segments:  # nothing placed here this micro-batch
             return q * 0.0
         outs = []
-        for start, seg in zip(self.starts, self.segments):
+        docs = self.documents or (None,) * len(self.segments)
+        for start, seg, lengths in zip(self.starts, self.segments, docs):
+            if lengths is not None:  # whole documents: each alone, causal
+                for n in lengths:
+                    outs.append(F.scaled_dot_product_attention(
+                        q[:, :, start:start + n], k[:, :, start:start + n],
+                        v[:, :, start:start + n], dropout_p=dropout_p, is_causal=True,
+                        enable_gqa=True))
+                    start += n
+                continue
             n = seg.index.numel()
             outs.append(attention(q[:, :, start:start + n], k[:, :, start:start + n],
                                   v[:, :, start:start + n], seg, dropout_p))

@@ -8,9 +8,12 @@ picks: short ones stay whole on one rank, long ones span 2, 4, ... ranks. The se
 on one block are concatenated into one stream (each keeps its own document id, so nothing
 attends across them, and positions restart per sequence), padded to a multiple of 2 * k
 (padding: label -100, a document of its own), and split over the block's k ranks with the
-load-balanced zigzag split. A rank's local row is the concatenation of its part of every block
-it belongs to, blocks in one global order (larger blocks first, then by first rank): every rank
-of a block reaches that block's collectives at the same point, so they never cross.
+load-balanced zigzag split. Sequences kept whole on one rank run through the causal attention
+kernel one by one, so they cost what the scheduler counts (`LayerCost`: causal pairs within each
+sequence); a stream spread over k ranks is one masked attention, as with fixed cp. A rank's
+local row is the concatenation of its part of every block it belongs to, blocks in one global
+order (larger blocks first, then by first rank): every rank of a block reaches that block's
+collectives at the same point, so they never cross.
 
 Every cp rank is given the whole micro-batch (as with fixed cp) and computes the same schedule.
 Every token sits on exactly one rank, so the mean loss over the cp group's labelled tokens
@@ -109,7 +112,7 @@ class DynamicCP:
         by_block: dict[tuple[int, int], list[Assignment]] = {}
         for a in plan.assignments:
             by_block.setdefault((a.ranks, a.first), []).append(a)
-        local_ids, local_labels, local_pos, segments, starts = [], [], [], [], []
+        local_ids, local_labels, local_pos, segments, starts, whole = [], [], [], [], [], []
         offset = 0
         for (k, first), members in sorted(by_block.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
             if not first <= g.cp_rank < first + k:
@@ -125,12 +128,13 @@ class DynamicCP:
             local_labels.append(seg_labels[index])
             local_pos.append(document_positions(seg_docs[None])[0, index])
             segments.append(ctx)
+            whole.append(tuple(pieces[a.index][2] for a in members) if k == 1 else None)
             starts.append(offset)
             offset += index.numel()
         empty = ids.new_zeros(0)
         cat = (lambda xs: torch.cat(xs)[None] if xs else empty[None])  # noqa: E731
         context = SegmentedContext(tuple(segments), tuple(starts), cat(local_pos), g.cp_size,
-                                   g.cp_group)
+                                   g.cp_group, tuple(whole))
         return LocalBatch(cat(local_ids), cat(local_labels), context, plan)
 
 

@@ -157,6 +157,12 @@ def test_local_batches_hold_every_token_once_with_document_positions():
             assert p == want_pos[i]
         seen += lb.ids[0][real].tolist()
         ks |= {s.cp_size for s in ctx.segments}
+        for seg, lengths in zip(ctx.segments, ctx.documents):  # whole documents, in order
+            assert (lengths is None) == (seg.cp_size > 1)
+            if lengths is not None:
+                assert sum(lengths) == seg.index.numel()
+                assert list(lengths) == torch.unique_consecutive(
+                    seg.documents[0], return_counts=True)[1].tolist()
     assert sorted(seen) == ids.flatten().tolist()
     assert ks == {1, 2, 4}
 
