@@ -22,10 +22,10 @@ document boundary. Positions (RoPE and learned) are the global ones, restarted p
 documents are packed (`document_positions`), so a cp rank's tokens are embedded as they would be
 in one process. Everything here also runs with cp 1 (packed documents without cp).
 
-Hooks left for later work: `zigzag_index` and `SequenceContext` take the cp size and rank as
-plain numbers, so a dynamic-cp scheduler can build a context per micro-batch over a sub-group;
-the ring computes every block in full (fully masked blocks are not skipped), which is where a
-kernel would save the causal half of the work.
+`zigzag_index` and `SequenceContext` take the cp size and rank as plain numbers, so dynamic cp
+(`dynamic_cp_runtime`) builds a context per sequence over a sub-group. The ring skips what lies
+above the causal diagonal (`visible_block`): after its own block, each step computes half a
+block (the allgather path masks those pairs in one SDPA call instead).
 """
 
 from __future__ import annotations
@@ -304,6 +304,20 @@ class _Ring:
 _KV_TAG, _GRAD_TAG = 17, 18
 
 
+def visible_block(step: int, src: int, cp_rank: int, half: int) -> tuple[slice, slice]:
+    """The (local queries, keys of `src`'s block) that can see each other at ring step `step`
+    under the zigzag split (`zigzag_index`; `half` = one chunk); every other pair is above the
+    causal diagonal, so it is never computed. Step 0 is the own block (causal within it). A
+    block from an earlier rank (src < cp_rank) is seen only through its first chunk (its second
+    lies after both of ours); from a later rank, only our second chunk (it lies after both of
+    its chunks) sees it, and our first chunk sees none of it. Either way half the block."""
+    if step == 0:
+        return slice(None), slice(None)
+    if src < cp_rank:
+        return slice(None), slice(0, half)
+    return slice(half, None), slice(None)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention (see the module docstring). Computes in fp32 (fp64 stays fp64). With
     cp 1 it runs its one block without communicating (how its formulas are unit-tested)."""
@@ -323,12 +337,15 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 nxt, recv = ring.shift(kv, _KV_TAG)  # in flight while this block computes
             src = (seq.cp_rank - step) % cp
-            mask = seq.mask(seq.rank_index(src))
-            block_out, block_lse = block_attention(q5, kv[0], kv[1], mask, scale)
-            if out is None:
+            qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
+            mask = seq.mask(seq.rank_index(src)[ks])[:, qs]
+            block_out, block_lse = block_attention(q5[:, :, :, qs], kv[0][:, :, ks],
+                                                   kv[1][:, :, ks], mask, scale)
+            if out is None:  # step 0: every query
                 out, lse = block_out, block_lse
             else:
-                out, lse = merge_partials(out, lse, block_out, block_lse)
+                out[:, :, :, qs], lse[..., qs] = merge_partials(
+                    out[:, :, :, qs], lse[..., qs], block_out, block_lse)
             if step < cp - 1:
                 recv.wait()
                 kv = nxt
@@ -352,15 +369,17 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 nxt, recv = ring.shift(kv, _KV_TAG)
             src = (seq.cp_rank - step) % cp
-            mask = seq.mask(seq.rank_index(src))
-            s = _scores(q5, kv[0], mask, scale)
-            p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
-            dv = torch.einsum("bkgqt,bkgqd->bktd", p, do5)
-            dp = torch.einsum("bkgqd,bktd->bkgqt", do5, kv[1])
-            ds = p * (dp - delta.unsqueeze(-1))
-            dq5 += torch.einsum("bkgqt,bktd->bkgqd", ds, kv[0]) * scale
-            dk = torch.einsum("bkgqt,bkgqd->bktd", ds, q5) * scale
-            acc = torch.stack([dk, dv])
+            qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
+            mask = seq.mask(seq.rank_index(src)[ks])[:, qs]
+            q_sub, do_sub, kb, vb = q5[:, :, :, qs], do5[:, :, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
+            s = _scores(q_sub, kb, mask, scale)
+            p = torch.exp(s - lse[..., qs].unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
+            dp = torch.einsum("bkgqd,bktd->bkgqt", do_sub, vb)
+            ds = p * (dp - delta[..., qs].unsqueeze(-1))
+            dq5[:, :, :, qs] += torch.einsum("bkgqt,bktd->bkgqd", ds, kb) * scale
+            acc = torch.zeros_like(kv)  # this block's (dk, dv); skipped keys get none
+            acc[0][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", ds, q_sub) * scale
+            acc[1][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", p, do_sub)
             if acc_recv is not None:  # what the ranks before us added to this block
                 buf, work = acc_recv
                 work.wait()

@@ -179,10 +179,29 @@ def test_pretrain_flags_take_cp_and_check_it(tmp_path):
         _check_data(cfg)
 
 
-def test_prompt_tuning_refuses_cp():
+def test_tuning_refuses_dynamic_cp():
+    """Tuning runs fixed cp (tests/distributed/test_tuning_*.py); dynamic cp has nothing to
+    spread in rows of one padded example each, and says so."""
     from tessera.tuning.config import load_config as load_tune_config
     from tessera.tuning.loop import prepare_inputs
 
-    cfg, _ = load_tune_config(["--cp", "2"])
-    with pytest.raises(ConfigError, match=r"prompt tuning does not run context parallel \(--cp 2\)"):
+    cfg, _ = load_tune_config(["--cp", "2", "--cp-dynamic", "true"])
+    with pytest.raises(ConfigError, match=r"tuning rows are single examples.*use fixed --cp"):
         prepare_inputs(cfg)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_skips_only_pairs_above_the_causal_diagonal(cp):
+    """At every ring step after the first, the ring computes half a block, and every query-key
+    pair it skips is masked (so skipping changes nothing); the own block is computed whole."""
+    T = 8 * cp
+    for r in range(cp):
+        seq = cpar.sequence_context(T, 1, torch.device("cpu"), cp_size=cp, cp_rank=r)
+        for step in range(cp):
+            src = (r - step) % cp
+            full = seq.mask(seq.rank_index(src))[0]  # (T_local, T_local)
+            qs, ks = cpar.visible_block(step, src, r, T // cp // 2)
+            kept = torch.zeros_like(full)
+            kept[qs, ks] = True
+            assert not (full & ~kept).any(), (cp, r, step)  # nothing visible is skipped
+            assert kept.sum() == full.numel() // (1 if step == 0 else 2)
