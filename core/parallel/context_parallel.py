@@ -14,7 +14,9 @@ keys and values. Two ways to get them, chosen by `TrainSchedule.cp_comm`:
   their log-sum-exp (`merge_partials`), so no rank ever holds more than two blocks. Its
   backward (`_RingAttention`) sends the blocks around again, with their key/value gradient
   accumulators travelling behind them, and each block's gradient arrives back at its owner
-  after a full turn. No attention dropout (rejected up front by the config check).
+  after a full turn. Attention dropout is applied inside the ring with a mask that is a hash
+  of (seed, row, head, global query, global key) (`dropout_scale`): deterministic for a seed,
+  the same whichever rank computes a pair, with dropout's statistics, but not SDPA's draws.
 
 The mask compares GLOBAL token indices (query index >= key index), and, for packed documents,
 document ids (`document_ids`, one per token, equal within a document): no token attends across a
@@ -232,9 +234,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if isinstance(seq, SegmentedContext):
         return seq.attention(q, k, v, dropout_p)
     if seq.cp_size > 1 and seq.comm == "ring":
-        if dropout_p:
-            raise ValueError("cp_comm 'ring' does not apply attention dropout; use allgather")
-        return _RingAttention.apply(q, k, v, seq)
+        seed = int(torch.randint(0, 2**62, ())) if dropout_p else 0  # this rank's generator
+        return _RingAttention.apply(q, k, v, seq, dropout_p, seed)
     if seq.cp_size > 1:
         from torch.distributed._functional_collectives import all_gather_single_autograd
 
@@ -268,13 +269,47 @@ def _scores(q5: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor, scale: float
 
 
 def block_attention(q5: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, keep: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over one key block: (output, log-sum-exp); rows with no
-    visible key give output 0 and log-sum-exp -inf."""
+    visible key give output 0 and log-sum-exp -inf. `keep`: attention dropout, the kept
+    probabilities already scaled (`dropout_scale`); the log-sum-exp is the undropped one, so
+    partial results still merge exactly (`merge_partials` is linear in the outputs)."""
     s = _scores(q5, kb, mask, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
+    if keep is not None:
+        p = p * keep
     return torch.einsum("bkgqt,bktd->bkgqd", p, vb), lse
+
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _wrap(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - 2**64 if c >= 2**63 else c
+
+
+def dropout_scale(seed: int, p: float, shape: tuple[int, int, int], q_index: torch.Tensor,
+                  k_index: torch.Tensor) -> torch.Tensor:
+    """The ring's attention-dropout multipliers `(B, Hkv, G, Tq, Tk)`: 0 for a dropped
+    probability, 1 / (1 - p) for a kept one. Each is a hash of (seed, row, head, GLOBAL query
+    index, GLOBAL key index) (splitmix64), not a draw from a stream: the same seed gives the
+    same mask whichever cp rank and ring step computes a pair, so forward and backward agree
+    and the result does not depend on the split. Its statistics are those of dropout (each
+    pair kept with probability 1 - p, independently); it is not the mask SDPA draws."""
+    B, Hkv, G = shape
+    dev = q_index.device
+    x = (torch.arange(B, device=dev).view(B, 1, 1, 1, 1) * _wrap(_MIX[1])
+         + torch.arange(Hkv * G, device=dev).view(1, Hkv, G, 1, 1) * _wrap(_MIX[2])
+         + q_index.view(1, 1, 1, -1, 1) * (2**32 + 15) + k_index.view(1, 1, 1, 1, -1)
+         + _wrap(seed * _MIX[0] % 2**64))
+    for shift, mult in ((30, _MIX[1]), (27, _MIX[2])):  # splitmix64's finaliser
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * _wrap(mult)
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    uniform = (x & ((1 << 24) - 1)).float() / 2**24  # 24 bits: enough for a probability
+    return (uniform >= p).float() / (1.0 - p)
 
 
 class _Ring:
@@ -324,7 +359,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                seq: SequenceContext) -> torch.Tensor:
+                seq: SequenceContext, dropout_p: float = 0.0, seed: int = 0) -> torch.Tensor:
         dtype = torch.promote_types(q.dtype, torch.float32)
         B, H, Tq, D = q.shape
         Hkv = k.shape[1]
@@ -338,9 +373,12 @@ class _RingAttention(torch.autograd.Function):
                 nxt, recv = ring.shift(kv, _KV_TAG)  # in flight while this block computes
             src = (seq.cp_rank - step) % cp
             qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
-            mask = seq.mask(seq.rank_index(src)[ks])[:, qs]
+            key_index = seq.rank_index(src)[ks]
+            mask = seq.mask(key_index)[:, qs]
+            keep = (dropout_scale(seed, dropout_p, (B, Hkv, H // Hkv), seq.index[qs], key_index)
+                    if dropout_p else None)
             block_out, block_lse = block_attention(q5[:, :, :, qs], kv[0][:, :, ks],
-                                                   kv[1][:, :, ks], mask, scale)
+                                                   kv[1][:, :, ks], mask, scale, keep)
             if out is None:  # step 0: every query
                 out, lse = block_out, block_lse
             else:
@@ -350,13 +388,13 @@ class _RingAttention(torch.autograd.Function):
                 recv.wait()
                 kv = nxt
         ring.finish()
-        ctx.seq, ctx.scale, ctx.in_dtype = seq, scale, q.dtype
+        ctx.seq, ctx.scale, ctx.in_dtype, ctx.dropout = seq, scale, q.dtype, (dropout_p, seed)
         ctx.save_for_backward(q5, k.to(dtype), v.to(dtype), out, lse)
         return out.reshape(B, H, Tq, D).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        seq, scale = ctx.seq, ctx.scale
+        seq, scale, (dropout_p, seed) = ctx.seq, ctx.scale, ctx.dropout
         q5, k, v, out, lse = ctx.saved_tensors
         B, Hkv, G, Tq, D = q5.shape
         do5 = grad_out.to(q5.dtype).reshape(B, Hkv, G, Tq, D)
@@ -370,16 +408,21 @@ class _RingAttention(torch.autograd.Function):
                 nxt, recv = ring.shift(kv, _KV_TAG)
             src = (seq.cp_rank - step) % cp
             qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
-            mask = seq.mask(seq.rank_index(src)[ks])[:, qs]
+            key_index = seq.rank_index(src)[ks]
+            mask = seq.mask(key_index)[:, qs]
             q_sub, do_sub, kb, vb = q5[:, :, :, qs], do5[:, :, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
             s = _scores(q_sub, kb, mask, scale)
             p = torch.exp(s - lse[..., qs].unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
             dp = torch.einsum("bkgqd,bktd->bkgqt", do_sub, vb)
+            p_used = p  # the probabilities the output was made of (dropped and rescaled)
+            if dropout_p:  # dP = (dO V^T) * keep; delta = rowsum(dO * O) still holds
+                keep = dropout_scale(seed, dropout_p, (B, Hkv, G), seq.index[qs], key_index)
+                dp, p_used = dp * keep, p * keep
             ds = p * (dp - delta[..., qs].unsqueeze(-1))
             dq5[:, :, :, qs] += torch.einsum("bkgqt,bktd->bkgqd", ds, kb) * scale
             acc = torch.zeros_like(kv)  # this block's (dk, dv); skipped keys get none
             acc[0][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", ds, q_sub) * scale
-            acc[1][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", p, do_sub)
+            acc[1][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", p_used, do_sub)
             if acc_recv is not None:  # what the ranks before us added to this block
                 buf, work = acc_recv
                 work.wait()
@@ -397,7 +440,7 @@ class _RingAttention(torch.autograd.Function):
             work.wait()
         ring.finish()
         dq = dq5.reshape(B, Hkv * G, Tq, D).to(ctx.in_dtype)
-        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None
+        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------- loss

@@ -191,9 +191,6 @@ def context_parallel_problems(
         out.append(f"cp {layout.cp} with schedule {schedule.schedule!r}: the split-backward "
                    "(zero-bubble) schedules are not checked with context parallelism yet; use "
                    "'1f1b', 'interleaved-1f1b' or 'gpipe', or cp 1")
-    if schedule.cp_comm == "ring" and model.dropout > 0:
-        out.append(f"cp_comm 'ring' does not apply attention dropout (model dropout "
-                   f"{model.dropout}); use --cp-comm allgather, or dropout 0")
     return out + _dynamic_cp_problems(layout, schedule)
 
 
