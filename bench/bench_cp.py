@@ -15,11 +15,16 @@ Dynamic against fixed cp (`--part dynamic`): micro-batches of one packed row of 
 whose documents have lengths drawn log-uniformly in `--doc-min .. --doc-max` (the issue's
 64..8192 scaled by 1/4 to what two CPU cores run: 16..2048 in rows of 4096), documents isolated.
 Fixed cp splits every row over all cp ranks; dynamic cp (`core.parallel.dynamic_cp_runtime`)
-keeps short documents whole on one rank and spreads long ones over a sub-group. Both run the
-same kernels (one masked SDPA per segment: masked-out pairs are computed too), so the ratio
-includes the dense work dynamic cp avoids by not pairing a rank's queries with the whole row.
+keeps short documents whole on one rank and spreads long ones over a sub-group. Fixed cp
+runs one masked SDPA per rank over its chunks (masked-out pairs, across documents, are computed
+too); dynamic cp runs each document kept whole on a rank through the causal kernel alone, and
+one masked SDPA per stream spread over a sub-group.
 The time of a micro-batch is the slowest rank's best of `--steps` forward + backward passes
 (dynamic: its layout step included); the ratio is fixed / dynamic over all micro-batches.
+"dynamic, masked whole docs" runs the documents kept whole on a rank as one masked attention
+over their concatenation, as fixed cp runs its chunks: the gain without the per-document causal
+kernel (placement, communication, and a rank's whole documents paired only with each other
+rather than its chunks with the whole row).
 
     python bench/bench_cp.py [--seq 4096 --layers 2 --hidden 256 --steps 2 --part all]
 """
@@ -27,6 +32,7 @@ The time of a micro-batch is the slowest rank's best of `--steps` forward + back
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -130,13 +136,20 @@ def variable_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return out
 
 
-def _packed_step(model, dynamic: DynamicCP | None, ids: torch.Tensor, labels: torch.Tensor,
-                 docs: torch.Tensor) -> torch.Tensor:
-    """The loss of one packed micro-batch under fixed cp (`dynamic` None) or dynamic cp."""
+def _packed_step(model, dynamic: DynamicCP | None, masked: bool, ids: torch.Tensor,
+                 labels: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """The loss of one packed micro-batch under fixed cp (`dynamic` None) or dynamic cp;
+    `masked`: the documents kept whole on a rank run as one masked attention over their
+    concatenation (as fixed cp runs its chunks) instead of one causal call each."""
     if dynamic is None:
         return model(ids, labels=labels, document_ids=docs)
     local_ids, local_labels, kw = dynamic.model_inputs(ids, labels, docs)
+    if masked:
+        kw = {"sequence": dataclasses.replace(kw["sequence"], documents=())}
     return model(local_ids, labels=local_labels, **kw)
+
+
+MODES = ("fixed", "dynamic", "dynamic-masked")
 
 
 def _dynamic_body(rank: int, world_size: int, args) -> dict[str, list[float]]:
@@ -146,13 +159,14 @@ def _dynamic_body(rank: int, world_size: int, args) -> dict[str, list[float]]:
     groups = init_groups(layout, kv_replicas=kv_replicas(config, 1))
     batches = variable_batches(args)
     out: dict[str, list[float]] = {}
-    for mode in ("fixed", "dynamic"):
+    for mode in MODES:
         model = build_model(config, layout, groups, schedule=TrainSchedule(cp_comm=args.comm),
                             seed=0).train()
-        dynamic = DynamicCP.create(config, layout, groups, args.comm) if mode == "dynamic" else None
+        dynamic = DynamicCP.create(config, layout, groups, args.comm) if mode != "fixed" else None
         times = []
         for ids, labels, docs in batches:
-            step = functools.partial(_packed_step, model, dynamic, ids, labels, docs)
+            step = functools.partial(_packed_step, model, dynamic, mode == "dynamic-masked",
+                                     ids, labels, docs)
             step().backward()  # warm-up
             best = float("inf")
             for _ in range(args.steps):
@@ -172,13 +186,15 @@ def measure_dynamic(args, isa: str) -> list[dict]:
     rows = []
     for cp in args.dynamic_cp:
         per_rank = run_ranks(_dynamic_body, cp, args, timeout=900)
-        fixed, dynamic = ([max(r[mode][b] for r in per_rank) for b in range(args.batches)]
-                          for mode in ("fixed", "dynamic"))
+        fixed, dynamic, masked = (
+            sum(max(r[mode][b] for r in per_rank) for b in range(args.batches)) for mode in MODES)
         rows.append({"cp": cp, "cp_comm": args.comm, "seq": args.seq,
                      "doc lengths": f"log-uniform {args.doc_min}..{args.doc_max}",
                      "micro-batches": args.batches, "CPU ISA": isa,
-                     "fixed s": sum(fixed), "dynamic s": sum(dynamic),
-                     "speed-up (fixed / dynamic)": sum(fixed) / sum(dynamic)})
+                     "fixed s": fixed, "dynamic s": dynamic,
+                     "speed-up (fixed / dynamic)": fixed / dynamic,
+                     "dynamic, masked whole docs s": masked,
+                     "speed-up (fixed / masked)": fixed / masked})
         print(rows[-1], flush=True)
     return rows
 
