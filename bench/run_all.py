@@ -129,6 +129,9 @@ def summary(gpu: bool) -> list[dict]:
     for r in _rows("cp")[1:]:
         add(f"cp {r['cp']} {r['cp_comm']}: activations per rank / ideal 1/cp (seq {r['seq']})",
             round(r["x ideal (mem)"], 2), "report", None)
+    for r in _rows("cp_dynamic"):
+        add(f"dynamic vs fixed cp {r['cp']} ({r['doc lengths']}, seq {r['seq']}): speed-up",
+            round(r["speed-up (fixed / dynamic)"], 2), "report", None)
     for r in _rows("parallel"):
         if "bubble measured" in r:
             add(f"{r['layout']} bubble (theory {r['bubble theory']:.2f})",

@@ -323,6 +323,9 @@ class TrainSchedule:
     # allgather (one autograd all-gather per layer; the CPU default) or ring (p2p blocks,
     # the next block's transfer overlapped with the current block's attention).
     cp_comm: CPComm = "allgather"
+    # Dynamic context parallelism (`core.parallel.dynamic_cp_runtime`): per micro-batch, each
+    # sequence (packed document) spread over its own power-of-two block of the cp group.
+    cp_dynamic: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

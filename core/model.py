@@ -23,7 +23,7 @@ from tessera.core import fused
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
 from tessera.core.parallel import context_parallel as cpar
-from tessera.core.parallel.context_parallel import SequenceContext
+from tessera.core.parallel.context_parallel import SegmentedContext, SequenceContext
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import (
     ColumnParallelLinear,
@@ -200,6 +200,9 @@ class GPTModel(nn.Module):
     logits and `local_logits` hold only those `T / cp` tokens, in that order. The loss is the
     mean over the whole sequence on every cp rank (`context_parallel.global_mean_loss`).
     Positions restart per document when document ids are given (and positions are not).
+    Dynamic cp (`core.parallel.dynamic_cp_runtime`) lays the tokens out itself and passes
+    `sequence`: then `x` and `labels` are this rank's tokens `(1, T_local)` and the loss is the
+    mean over the whole cp group's tokens.
     """
 
     def __init__(self, config: ModelConfig, layout: Layout | None = None,
@@ -272,10 +275,13 @@ class GPTModel(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, local_logits: bool = False,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None,
+                sequence: SegmentedContext | None = None) -> torch.Tensor:
         sp = self.layout.sequence_parallel and cache is None
-        seq = None
-        if self.groups.cp_size > 1 or document_ids is not None:
+        seq, embedded = None, None
+        if sequence is not None:  # dynamic cp: `x`, `labels` are this rank's tokens already
+            seq, positions = sequence, sequence.positions(x.shape[0])
+        elif self.groups.cp_size > 1 or document_ids is not None:
             if cache is not None:
                 raise NotImplementedError("a KV cache (generation, serving) runs without "
                                           "context parallelism or packed documents")
@@ -284,11 +290,17 @@ class GPTModel(nn.Module):
             B, T = (x.shape[0], x.shape[1]) if self.is_first else (
                 x.shape[1], x.shape[0] * (self.groups.tp_size if sp else 1) * self.groups.cp_size)
             seq = self.sequence(B, T, x.device, document_ids)
+            if self.is_first and self.embedding_hook is not None and seq.cp_size > 1:
+                # The hook (prompt tuning) reads each row's task at position 0, which only one
+                # cp rank holds: it sees the whole rows, then this rank keeps its tokens.
+                whole = seq.whole_positions(B) if positions is None else positions
+                embedded = seq.split(self.embed(x, whole))
             positions = seq.positions(B) if positions is None else seq.split(positions)
             if self.is_first:
                 x = seq.split(x)
         if self.is_first:
-            h = self.embed(x, positions).transpose(0, 1).contiguous()  # (T, B, C)
+            h = (self.embed(x, positions) if embedded is None else embedded)
+            h = h.transpose(0, 1).contiguous()  # (T, B, C)
             if sp:
                 h = scatter_to_sequence(h, self.groups.tp_group)
             if self.training and self.config.dropout:

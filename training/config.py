@@ -123,6 +123,8 @@ class ParallelSection:
     # --- Expert parallelism (issue 14): MoE models only, folded over tp x cp x dp.
     ep: int = 1
     etp: int = 1
+    # dynamic context parallelism
+    cp_dynamic: bool = False
 
     def layout(self) -> Layout:
         from tessera.core.parallel.pipeline import split_layout_and_schedule
@@ -170,6 +172,8 @@ _PARALLEL_HELP = {
           "adds no ranks",
     "etp": "expert-tensor-parallel size (MoE models): each expert's FFN split over etp ranks, "
            "set apart from tp; ep x etp must divide tp x cp x dp",
+    "cp_dynamic": "per micro-batch, spread each sequence (packed document) over as few cp ranks "
+                  "as its length needs (short ones stay whole on one rank) instead of all cp",
 }
 
 

@@ -31,6 +31,7 @@ from tessera.core.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
 from tessera.core.parallel.context_parallel import document_ids
 from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
+from tessera.core.parallel.dynamic_cp_runtime import DynamicCP
 from tessera.core.parallel.groups import ParallelGroups, init_groups, resolve_device
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline_forward import pipeline_forward
@@ -64,6 +65,7 @@ class Job:
     fp8: Fp8Training | None = None  # --precision fp8: the FP8 layers, scales and their state
     eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
     objective: Objective = CAUSAL_LM  # the family's batches and losses (training.objectives)
+    dynamic_cp: DynamicCP | None = None  # --cp-dynamic: the cp sub-groups and their layout
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:
@@ -167,7 +169,11 @@ def setup(cfg: PretrainConfig) -> Job:
         from tessera.core.tokenizer import load_tokenizer
 
         eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
-    return make_job(cfg, device, groups, stages, eod_id)
+    job = make_job(cfg, device, groups, stages, eod_id)
+    if cfg.parallel.cp_dynamic:
+        job.dynamic_cp = DynamicCP.create(cfg.model, cfg.parallel.layout(), groups,
+                                          cfg.parallel.cp_comm)
+    return job
 
 
 def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
@@ -220,6 +226,9 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
                                                            doc_chunks, extra_chunks):
             kw = {} if mb_docs is None else {"document_ids": mb_docs}
             kw.update(mb_extra)
+            if job.dynamic_cp is not None:  # this rank's sequences of the micro-batch
+                mb_tokens, mb_labels, kw = job.dynamic_cp.model_inputs(mb_tokens, mb_labels,
+                                                                       mb_docs)
             with compute_context(job):
                 mb_loss = model(mb_tokens, mb_labels, **kw) / n_mb
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()

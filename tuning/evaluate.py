@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.core.lora import lora_dropout_off
+from tessera.core.parallel.context_parallel import gather_sequence
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.tuning.data import Example, TaskData, make_batch, sequence
@@ -37,13 +38,17 @@ def _amp(t: Tuning):
 
 
 def _logits(t: Tuning, ids: torch.Tensor) -> torch.Tensor | None:
-    """Full logits `(B, T, V)` on the rank holding the last stage; None elsewhere."""
+    """Full logits `(B, T, V)` on the rank holding the last stage; None elsewhere. Under
+    context parallelism each cp rank computes its tokens' logits and they are gathered."""
     job = t.job
     with _amp(t):
         if job.cfg.parallel.pp == 1:
-            return job.stages[0](ids).float()
-        out = pipeline_forward(job.stages, job.groups, ids)
-    return None if out is None else out.float()
+            out = job.stages[0](ids).float()
+        else:
+            out = pipeline_forward(job.stages, job.groups, ids)
+    if out is None:
+        return None
+    return gather_sequence(out.float(), 1, job.groups.cp_size, job.groups.cp_group)
 
 
 def _from_last_stage(t: Tuning, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -81,7 +86,9 @@ def generate_answers(t: Tuning, batch: list[Example]) -> list[list[int]]:
     starts = [t.n_virtual[e.task] + len(e.prompt) for e in batch]
     max_new = max(len(e.answer) for e in batch)
     limit = t.job.stages[0].config.max_position_embeddings
-    width = min(_round_up(max(starts) + max_new, t.job.groups.tp_size), limit)
+    g = t.job.groups
+    multiple = g.tp_size if g.cp_size == 1 else 2 * g.cp_size * g.tp_size  # cp: 2cp chunks
+    width = min(_round_up(max(starts) + max_new, multiple), limit)
     ids = torch.full((len(batch), width), t.tokenizer.pad_id, dtype=torch.long)
     for row, e in enumerate(batch):
         prompt = sequence(e, t.task_index[e.task], t.n_virtual[e.task])[: starts[row]]

@@ -124,10 +124,10 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     """Read the base manifest and tokenizer, fix the tasks, tokenize the data; raise
     `ConfigError` / `DataError` for anything wrong. `specs` given: exactly these tasks."""
     t = cfg.tune
-    if cfg.parallel.cp != 1:
-        raise ConfigError(f"prompt tuning does not run context parallel (--cp {cfg.parallel.cp}): "
-                          "its virtual tokens sit at the start of each sequence, on one cp rank; "
-                          "use --cp 1 and tp / pp / dp for more ranks")
+    if cfg.parallel.cp_dynamic:
+        raise ConfigError("--cp-dynamic spreads the packed documents of pretraining samples by "
+                          "their lengths; tuning rows are single examples padded to one length, "
+                          "so there is nothing to spread: use fixed --cp (drop --cp-dynamic)")
     if not t.checkpoint:
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
@@ -164,6 +164,8 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         for path in (train, valid))
     examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
     multiple = math.lcm(8, cfg.parallel.tp)  # sequence parallelism splits it over tp
+    if cfg.parallel.cp > 1:  # context parallelism cuts it into 2 x cp chunks (each split over tp)
+        multiple = math.lcm(multiple, 2 * cfg.parallel.cp * cfg.parallel.tp)
     seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
     return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules)
 

@@ -14,7 +14,9 @@ keys and values. Two ways to get them, chosen by `TrainSchedule.cp_comm`:
   their log-sum-exp (`merge_partials`), so no rank ever holds more than two blocks. Its
   backward (`_RingAttention`) sends the blocks around again, with their key/value gradient
   accumulators travelling behind them, and each block's gradient arrives back at its owner
-  after a full turn. No attention dropout (rejected up front by the config check).
+  after a full turn. Attention dropout is applied inside the ring with a mask that is a hash
+  of (seed, row, head, global query, global key) (`dropout_scale`): deterministic for a seed,
+  the same whichever rank computes a pair, with dropout's statistics, but not SDPA's draws.
 
 The mask compares GLOBAL token indices (query index >= key index), and, for packed documents,
 document ids (`document_ids`, one per token, equal within a document): no token attends across a
@@ -22,10 +24,10 @@ document boundary. Positions (RoPE and learned) are the global ones, restarted p
 documents are packed (`document_positions`), so a cp rank's tokens are embedded as they would be
 in one process. Everything here also runs with cp 1 (packed documents without cp).
 
-Hooks left for later work: `zigzag_index` and `SequenceContext` take the cp size and rank as
-plain numbers, so a dynamic-cp scheduler can build a context per micro-batch over a sub-group;
-the ring computes every block in full (fully masked blocks are not skipped), which is where a
-kernel would save the causal half of the work.
+`zigzag_index` and `SequenceContext` take the cp size and rank as plain numbers, so dynamic cp
+(`dynamic_cp_runtime`) builds a context per sequence over a sub-group. The ring skips what lies
+above the causal diagonal (`visible_block`): after its own block, each step computes half a
+block (the allgather path masks those pairs in one SDPA call instead).
 """
 
 from __future__ import annotations
@@ -69,6 +71,17 @@ def unsplit_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     order = torch.cat([zigzag_index(seq_len, cp, r, parts[0].device) for r in range(cp)])
     out = torch.empty_like(torch.cat(parts, dim))
     return out.index_copy_(dim, order, torch.cat(parts, dim))
+
+
+def gather_sequence(x: torch.Tensor, dim: int, cp: int,
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence on every cp rank from each rank's part `x` (`split_sequence` order)
+    along `dim`; no gradient (evaluation, generation)."""
+    if cp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unsplit_sequence(parts, dim)
 
 
 # ------------------------------------------------------------------------- packed documents
@@ -126,6 +139,12 @@ class SequenceContext:
             return self.index.expand(batch, -1)
         return document_positions(self.documents)[:, self.index]
 
+    def whole_positions(self, batch: int) -> torch.Tensor:
+        """Every token's position `(B, T)` (global index, restarted per document)."""
+        if self.documents is None:
+            return torch.arange(self.seq_len, device=self.index.device).expand(batch, -1)
+        return document_positions(self.documents)
+
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The local tokens of a whole-sequence tensor (ids, labels: dim 1)."""
         if self.cp_size == 1:
@@ -157,15 +176,66 @@ def sequence_context(seq_len: int, batch: int, device: torch.device, *, cp_size:
 # ------------------------------------------------------------------------------ attention
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: SequenceContext,
-              dropout_p: float = 0.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class SegmentedContext:
+    """Dynamic context parallelism (`core.parallel.dynamic_cp_runtime`): this rank's tokens are
+    one row of consecutive segments, each the local part of its own sequence spread over its
+    own (sub-)group of cp ranks (`SequenceContext`, cp 1 for sequences kept whole here).
+
+    It stands in for a `SequenceContext` in the model: the caller has already laid out the
+    local tokens (`split` is the identity), `positions` are theirs, and the loss is normalised
+    over the whole cp group (`cp_size`, `group`), which holds every token of the micro-batch
+    exactly once. `starts[i]` is where segment i begins in the local row; `documents[i]`, for
+    a segment kept whole on this rank, the lengths of its documents in order (each runs alone
+    through the causal kernel, so no query-key pair across documents is computed), else None.
+    """
+
+    segments: tuple[SequenceContext, ...]
+    starts: tuple[int, ...]
+    local_positions: torch.Tensor  # (1, T_local)
+    cp_size: int
+    group: dist.ProcessGroup | None
+    documents: tuple[tuple[int, ...] | None, ...] = ()
+
+    def positions(self, batch: int) -> torch.Tensor:
+        return self.local_positions
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  dropout_p: float) -> torch.Tensor:
+        """Each segment's attention over its own group, in segment order (the same order on
+        every rank, so the groups' collectives never cross), concatenated along the tokens."""
+        if not self.segments:  # nothing placed here this micro-batch
+            return q * 0.0
+        outs = []
+        docs = self.documents or (None,) * len(self.segments)
+        for start, seg, lengths in zip(self.starts, self.segments, docs):
+            if lengths is not None:  # whole documents: each alone, causal
+                for n in lengths:
+                    outs.append(F.scaled_dot_product_attention(
+                        q[:, :, start:start + n], k[:, :, start:start + n],
+                        v[:, :, start:start + n], dropout_p=dropout_p, is_causal=True,
+                        enable_gqa=True))
+                    start += n
+                continue
+            n = seg.index.numel()
+            outs.append(attention(q[:, :, start:start + n], k[:, :, start:start + n],
+                                  v[:, :, start:start + n], seg, dropout_p))
+        return torch.cat(outs, dim=2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              seq: SequenceContext | SegmentedContext, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of the local queries `q (B, H, T_local, D)` against the keys and values
     of the whole sequence (`k`, `v`: `(B, H_kv, T_local, D)` local; grouped-query heads when
     H_kv < H), masked by global index and document. Returns `(B, H, T_local, D)`."""
+    if isinstance(seq, SegmentedContext):
+        return seq.attention(q, k, v, dropout_p)
     if seq.cp_size > 1 and seq.comm == "ring":
-        if dropout_p:
-            raise ValueError("cp_comm 'ring' does not apply attention dropout; use allgather")
-        return _RingAttention.apply(q, k, v, seq)
+        seed = int(torch.randint(0, 2**62, ())) if dropout_p else 0  # this rank's generator
+        return _RingAttention.apply(q, k, v, seq, dropout_p, seed)
     if seq.cp_size > 1:
         from torch.distributed._functional_collectives import all_gather_single_autograd
 
@@ -199,13 +269,47 @@ def _scores(q5: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor, scale: float
 
 
 def block_attention(q5: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, keep: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries over one key block: (output, log-sum-exp); rows with no
-    visible key give output 0 and log-sum-exp -inf."""
+    visible key give output 0 and log-sum-exp -inf. `keep`: attention dropout, the kept
+    probabilities already scaled (`dropout_scale`); the log-sum-exp is the undropped one, so
+    partial results still merge exactly (`merge_partials` is linear in the outputs)."""
     s = _scores(q5, kb, mask, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
+    if keep is not None:
+        p = p * keep
     return torch.einsum("bkgqt,bktd->bkgqd", p, vb), lse
+
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _wrap(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - 2**64 if c >= 2**63 else c
+
+
+def dropout_scale(seed: int, p: float, shape: tuple[int, int, int], q_index: torch.Tensor,
+                  k_index: torch.Tensor) -> torch.Tensor:
+    """The ring's attention-dropout multipliers `(B, Hkv, G, Tq, Tk)`: 0 for a dropped
+    probability, 1 / (1 - p) for a kept one. Each is a hash of (seed, row, head, GLOBAL query
+    index, GLOBAL key index) (splitmix64), not a draw from a stream: the same seed gives the
+    same mask whichever cp rank and ring step computes a pair, so forward and backward agree
+    and the result does not depend on the split. Its statistics are those of dropout (each
+    pair kept with probability 1 - p, independently); it is not the mask SDPA draws."""
+    B, Hkv, G = shape
+    dev = q_index.device
+    x = (torch.arange(B, device=dev).view(B, 1, 1, 1, 1) * _wrap(_MIX[1])
+         + torch.arange(Hkv * G, device=dev).view(1, Hkv, G, 1, 1) * _wrap(_MIX[2])
+         + q_index.view(1, 1, 1, -1, 1) * (2**32 + 15) + k_index.view(1, 1, 1, 1, -1)
+         + _wrap(seed * _MIX[0] % 2**64))
+    for shift, mult in ((30, _MIX[1]), (27, _MIX[2])):  # splitmix64's finaliser
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * _wrap(mult)
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    uniform = (x & ((1 << 24) - 1)).float() / 2**24  # 24 bits: enough for a probability
+    return (uniform >= p).float() / (1.0 - p)
 
 
 class _Ring:
@@ -235,13 +339,27 @@ class _Ring:
 _KV_TAG, _GRAD_TAG = 17, 18
 
 
+def visible_block(step: int, src: int, cp_rank: int, half: int) -> tuple[slice, slice]:
+    """The (local queries, keys of `src`'s block) that can see each other at ring step `step`
+    under the zigzag split (`zigzag_index`; `half` = one chunk); every other pair is above the
+    causal diagonal, so it is never computed. Step 0 is the own block (causal within it). A
+    block from an earlier rank (src < cp_rank) is seen only through its first chunk (its second
+    lies after both of ours); from a later rank, only our second chunk (it lies after both of
+    its chunks) sees it, and our first chunk sees none of it. Either way half the block."""
+    if step == 0:
+        return slice(None), slice(None)
+    if src < cp_rank:
+        return slice(None), slice(0, half)
+    return slice(half, None), slice(None)
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention (see the module docstring). Computes in fp32 (fp64 stays fp64). With
     cp 1 it runs its one block without communicating (how its formulas are unit-tested)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                seq: SequenceContext) -> torch.Tensor:
+                seq: SequenceContext, dropout_p: float = 0.0, seed: int = 0) -> torch.Tensor:
         dtype = torch.promote_types(q.dtype, torch.float32)
         B, H, Tq, D = q.shape
         Hkv = k.shape[1]
@@ -254,23 +372,29 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 nxt, recv = ring.shift(kv, _KV_TAG)  # in flight while this block computes
             src = (seq.cp_rank - step) % cp
-            mask = seq.mask(seq.rank_index(src))
-            block_out, block_lse = block_attention(q5, kv[0], kv[1], mask, scale)
-            if out is None:
+            qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
+            key_index = seq.rank_index(src)[ks]
+            mask = seq.mask(key_index)[:, qs]
+            keep = (dropout_scale(seed, dropout_p, (B, Hkv, H // Hkv), seq.index[qs], key_index)
+                    if dropout_p else None)
+            block_out, block_lse = block_attention(q5[:, :, :, qs], kv[0][:, :, ks],
+                                                   kv[1][:, :, ks], mask, scale, keep)
+            if out is None:  # step 0: every query
                 out, lse = block_out, block_lse
             else:
-                out, lse = merge_partials(out, lse, block_out, block_lse)
+                out[:, :, :, qs], lse[..., qs] = merge_partials(
+                    out[:, :, :, qs], lse[..., qs], block_out, block_lse)
             if step < cp - 1:
                 recv.wait()
                 kv = nxt
         ring.finish()
-        ctx.seq, ctx.scale, ctx.in_dtype = seq, scale, q.dtype
+        ctx.seq, ctx.scale, ctx.in_dtype, ctx.dropout = seq, scale, q.dtype, (dropout_p, seed)
         ctx.save_for_backward(q5, k.to(dtype), v.to(dtype), out, lse)
         return out.reshape(B, H, Tq, D).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        seq, scale = ctx.seq, ctx.scale
+        seq, scale, (dropout_p, seed) = ctx.seq, ctx.scale, ctx.dropout
         q5, k, v, out, lse = ctx.saved_tensors
         B, Hkv, G, Tq, D = q5.shape
         do5 = grad_out.to(q5.dtype).reshape(B, Hkv, G, Tq, D)
@@ -283,15 +407,22 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 nxt, recv = ring.shift(kv, _KV_TAG)
             src = (seq.cp_rank - step) % cp
-            mask = seq.mask(seq.rank_index(src))
-            s = _scores(q5, kv[0], mask, scale)
-            p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
-            dv = torch.einsum("bkgqt,bkgqd->bktd", p, do5)
-            dp = torch.einsum("bkgqd,bktd->bkgqt", do5, kv[1])
-            ds = p * (dp - delta.unsqueeze(-1))
-            dq5 += torch.einsum("bkgqt,bktd->bkgqd", ds, kv[0]) * scale
-            dk = torch.einsum("bkgqt,bkgqd->bktd", ds, q5) * scale
-            acc = torch.stack([dk, dv])
+            qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
+            key_index = seq.rank_index(src)[ks]
+            mask = seq.mask(key_index)[:, qs]
+            q_sub, do_sub, kb, vb = q5[:, :, :, qs], do5[:, :, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
+            s = _scores(q_sub, kb, mask, scale)
+            p = torch.exp(s - lse[..., qs].unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
+            dp = torch.einsum("bkgqd,bktd->bkgqt", do_sub, vb)
+            p_used = p  # the probabilities the output was made of (dropped and rescaled)
+            if dropout_p:  # dP = (dO V^T) * keep; delta = rowsum(dO * O) still holds
+                keep = dropout_scale(seed, dropout_p, (B, Hkv, G), seq.index[qs], key_index)
+                dp, p_used = dp * keep, p * keep
+            ds = p * (dp - delta[..., qs].unsqueeze(-1))
+            dq5[:, :, :, qs] += torch.einsum("bkgqt,bktd->bkgqd", ds, kb) * scale
+            acc = torch.zeros_like(kv)  # this block's (dk, dv); skipped keys get none
+            acc[0][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", ds, q_sub) * scale
+            acc[1][:, :, ks] = torch.einsum("bkgqt,bkgqd->bktd", p_used, do_sub)
             if acc_recv is not None:  # what the ranks before us added to this block
                 buf, work = acc_recv
                 work.wait()
@@ -309,7 +440,7 @@ class _RingAttention(torch.autograd.Function):
             work.wait()
         ring.finish()
         dq = dq5.reshape(B, Hkv * G, Tq, D).to(ctx.in_dtype)
-        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None
+        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------- loss

@@ -19,9 +19,8 @@ leaves the busiest rank more than `tolerance` above the mean, the biggest piece 
 spread over twice as many ranks (and so is every longer sequence) and everything is placed
 again, while that lowers the maximum.
 
-Pure Python, no torch: the training loop does not use it yet (a caller would build a
-`context_parallel.SequenceContext` per sequence over its block's ranks, padding the sequence to a
-multiple of `2 * k`: `Assignment.padded_length`).
+Pure Python, no torch. `dynamic_cp_runtime` lays a micro-batch out by it at run time
+(`--cp-dynamic`): the sequences of one block are concatenated and split over its ranks.
 """
 
 from __future__ import annotations

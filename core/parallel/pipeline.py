@@ -188,15 +188,20 @@ def context_parallel_problems(
     if schedule.cp_comm not in CP_COMMS:
         out.append(f"unknown cp_comm {schedule.cp_comm!r}; choose one of {list(CP_COMMS)}")
     if layout.cp <= 1:
-        return out
+        return out + _dynamic_cp_problems(layout, schedule)
     if layout.pp > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES:
         out.append(f"cp {layout.cp} with schedule {schedule.schedule!r}: the split-backward "
                    "(zero-bubble) schedules are not checked with context parallelism yet; use "
                    "'1f1b', 'interleaved-1f1b' or 'gpipe', or cp 1")
-    if schedule.cp_comm == "ring" and model.dropout > 0:
-        out.append(f"cp_comm 'ring' does not apply attention dropout (model dropout "
-                   f"{model.dropout}); use --cp-comm allgather, or dropout 0")
-    return out
+    return out + _dynamic_cp_problems(layout, schedule)
+
+
+def _dynamic_cp_problems(layout: Layout, schedule: TrainSchedule) -> list[str]:
+    if not schedule.cp_dynamic:
+        return []
+    from tessera.core.parallel.dynamic_cp_runtime import layout_problems
+
+    return layout_problems(layout)
 
 
 def validate_training(

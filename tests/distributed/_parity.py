@@ -26,6 +26,7 @@ from tessera.core.parallel.data_parallel import (
     build_zero_optimizer,
     wrap_data_parallel,
 )
+from tessera.core.parallel.dynamic_cp_runtime import DynamicCP
 from tessera.core.parallel.groups import init_groups
 from tessera.core.parallel.pipeline import (
     broadcast_loss,
@@ -56,6 +57,7 @@ class Case:
     seed: int = 1234
     sgd_step: bool = False  # also take one SGD step (ZeRO / FSDP) and compare the parameters
     packed: bool = False  # rows of several documents (per-token document ids)
+    cuts: tuple[tuple[int, ...], ...] | None = None  # packed, with these document starts per row
 
     def model_config(self) -> ModelConfig:
         base = {"hidden_size": 32, "num_layers": 4, "num_heads": 4, "ffn_hidden_size": 64,
@@ -79,6 +81,12 @@ def make_batch(case: Case, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]
 def make_documents(case: Case) -> torch.Tensor | None:
     """Per-token document ids `(B, T)` for a packed case: each row cut at 1-3 random places
     (so documents straddle the cp chunks), or None when the case is not packed."""
+    if case.cuts is not None:
+        docs = torch.zeros(case.batch, case.seq, dtype=torch.long)
+        for row, cuts in zip(docs, case.cuts, strict=True):
+            for cut in cuts:
+                row[cut:] += 1
+        return docs
     if not case.packed:
         return None
     gen = torch.Generator().manual_seed(case.seed + 1)
@@ -129,9 +137,14 @@ def _run_case(case: Case) -> dict[str, Any]:
         losses = []
         n_mb = sched.micro_batches
         doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
+        dynamic = DynamicCP.create(config, lay, groups, sched.cp_comm) if sched.cp_dynamic else None
         for i, lab, d in zip(ids.chunk(n_mb), labels.chunk(n_mb), doc_chunks):
-            losses.append(modules[0](i, labels=lab, document_ids=d) if d is not None
-                          else modules[0](i, labels=lab))
+            if dynamic is not None:  # this rank's sequences only
+                i, lab, kw = dynamic.model_inputs(i, lab, d)
+                losses.append(modules[0](i, labels=lab, **kw))
+            else:
+                losses.append(modules[0](i, labels=lab, document_ids=d) if d is not None
+                              else modules[0](i, labels=lab))
             (losses[-1] / n_mb).backward()
         loss = torch.stack([x.detach() for x in losses]).mean()
     sync_tied_embedding_grads(models, groups)

@@ -1,8 +1,8 @@
-"""LoRA tuning on gloo ranks: tp2 x pp2, tp2 x dp2 (sequence parallel) and tp4 (kv heads
-replicated over tp ranks, so B's kv rows too) give the single-process run's losses (8 steps,
+"""LoRA tuning on gloo ranks: tp2 x pp2, tp2 x dp2 (sequence parallel), cp2 x dp2 (ring) and tp4
+(kv heads replicated over tp ranks, so B's kv rows too) give the single-process run's losses (8 steps,
 1e-5 relative) and adapter (and, in the slow tp4 case, validation metrics); the base stays
 bit-identical on every rank; only A/B get gradients, the replicated factor's identical over tp,
-every one identical over dp; and `--merge` written by tp2 x pp2 ranks equals base + adapter.
+every one identical over dp and cp; and `--merge` written by tp2 x pp2 ranks equals base + adapter.
 
 One spawn of 4 ranks runs the default layouts in turn (a second, slow, runs tp4); the
 reference runs here, in one process.
@@ -31,6 +31,7 @@ from tests.unit.tuning.tuning_helper import random_base_and_tasks, tune_argv
 LAYOUTS = {
     "tp2pp2": ("--tp", "2", "--pp", "2", "--micro-batches", "2"),
     "tp2dp2": ("--tp", "2", "--dp", "2", "--sequence-parallel", "true"),
+    "cp2dp2-ring": ("--cp", "2", "--dp", "2", "--cp-comm", "ring"),
 }
 SLOW_LAYOUTS = {"tp4": ("--tp", "4")}  # llama-tiny's 2 kv heads, each replicated on 2 tp ranks
 RTOL = 1e-5
@@ -77,7 +78,8 @@ def _check_steps(argv: list[str], base: str) -> None:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
             replicated = shard_spec(name, stage.config).dim is None
             for group, size, same in ((g.tp_group, g.tp_size, replicated),
-                                      (g.dp_group, g.dp_size, True)):
+                                      (g.dp_group, g.dp_size, True),
+                                      (g.cp_group, g.cp_size, True)):
                 if group is None:
                     continue
                 copies = [torch.empty_like(p.grad) for _ in range(size)]

@@ -1,7 +1,7 @@
-"""Prompt tuning on gloo ranks: tp2 x pp2, tp2 x dp2 (sequence parallel) and tp4 (kv heads
-replicated over tp ranks) give the single-process run's losses, prompt table and validation
+"""Prompt tuning on gloo ranks: tp2 x pp2, tp2 x dp2 (sequence parallel), tp4 (kv heads
+replicated over tp ranks) and cp4 give the single-process run's losses, prompt table and validation
 metrics; the base stays bit-identical on every rank; only prompt parameters get gradients,
-identical over tp (and over dp after averaging); and `tessera tune --nproc-per-node 2` launches
+identical over tp (and over dp and cp after averaging); and `tessera tune --nproc-per-node 2` launches
 its own ranks.
 
 One spawn of 4 ranks runs both layouts in turn; the references run here, in one process.
@@ -31,8 +31,11 @@ LAYOUTS = {
     "tp2pp2": ("--tp", "2", "--pp", "2", "--micro-batches", "2"),
     "tp2dp2": ("--tp", "2", "--dp", "2", "--sequence-parallel", "true"),
     "tp4": ("--tp", "4"),  # llama-tiny's 2 kv heads, each replicated on 2 tp ranks
+    # Context parallel: 24-token rows in chunks of 3, so the 4 virtual tokens span two cp ranks.
+    "cp4": ("--cp", "4"),
 }
-RAN = {"tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 2), "tp4": (4, 1, 1)}  # (tp, pp, dp) of each job
+RAN = {"tp2pp2": (2, 2, 1, 1), "tp2dp2": (2, 1, 2, 1), "tp4": (4, 1, 1, 1),
+       "cp4": (1, 1, 1, 4)}  # (tp, pp, dp, cp) of each job
 RTOL = 1e-4
 
 
@@ -70,7 +73,8 @@ def _check_step(argv: list[str], base: str) -> None:
                 assert torch.equal(p, expected), name
                 continue
             assert p.grad is not None and p.grad.abs().sum() > 0, name
-            for group, size in ((g.tp_group, g.tp_size), (g.dp_group, g.dp_size)):
+            for group, size in ((g.tp_group, g.tp_size), (g.dp_group, g.dp_size),
+                                (g.cp_group, g.cp_size)):
                 if group is None:
                     continue
                 copies = [torch.empty_like(p.grad) for _ in range(size)]
@@ -108,7 +112,7 @@ def test_layouts_match_one_process_and_keep_the_base(setting, reference):
                 assert abs(got["after"][task]["loss"] - metrics["loss"]) <= 1e-4 * metrics["loss"]
         ran = json.loads((root / name / "checkpoints" / "step-00000004" / "state.json")
                          .read_text())["config"]["parallel"]
-        assert (ran["tp"], ran["pp"], ran["dp"]) == RAN[name]
+        assert (ran["tp"], ran["pp"], ran["dp"], ran["cp"]) == RAN[name]
         _, table = read_prompt_table(root / name)
         for task in want:
             torch.testing.assert_close(table[task], want[task], rtol=1e-4, atol=1e-5)

@@ -150,9 +150,9 @@ def test_bad_cp_configurations_name_numbers_and_fix():
     with pytest.raises(ConfigError, match=r"split-backward .* use '1f1b'"):
         validate_training(model, Layout(pp=2, cp=2, virtual_stages=2, placement="v"),
                           TrainSchedule(schedule="zbv", micro_batches=4), seq_len=16)
-    with pytest.raises(ConfigError, match=r"cp_comm 'ring' does not apply attention dropout"):
-        validate_training(ModelConfig.from_name("gpt2-tiny", dropout=0.1), Layout(cp=2),
-                          TrainSchedule(cp_comm="ring"))
+    # The ring applies attention dropout (test_ring_dropout_*): no longer refused.
+    validate_training(ModelConfig.from_name("gpt2-tiny", dropout=0.1), Layout(cp=2),
+                      TrainSchedule(cp_comm="ring"))
     with pytest.raises(ConfigError, match=r"unknown cp_comm 'p2p'; choose one of"):
         validate_training(model, Layout(cp=2), TrainSchedule(cp_comm="p2p"))
     assert Layout.from_dict({"tp": 2, "pp": 1, "virtual_stages": 1}).cp == 1  # old manifests
@@ -179,10 +179,94 @@ def test_pretrain_flags_take_cp_and_check_it(tmp_path):
         _check_data(cfg)
 
 
-def test_prompt_tuning_refuses_cp():
+def test_tuning_refuses_dynamic_cp():
+    """Tuning runs fixed cp (tests/distributed/test_tuning_*.py); dynamic cp has nothing to
+    spread in rows of one padded example each, and says so."""
     from tessera.tuning.config import load_config as load_tune_config
     from tessera.tuning.loop import prepare_inputs
 
-    cfg, _ = load_tune_config(["--cp", "2"])
-    with pytest.raises(ConfigError, match=r"prompt tuning does not run context parallel \(--cp 2\)"):
+    cfg, _ = load_tune_config(["--cp", "2", "--cp-dynamic", "true"])
+    with pytest.raises(ConfigError, match=r"tuning rows are single examples.*use fixed --cp"):
         prepare_inputs(cfg)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_skips_only_pairs_above_the_causal_diagonal(cp):
+    """At every ring step after the first, the ring computes half a block, and every query-key
+    pair it skips is masked (so skipping changes nothing); the own block is computed whole."""
+    T = 8 * cp
+    for r in range(cp):
+        seq = cpar.sequence_context(T, 1, torch.device("cpu"), cp_size=cp, cp_rank=r)
+        for step in range(cp):
+            src = (r - step) % cp
+            full = seq.mask(seq.rank_index(src))[0]  # (T_local, T_local)
+            qs, ks = cpar.visible_block(step, src, r, T // cp // 2)
+            kept = torch.zeros_like(full)
+            kept[qs, ks] = True
+            assert not (full & ~kept).any(), (cp, r, step)  # nothing visible is skipped
+            assert kept.sum() == full.numel() // (1 if step == 0 else 2)
+
+
+def _dense_dropout_attention(q, k, v, mask, keep):
+    """Reference: masked softmax, the probabilities times `keep`, then the values (GQA 4:2)."""
+    B, H, T, D = q.shape
+    kk, vv = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
+    s = (q @ kk.transpose(-1, -2)) * D ** -0.5
+    p = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1)
+    return (p * keep.reshape(B, H, T, T)) @ vv
+
+
+def test_ring_dropout_is_dropout_with_a_hashed_mask_and_exact_gradients():
+    """Ring attention dropout (cp 1: its formulas) equals dense attention whose probabilities are
+    multiplied by the same `dropout_scale` mask, output and gradients; the same seed gives the
+    same result, another seed another; kept pairs are 1 - p of all, scaled by 1 / (1 - p)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(seed=2))
+    B, H, T, D = q.shape
+    docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 3 + [1] * 3 + [2] * 10])
+    seq = cpar.sequence_context(T, B, q.device, documents=docs)
+    p = 0.3
+    got = cpar._RingAttention.apply(q, k, v, seq, p, 1234)
+    keep = cpar.dropout_scale(1234, p, (B, 2, 2), torch.arange(T), torch.arange(T))
+    mask = torch.ones(T, T, dtype=torch.bool).tril() & (docs[:, :, None] == docs[:, None, :])
+    want = _dense_dropout_attention(q, k, v, mask, keep)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    again = cpar._RingAttention.apply(q, k, v, seq, p, 1234)
+    assert torch.equal(again, got)
+    assert not torch.allclose(cpar._RingAttention.apply(q, k, v, seq, p, 99), got)
+    big = cpar.dropout_scale(7, p, (4, 4, 2), torch.arange(256), torch.arange(256))
+    values = big.unique().tolist()
+    assert len(values) == 2 and values[0] == 0.0 and values[1] == pytest.approx(1 / (1 - p))
+    assert abs((big > 0).float().mean().item() - (1 - p)) < 0.003  # 524288 pairs
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_dropout_mask_does_not_depend_on_the_split(cp):
+    """Emulated cp ranks (blocks skipped as the ring skips them, merged by log-sum-exp), each
+    hashing its own pairs by global index, give the one-block result for the same seed."""
+    q, k, v = _qkv(seed=3)
+    B, H, T, D = q.shape
+    p, seed = 0.2, 5
+    keep = cpar.dropout_scale(seed, p, (B, 2, 2), torch.arange(T), torch.arange(T))
+    want = _dense_dropout_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril()[None], keep)
+    parts = []
+    for r in range(cp):
+        seq = cpar.sequence_context(T, B, q.device, cp_size=cp, cp_rank=r)
+        q5 = seq.split(q, 2).reshape(B, 2, 2, T // cp, D)
+        out = lse = None
+        for step in range(cp):
+            src = (r - step) % cp
+            qs, ks = cpar.visible_block(step, src, r, T // cp // 2)
+            idx = seq.rank_index(src)[ks]
+            blk_keep = cpar.dropout_scale(seed, p, (B, 2, 2), seq.index[qs], idx)
+            block = cpar.block_attention(q5[:, :, :, qs], k[:, :, idx], v[:, :, idx],
+                                         seq.mask(idx)[:, qs], D ** -0.5, blk_keep)
+            if out is None:
+                out, lse = block
+            else:
+                out[:, :, :, qs], lse[..., qs] = cpar.merge_partials(out[:, :, :, qs],
+                                                                     lse[..., qs], *block)
+        parts.append(out.reshape(B, H, T // cp, D))
+    torch.testing.assert_close(cpar.unsplit_sequence(parts, 2), want, rtol=0, atol=1e-12)

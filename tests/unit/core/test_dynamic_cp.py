@@ -110,3 +110,74 @@ def test_bad_input_is_rejected_with_the_numbers(lengths, cp, message):
 def test_empty_micro_batch():
     sched = schedule([], 4, COST)
     assert sched.assignments == () and sched.loads == (0.0,) * 4 and sched.imbalance == 1.0
+
+
+# ------------------------------------------------------------------ run-time layout (no ranks)
+
+
+def _local_batches(cp: int, ids, labels, docs):
+    """Every cp rank's `local_batch` (sub-groups are not needed to lay the tokens out)."""
+    from tessera.core.parallel.dynamic_cp_runtime import DynamicCP
+    from tessera.core.parallel.groups import ParallelGroups
+
+    out = []
+    for r in range(cp):
+        g = ParallelGroups(cp_rank=r, cp_size=cp, cp_ranks=tuple(range(cp)))
+        out.append(DynamicCP(g, COST, "allgather", {}).local_batch(ids, labels, docs))
+    return out
+
+
+def test_local_batches_hold_every_token_once_with_document_positions():
+    """Over the cp ranks, the local tokens are the micro-batch's tokens exactly once (plus
+    ignored padding), each with its position in its own document, and each rank's row is its
+    segments back to back."""
+    import torch
+
+    from tessera.core.parallel.context_parallel import document_positions
+
+    T = 64
+    ids = torch.arange(2 * T).view(2, T) + 1000  # distinct ids: where each token went
+    labels = ids + 5000
+    docs = torch.zeros(2, T, dtype=torch.long)
+    docs[0, 36:] += 1
+    docs[0, 54:] += 1
+    docs[0, 59:] += 1  # row 0: documents of 36, 18, 5, 5; row 1: one of 64
+    want_pos = dict(zip(ids.flatten().tolist(), document_positions(docs).flatten().tolist()))
+    seen: list[int] = []
+    ks = set()
+    for lb in _local_batches(4, ids, labels, docs):
+        ctx = lb.context
+        assert lb.ids.shape == lb.labels.shape == ctx.local_positions.shape
+        assert list(ctx.starts) == [sum(s.index.numel() for s in ctx.segments[:i])
+                                    for i in range(len(ctx.segments))]
+        real = lb.labels[0] != -100
+        assert torch.equal(lb.labels[0][real], lb.ids[0][real] + 5000)
+        assert (lb.ids[0][~real] == 0).all()  # padding: id 0, ignored
+        for i, p in zip(lb.ids[0][real].tolist(), ctx.local_positions[0][real].tolist()):
+            assert p == want_pos[i]
+        seen += lb.ids[0][real].tolist()
+        ks |= {s.cp_size for s in ctx.segments}
+        for seg, lengths in zip(ctx.segments, ctx.documents):  # whole documents, in order
+            assert (lengths is None) == (seg.cp_size > 1)
+            if lengths is not None:
+                assert sum(lengths) == seg.index.numel()
+                assert list(lengths) == torch.unique_consecutive(
+                    seg.documents[0], return_counts=True)[1].tolist()
+    assert sorted(seen) == ids.flatten().tolist()
+    assert ks == {1, 2, 4}
+
+
+def test_dynamic_cp_configuration_errors_name_the_fix():
+    from tessera.core.config import ConfigError, Layout, ModelConfig, TrainSchedule
+    from tessera.core.parallel.pipeline import validate_training
+
+    model = ModelConfig.from_name("llama-tiny")
+    dyn = TrainSchedule(cp_dynamic=True)
+    cases = [(Layout(cp=3), "power-of-two blocks of the cp group, but cp is 3"),
+             (Layout(cp=1), "cp is 1; use cp 2, 4, 8"),
+             (Layout(cp=2, pp=2), "cp_dynamic with pp 2"),
+             (Layout(cp=2, tp=2, sequence_parallel=True), "cp_dynamic with sequence_parallel")]
+    for layout, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            validate_training(model, layout, dyn, seq_len=48)
+    validate_training(model, Layout(cp=4, tp=2, dp=2), dyn, seq_len=48)  # supported
