@@ -51,6 +51,10 @@ class BlockHasher:
             self.digests.append(hashlib.sha256(parent + struct.pack(f"<{bs}q", *block)).digest())
         return self.digests
 
+    def truncate(self, n_tokens: int) -> None:
+        """Forget the digests of blocks past the first `n_tokens` tokens (tokens rolled back)."""
+        del self.digests[n_tokens // self.block_size:]
+
 
 class BlockManager:
     """`num_blocks` KV blocks of `block_size` tokens (block 0 reserved as scratch)."""

@@ -64,6 +64,12 @@ class KVSpace(Protocol):
         """Give back everything `seq` holds (it finished or was preempted)."""
         ...
 
+    def rollback(self, seq: SeqState, n_tokens: int) -> None:
+        """Keep only the first `n_tokens` of `seq`'s tokens in the cache (e.g. rejected
+        speculative tokens): `cached` drops to at most `n_tokens`, later blocks are freed.
+        The caller truncates `seq.tokens` to match before it grows again."""
+        ...
+
     def rows(self, seqs: list[SeqState], length: int) -> torch.Tensor:
         """Where a pass reading up to `length` tokens finds each row: slots `(B,)` or block
         tables `(B, W)`."""
@@ -93,6 +99,9 @@ class SlotSpace:
         if seq.slot >= 0:
             heapq.heappush(self._free, seq.slot)
             seq.slot = -1
+
+    def rollback(self, seq: SeqState, n_tokens: int) -> None:
+        seq.cached = min(seq.cached, n_tokens)  # later positions are rewritten before use
 
     def rows(self, seqs: list[SeqState], length: int) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs])
@@ -142,6 +151,16 @@ class PagedSpace:
     def release(self, seq: SeqState) -> None:
         self.manager.free(seq.blocks)
         seq.blocks, seq.registered = [], 0
+
+    def rollback(self, seq: SeqState, n_tokens: int) -> None:
+        # A registered block past the cut stays cached: its content still matches its digest.
+        keep = self.manager.blocks_for(n_tokens)
+        self.manager.free(seq.blocks[keep:])
+        del seq.blocks[keep:]
+        seq.cached = min(seq.cached, n_tokens)
+        seq.registered = min(seq.registered, n_tokens // self.block_size)
+        if seq.hasher is not None:
+            seq.hasher.truncate(n_tokens)
 
     def rows(self, seqs: list[SeqState], length: int) -> torch.Tensor:
         width = self.manager.blocks_for(length)

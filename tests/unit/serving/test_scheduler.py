@@ -95,3 +95,35 @@ def test_the_first_in_line_that_does_not_fit_stops_admission():
     s.add(small)
     plan = s.schedule()
     assert plan.admitted == [] and s.waiting() == [big, small] and manager.num_free == 1
+
+
+def test_rollback_frees_trailing_blocks_and_keeps_what_is_cached():
+    """What speculative decoding will need: run several tokens, then keep fewer."""
+    manager = BlockManager(1 + 8, 4)
+    space = PagedSpace(manager)
+    seq = _seq(10, bs=4)
+    space.admit(seq)
+    assert space.grow(seq, 10)
+    seq.cached = 10
+    space.computed(seq)
+    seq.tokens += [1, 2, 3, 4, 5, 6]  # six draft tokens run in one step
+    assert space.grow(seq, 16) and len(seq.blocks) == 4
+    seq.cached = 16
+    space.computed(seq)
+    assert seq.registered == 4
+    space.rollback(seq, 11)  # one draft token accepted
+    del seq.tokens[11:]
+    assert (seq.cached, len(seq.blocks), seq.registered) == (11, 3, 2)
+    assert len(seq.hasher.digests) == 2 and manager.num_used == 3
+    seq.tokens += [9, 9, 9, 9, 9]  # the next tokens differ from the rejected drafts
+    assert space.grow(seq, 16)
+    seq.cached = 16
+    space.computed(seq)
+    assert seq.hasher.digests[2] != BlockHasher(4).update(list(range(100, 110)) +
+                                                          [1, 2, 3, 4, 5, 6])[2]
+    slots = SlotSpace(1)
+    other = _seq(5)
+    slots.admit(other)
+    other.cached = 5
+    slots.rollback(other, 3)
+    assert other.cached == 3 and other.slot == 0
