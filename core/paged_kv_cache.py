@@ -1,6 +1,8 @@
 """A paged key/value cache: fixed-size blocks in one preallocated pool, addressed by block tables.
 
-Each layer's keys (and values) are one tensor `(num_blocks, kv_heads, block_size, head_dim)`.
+Each layer's keys (and values) are one tensor `(num_blocks, block_size, kv_heads, head_dim)`:
+token-major inside a block, so the blocks a row gathers line up as `(tokens, heads, head_dim)`
+and attention reads them through a transposed view, with one copy (the gather) and not two.
 A sequence owns a list of blocks, its *block table*: token position `p` lives in block
 `table[p // block_size]` at offset `p % block_size`. Who owns which block (allocation, sharing,
 eviction) is the caller's business (the server's `serving.block_manager`); this class only
@@ -38,7 +40,7 @@ class PagedKVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs at least one block of at least one token, "
                              f"got {num_blocks} blocks of {block_size}")
-        shape = (num_blocks, kv_heads, block_size, head_dim)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_blocks, self.block_size, self.max_seq = num_blocks, block_size, max_seq
@@ -101,14 +103,13 @@ class PagedKVCache:
                                f"but the planned pass has {mask.shape[0]} x {mask.shape[2]}: "
                                "call PagedKVCache.begin(positions, tables) for every pass")
         keys, values = self.keys[layer], self.values[layer]
-        keys[blocks, :, offsets] = k.transpose(1, 2).to(keys.dtype)  # (B, T, nkv, hd)
-        values[blocks, :, offsets] = v.transpose(1, 2).to(values.dtype)
+        keys[blocks, offsets] = k.transpose(1, 2).to(keys.dtype)  # (B, T, nkv, hd)
+        values[blocks, offsets] = v.transpose(1, 2).to(values.dtype)
         B, W = read.shape
-        nkv, hd = keys.shape[1], keys.shape[3]
+        nkv, hd = keys.shape[2], keys.shape[3]
 
         def gather(pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            rows = pool[read]  # (B, W, nkv, bs, hd)
-            rows = rows.transpose(1, 2).reshape(B, nkv, W * self.block_size, hd)
-            return rows[:, :, :length].to(dtype)
+            rows = pool[read].view(B, W * self.block_size, nkv, hd)  # the one copy
+            return rows[:, :length].transpose(1, 2).to(dtype)  # (B, nkv, L, hd), a view
 
         return gather(keys, k.dtype), gather(values, v.dtype), mask

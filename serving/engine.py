@@ -145,9 +145,9 @@ class LLMEngine:
             outputs carry token ids and empty text.
         tasks: prompt-tuned tasks, name -> virtual-token embeddings `(n_virtual, hidden)`
             (with an executor, give them to the executor's runner on every rank instead).
-        max_batch: KV-cache slots, i.e. requests running at once (an executor's runner has
-            its own).
-        max_queue: requests waiting for a slot before `generate` raises `Overloaded`.
+        max_batch: requests running at once (with slots: the cache's slots; an executor's
+            runner has its own).
+        max_queue: requests waiting to run before `generate` raises `Overloaded`.
         max_step_tokens: tokens per step (decodes + prefill chunks); at least `max_batch`.
         max_logprobs: the largest `logprobs` (top alternatives) a request may ask for.
         eos_id: the end-of-sequence id (default: the tokenizer's).
