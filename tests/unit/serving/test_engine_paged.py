@@ -1,11 +1,14 @@
 """The paged engine (the default) against wave 1's slot engine and the full forward pass;
-prefix caching, eviction and preemption never change an output.
+prefix caching, eviction and preemption never change an output; priorities order the queue.
 
 References: the slot-cache engine (`KVCacheConfig(kind="slots")`, wave 1's engine, which
 `test_engine.py` checks against the full forward pass) and the model's own full forward pass.
 """
 
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import pytest
 import torch
@@ -170,3 +173,38 @@ def test_same_memory_admits_several_times_more_requests_and_a_burst_completes():
     assert max(slot_peak) == 4 and ratio >= 3
     assert outputs == reference
     assert stats["requests_finished_length_total"] == 24 and stats["kv_blocks_used"] == 0
+
+
+def test_priorities_run_first_and_equal_ones_in_arrival_order():
+    model = _model("llama-tiny", seed=8)
+    with LLMEngine(model, max_batch=1) as engine:
+        entered, release = threading.Event(), threading.Event()
+        run = engine.executor.run
+
+        def gated(batch):  # hold the first pass until every request has queued
+            entered.set()
+            release.wait(10)
+            return run(batch)
+
+        engine.executor.run = gated
+        finished: list[str] = []
+
+        async def drain(stream, rid):
+            async for out in stream:
+                if out.finished:
+                    finished.append(rid)
+
+        async def main():
+            tasks = [asyncio.create_task(drain(engine.generate(_req([1, 2], "first",
+                                                                     max_tokens=2)), "first"))]
+            await asyncio.to_thread(entered.wait, 10)
+            for rid, priority in (("late", 0), ("urgent", -1), ("later", 0), ("low", 3)):
+                request = _req([1, 3], rid, max_tokens=2)
+                request.priority = priority
+                tasks.append(asyncio.create_task(drain(engine.generate(request), rid)))
+            await asyncio.sleep(0.05)
+            release.set()
+            await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+    assert finished == ["first", "urgent", "late", "later", "low"]
