@@ -8,6 +8,9 @@ Two kinds, one interface (`KVSpace`), so one scheduler serves both:
   when no block is free (the scheduler then preempts); a pass names rows by block tables.
   With prefix caching, admission starts a sequence on the cached blocks of its prefix, and
   blocks are registered for others as soon as they are full and computed.
+
+`rollback` cuts a sequence back to fewer cached tokens (freeing trailing blocks): what
+speculative decoding needs to drop rejected draft tokens; the engine does not use it yet.
 """
 
 from __future__ import annotations
