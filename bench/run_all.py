@@ -36,6 +36,9 @@ CPU_PARTS = {
     "serve_load": ["serve_load.py", "--self-test", "--compare-hf"],
     "serve_load-compiled": ["serve_load.py", "--self-test", "--compare-hf",
                             "--serve-arg=--compile", "--name", "serve_load-compiled"],
+    # paged + prefix cache vs wave 1's slots, and chunked prefill: tables in the README's
+    # serving section (bench/results/serving_paged.md, serving_chunked_prefill.md)
+    "serving_paged": ["bench_serving_paged.py", "--num-requests", "32", "--rate", "2", "inf"],
     "convert": ["bench_convert.py"],
     "tune": ["bench_tune.py"],
     "lora": ["bench_lora.py"],

@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None,
                    help="name clients use (default: the checkpoint directory's name)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    # The KV cache (serving/kv_config.py)
+    p.add_argument("--kv-cache", choices=("paged", "slots"), default=None,
+                   help="paged: blocks shared through the prefix cache (default); slots: one "
+                        "whole-context row per request, as before (default with --compile)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="paged pool size: 8GiB, 512MiB, a number above 1 (GiB), or a fraction "
+                        "of free memory in (0, 1] (default: what --max-batch whole-context "
+                        "slots would take)")
+    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share KV blocks between requests with a common prefix")
     return p
 
 
@@ -136,7 +147,12 @@ def _start(args: argparse.Namespace):
     if args.compile:
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
               file=sys.stderr, flush=True)
-    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype,
+    from tessera.serving.kv_config import KVCacheConfig
+
+    kind = args.kv_cache or ("slots" if args.compile else "paged")
+    kv = KVCacheConfig(kind=kind, block_size=args.kv_block_size, memory=args.kv_cache_memory,
+                       prefix_caching=not args.no_prefix_caching)
+    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv,
                       quantize=args.quantize, compile_decode=args.compile,
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,

@@ -3,13 +3,14 @@
 Rank 0 runs the engine (and the HTTP server); every other rank runs `worker_loop`. Each forward
 pass of a step goes, over the default process group:
 
-1. Header: an int64 tensor `[command, stop_vote, B, T, N, 0, 0, 0]`, all-reduced with MAX.
+1. Header: an int64 tensor `[command, stop_vote, B, T, N, W, 0, 0]`, all-reduced with MAX
+   (W: the width of the block tables of a paged cache, 0 for slots).
    Rank 0 fills the command and the sizes, every rank its stop vote, so one collective both
    announces the step and tells every rank whether any rank wants to stop. Commands: `STEP`,
    `IDLE` (a heartbeat about once a second while nothing runs, so workers wake up to notice
    signals and never wait long enough to hit the collective timeout) and `STOP`.
-2. Body (`STEP` only): token ids, positions, slots, task indices and kept positions, broadcast
-   from rank 0 as one int64 tensor.
+2. Body (`STEP` only): token ids, positions, slots (or block tables), task indices and kept
+   positions, broadcast from rank 0 as one int64 tensor.
 3. Every rank runs its stages (`pipeline_forward` with point-to-point sends when pp > 1); the
    last stage gathers the logits over tp inside the model, and its tp rank 0 sends the kept
    rows `(N, vocab)` fp32 to rank 0, which samples.
@@ -40,6 +41,7 @@ from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages
 from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
+from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
 
 STEP, IDLE, STOP = 1, 2, 3
 _HEADER = 8
@@ -92,23 +94,26 @@ class _Channel:
         self.logits_from = rank_of(0, 0, last_stage_pp_rank(layout), layout)
         self.vocab = runner.config.vocab_size
 
-    def header(self, command: int = 0, sizes: tuple[int, int, int] = (0, 0, 0),
+    def header(self, command: int = 0, sizes: tuple[int, ...] = (0, 0, 0, 0),
                vote: bool = False) -> list[int]:
-        values = [command, int(vote), *sizes] + [0] * (_HEADER - 5)
+        values = [command, int(vote), *sizes] + [0] * (_HEADER - 2 - len(sizes))
         h = torch.tensor(values, dtype=torch.long, device=self.device)
         dist.all_reduce(h, op=dist.ReduceOp.MAX)
         return h.tolist()
 
     def send_batch(self, batch: StepBatch) -> None:
-        body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots,
+        body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots.flatten(),
                           batch.tasks, batch.keep]).to(self.device)
         dist.broadcast(body, src=0)
 
-    def recv_batch(self, B: int, T: int, N: int) -> StepBatch:
-        body = torch.empty(2 * B * T + 2 * B + N, dtype=torch.long, device=self.device)
+    def recv_batch(self, B: int, T: int, N: int, W: int = 0) -> StepBatch:
+        """W: block-table width (paged cache), 0 for one slot per row."""
+        S = B * max(W, 1)
+        body = torch.empty(2 * B * T + S + B + N, dtype=torch.long, device=self.device)
         dist.broadcast(body, src=0)
-        ids, positions, slots, tasks, keep = body.split([B * T, B * T, B, B, N])
-        return StepBatch(ids.view(B, T), positions.view(B, T), slots, tasks, keep)
+        ids, positions, slots, tasks, keep = body.split([B * T, B * T, S, B, N])
+        return StepBatch(ids.view(B, T), positions.view(B, T), slots.view(B, W) if W else slots,
+                         tasks, keep)
 
     def logits_to_rank0(self, logits: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """Rank 0 gets the kept logits from the last stage (a no-op when it holds it)."""
@@ -142,7 +147,8 @@ class DistributedExecutor:
             raise StopServing("the serving ranks have stopped")
         batch = batch.to(self.runner.device)
         try:
-            sizes = (batch.ids.shape[0], batch.ids.shape[1], batch.keep.numel())
+            width = batch.slots.shape[1] if batch.slots.ndim == 2 else 0
+            sizes = (batch.ids.shape[0], batch.ids.shape[1], batch.keep.numel(), width)
             _, vote, *_ = self._channel.header(STEP, sizes, self.stop_requested)
             if vote:
                 self._stopped = True
@@ -189,12 +195,12 @@ def worker_loop(runner: ModelRunner, layout: Layout, *,
         except ValueError:  # not the main thread: no handlers, rank 0 still stops us
             pass
     while True:
-        command, vote, B, T, N, *_ = channel.header(vote=stop["vote"])
+        command, vote, B, T, N, W, *_ = channel.header(vote=stop["vote"])
         if command == STOP or vote:
             return
         if command == IDLE:
             continue
-        batch = channel.recv_batch(B, T, N)
+        batch = channel.recv_batch(B, T, N, W)
         channel.logits_to_rank0(runner.forward(batch), N)
 
 
@@ -202,13 +208,16 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
                dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                max_batch: int = 8, tasks: Mapping[str, torch.Tensor] | None = None,
                tokenizer: Any = "checkpoint", handle_signals: bool = True,
-               quantize: str = "none", compile_decode: bool = False, **engine_kwargs: Any):
+               quantize: str = "none", compile_decode: bool = False,
+               kv: KVCacheConfig | None = None, **engine_kwargs: Any):
     """Every rank calls this. Rank 0 gets an `LLMEngine` over all ranks; every other rank serves
     steps until the engine shuts down, then gets None.
 
     `tasks` (prompt-tuned tables) must be given on every rank; `tokenizer` (rank 0) defaults to
     the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
     `compile_decode` (one process only) compiles the decode step (`serving.compiled`);
+    `kv` is the KV cache (`serving.kv_config`; paged by default, slots with `compile_decode`),
+    with one block count for every rank (the smallest any rank's memory allows);
     `engine_kwargs` go to `LLMEngine` on rank 0.
     """
     from tessera.core.quantize import quantize as quantize_model
@@ -221,7 +230,11 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     stages = load_stages(path, layout, groups, dtype=dtype, device=device)
     for stage in stages:
         quantize_model(stage, quantize)
-    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode)
+    if kv is None:
+        kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
+    if kv.kind == "paged":
+        kv = _agree_on_blocks(kv, stages, groups, max_batch)
+    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         worker_loop(runner, layout, handle_signals=handle_signals)
@@ -233,4 +246,25 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     executor = DistributedExecutor(runner, layout) if distributed else LocalExecutor(runner)
     engine_kwargs.setdefault("model_name", Path(path).name)
-    return LLMEngine(executor, tokenizer, **engine_kwargs)
+    return LLMEngine(executor, tokenizer, kv=kv, **engine_kwargs)
+
+
+def _agree_on_blocks(kv: KVCacheConfig, stages: list[GPTModel], groups: ParallelGroups,
+                     max_batch: int) -> KVCacheConfig:
+    """`kv` with the pool's block count every rank can hold (each rank holds its own layers'
+    blocks; a memory budget gives each rank its own count). Collective when distributed."""
+    from dataclasses import replace
+
+    from tessera.core.parallel.sharding import local_kv_heads
+
+    first = stages[0]
+    c, param = first.config, next(first.parameters())
+    blocks = resolve_num_blocks(
+        kv, num_layers=sum(len(m.layer_ids) for m in stages),
+        kv_heads=local_kv_heads(c, groups.tp_size), head_dim=c.head_dim, dtype=param.dtype,
+        device=param.device, max_batch=max_batch, max_seq=c.max_position_embeddings)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([blocks], dtype=torch.long, device=param.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        blocks = int(agreed)
+    return replace(kv, num_blocks=blocks)

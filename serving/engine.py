@@ -1,4 +1,4 @@
-"""The generation engine: iteration-level (continuous) batching over a slot-addressed KV cache.
+"""The generation engine: iteration-level (continuous) batching over a paged (or slot) KV cache.
 
 `LLMEngine` implements `serving.types.Engine`. One thread runs the step loop: a background
 thread by default, or the thread that calls `run()` (`background=False`). The asyncio side (the
@@ -7,12 +7,19 @@ HTTP layer) calls `generate`, which validates and queues the request at once (ra
 request's `GenerationOutput`s (`serving.bridge`). Which thread should run the loop, and why it
 matters on CPU: `serving.bridge`.
 
+The parts: `serving.scheduler` decides each step (first come, first served, optional
+priorities, a token budget, preemption), `serving.kv_space` and `serving.block_manager` hold the
+KV cache's bookkeeping (a paged pool with prefix caching by default, `serving.kv_config`; wave 1's
+slots with `KVCacheConfig(kind="slots")`), `serving.sampler` turns logits into tokens,
+`serving.validation` checks requests; the engine keeps the loop.
+
 Each step:
-1. aborts (a closed iterator) and timeouts are applied; finished requests free their slot;
-2. the schedule is made under a token budget (`max_step_tokens`): one token for every request
+1. aborts (a closed iterator) and timeouts are applied; finished requests free their KV;
+2. the scheduler plans under a token budget (`max_step_tokens`): one token for every request
    in decode, then the next chunk of every prompt still being prefilled, then new requests are
-   admitted while a KV-cache slot is free and budget is left; a long prompt is prefilled over
-   several steps;
+   admitted while KV room, running room (`max_batch`) and budget are left; a long prompt is
+   prefilled over several steps (chunked prefill); when blocks run out, the newest requests are
+   preempted and later recomputed;
 3. one forward pass for the rows of one token (decodes) and one for the longer prefill chunks,
    each returning the logits of just the positions that are needed (the last position of a
    completed prompt or a decode, every prompt position when prompt logprobs are asked for);
@@ -22,8 +29,13 @@ Each step:
 5. per request: stop tokens, stop strings, lengths, incremental text, and an output event.
 
 Lengths: a prompt (plus a task's virtual tokens) must leave room for one new token in the
-context, else the request is refused up front; generation then stops at `max_tokens` or at the
-context, whichever comes first (finish reason "length").
+context (and in the whole KV pool), else the request is refused up front; generation then stops
+at `max_tokens` or at the context (or the pool's size), whichever comes first (finish reason
+"length").
+
+Prefix caching (paged): a request starts on the cached blocks of its prefix (same tokens, same
+task, same `cache_salt`) and computes the rest; the output is the same as without the cache.
+Requests asking for prompt logprobs compute their whole prompt (they still publish blocks).
 
 Metrics: `stats()` returns gauges and counters; `add_observer(fn)` registers `fn(name, value)`,
 called from the engine thread (keep it cheap and thread-safe, e.g. a Prometheus histogram's
@@ -33,9 +45,7 @@ called from the engine thread (keep it cheap and thread-safe, e.g. a Prometheus 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
-import math
 import random
 import threading
 import time
@@ -47,14 +57,10 @@ from pathlib import Path
 import torch
 
 from tessera.core.model import GPTModel
-from tessera.core.sampling import (
-    RowSettings,
-    apply_penalties,
-    choose_tokens,
-    token_logprobs,
-    uniforms_from,
-)
+from tessera.core.paged_kv_cache import PagedKVCache
+from tessera.core.sampling import choose_tokens, uniforms_from
 from tessera.core.tokenizer import Tokenizer
+from tessera.serving.block_manager import BlockHasher, BlockManager
 from tessera.serving.bridge import RequestStream, Sink
 from tessera.serving.detokenize import OutputText
 from tessera.serving.executor import (
@@ -65,6 +71,10 @@ from tessera.serving.executor import (
     StopServing,
     task_names,
 )
+from tessera.serving.kv_config import KVCacheConfig
+from tessera.serving.kv_space import KVSpace, PagedSpace, SeqState, SlotSpace
+from tessera.serving.sampler import Sampler
+from tessera.serving.scheduler import Scheduler
 from tessera.serving.types import (
     FinishReason,
     GenerationOutput,
@@ -74,6 +84,7 @@ from tessera.serving.types import (
     SamplingParams,
     TokenLogprob,
 )
+from tessera.serving.validation import Limits, request_problems
 
 log = logging.getLogger("tessera.serving")
 
@@ -90,13 +101,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "timeout")
 Observer = Callable[[str, float], None]
 
 
-@dataclass(eq=False)
-class _Sequence:
-    """A request's state inside the engine (owned by the engine thread once queued)."""
+@dataclass(eq=False, kw_only=True)
+class _Sequence(SeqState):
+    """A request's state inside the engine (owned by the engine thread once queued).
+
+    `tokens` (from `SeqState`): virtual placeholders + prompt + sampled tokens."""
 
     request: GenerationRequest
     sink: Sink
-    tokens: list[int]  # virtual placeholders + prompt + sampled tokens
     n_input: int  # virtual placeholders + prompt
     n_virtual: int
     task: int  # task index, -1 for none
@@ -105,9 +117,6 @@ class _Sequence:
     generator: torch.Generator | None
     arrival: float
     deadline: float | None
-    slot: int = -1
-    cached: int = 0  # tokens whose keys and values are in the cache
-    n_generated: int = 0
     first_token_at: float | None = None
     last_token_at: float = 0.0
     counts: torch.Tensor | None = None  # (V,) occurrences in the output (presence/frequency)
@@ -136,15 +145,19 @@ class LLMEngine:
             outputs carry token ids and empty text.
         tasks: prompt-tuned tasks, name -> virtual-token embeddings `(n_virtual, hidden)`
             (with an executor, give them to the executor's runner on every rank instead).
-        max_batch: KV-cache slots, i.e. requests running at once (an executor's runner has
-            its own).
-        max_queue: requests waiting for a slot before `generate` raises `Overloaded`.
+        max_batch: requests running at once (with slots: the cache's slots; an executor's
+            runner has its own).
+        max_queue: requests waiting to run before `generate` raises `Overloaded`.
         max_step_tokens: tokens per step (decodes + prefill chunks); at least `max_batch`.
         max_logprobs: the largest `logprobs` (top alternatives) a request may ask for.
         eos_id: the end-of-sequence id (default: the tokenizer's).
         seed: seeds the generators of requests that give no seed (default: from the OS).
         compile_decode: run decode passes compiled by TorchInductor (`serving.compiled`: one
             process only; compiles for a while here, in the constructor).
+        kv: the KV cache (`serving.kv_config`): paged with prefix caching by default, slots
+            with `compile_decode`. With an executor, its runner's cache is used and only
+            `kv.prefix_caching` is read from here. `max_batch` then bounds the requests
+            running at once, the pool's blocks their tokens.
     """
 
     def __init__(self, model: GPTModel | Sequence[GPTModel] | Executor,
@@ -153,10 +166,12 @@ class LLMEngine:
                  max_queue: int = 128, max_step_tokens: int = 512, max_logprobs: int = 20,
                  eos_id: int | None = None, seed: int | None = None,
                  heartbeat_s: float = 1.0, background: bool = True,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, kv: KVCacheConfig | None = None):
         if isinstance(model, (GPTModel, list, tuple)):
+            if kv is None:
+                kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
             model = LocalExecutor(ModelRunner(model, max_batch, tasks,
-                                              compile_decode=compile_decode))
+                                              compile_decode=compile_decode, kv=kv))
         elif tasks or compile_decode:
             raise ValueError("with an executor, give tasks and compile_decode to its "
                              "ModelRunner (every rank)")
@@ -176,10 +191,11 @@ class LLMEngine:
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._waiting: deque[_Sequence] = deque()
         self._aborts: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
-        self._free_slots = list(range(self.max_batch))  # a heap: the lowest free slot first
+        self.blocks: BlockManager | None = None  # the paged cache's bookkeeping
+        self._space = self._kv_space(runner.cache, kv)
+        self.scheduler = Scheduler(self._space, self.max_batch, self.max_step_tokens)
+        self.sampler = Sampler(self.config.vocab_size, self.eos_id, self.device)
         self._observers: list[Observer] = []
         self._stop_callbacks: list[Callable[[], None]] = []
         self._closing = False
@@ -187,6 +203,7 @@ class LLMEngine:
         self._kv_tokens = 0
         self._counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0,
                           "requests_total": 0, "requests_rejected_total": 0, "steps_total": 0,
+                          "computed_tokens_total": 0,
                           **{f"requests_finished_{r}_total": 0 for r in FINISH_REASONS}}
         self._looping = self._stopped = False
         self._thread: threading.Thread | None = None
@@ -233,7 +250,7 @@ class LLMEngine:
         return self.tokenizer.decode(ids)
 
     def validate(self, request: GenerationRequest) -> None:
-        problems = self._problems(request)
+        problems = request_problems(request, self._limits)
         if problems:
             raise RequestError("; ".join(problems))
 
@@ -250,22 +267,38 @@ class LLMEngine:
         with self._lock:
             if self._closing or not self._alive:
                 raise Overloaded("the engine is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            waiting = self.scheduler.num_waiting
+            if waiting >= self.max_queue:
                 self._counters["requests_rejected_total"] += 1
-                raise Overloaded(f"{len(self._waiting)} requests are already waiting "
+                raise Overloaded(f"{waiting} requests are already waiting "
                                  f"(max_queue {self.max_queue}); retry later")
-            self._waiting.append(seq)
+            self.scheduler.add(seq)
             self._counters["requests_total"] += 1
         self._wake.set()
         return stream
 
     def stats(self) -> dict[str, float]:
-        capacity = self.max_batch * self.context
+        """Gauges and counters. Paged cache: `kv_cache_usage` is the fraction of usable blocks
+        held by requests; `kv_blocks_*`, `prefix_cache_{queries,hits}_tokens_total` (tokens
+        of admitted requests that looked up the prefix cache, and of those found there) and
+        `preemptions_total` come with it."""
+        if self.blocks is not None:
+            usage = self.blocks.num_used / self.blocks.num_usable
+        else:
+            usage = self._kv_tokens / (self.max_batch * self.context)
         out: dict[str, float] = {
-            "running": len(self._running), "waiting": len(self._waiting),
-            "kv_cache_usage": self._kv_tokens / capacity, "max_batch": self.max_batch,
+            "running": len(self.scheduler.running), "waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": usage, "max_batch": self.max_batch,
             "max_queue": self.max_queue, "healthy": float(self._alive and not self._closing)}
         out.update(self._counters)
+        if self.blocks is not None:
+            out.update(kv_blocks_total=self.blocks.num_usable,
+                       kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free,
+                       kv_blocks_cached=self.blocks.num_cached,
+                       kv_block_evictions_total=self.blocks.evictions,
+                       prefix_cache_queries_tokens_total=self.scheduler.prefix_queried_tokens,
+                       prefix_cache_hits_tokens_total=self.scheduler.prefix_hit_tokens)
+        out["preemptions_total"] = self.scheduler.preemptions
         return out
 
     # ----------------------------------------------------------------- lifecycle and hooks
@@ -322,55 +355,22 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- admission
 
-    def _problems(self, request: GenerationRequest) -> list[str]:
-        p, ids, vocab = request.params, request.prompt_ids, self.config.vocab_size
-        out: list[str] = []
-        if not ids:
-            out.append("the prompt is empty: give at least one token (e.g. BOS)")
-        elif min(ids) < 0 or max(ids) >= vocab:
-            bad = next(i for i in ids if i < 0 or i >= vocab)
-            out.append(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        n_virtual = 0
-        if request.task is not None:
-            if request.task not in self._task_len:
-                served = ", ".join(sorted(self._task_len)) or "none"
-                out.append(f"unknown task {request.task!r} (tasks served: {served})")
-            else:
-                n_virtual = self._task_len[request.task]
-        total = len(ids) + n_virtual
-        if total >= self.context:
-            extra = f" + {n_virtual} virtual tokens of task {request.task!r}" if n_virtual else ""
-            out.append(f"the prompt has {len(ids)} tokens{extra}, but the context is "
-                       f"{self.context}: at most {self.context - 1 - n_virtual} prompt tokens "
-                       "fit (one position is needed for the first new token)")
-        if p.max_tokens < 0:
-            out.append(f"max_tokens must be >= 0, got {p.max_tokens}")
-        if p.min_tokens < 0 or p.min_tokens > max(p.max_tokens, 0):
-            out.append(f"min_tokens must be in [0, max_tokens {p.max_tokens}], got {p.min_tokens}")
-        if not math.isfinite(p.temperature) or p.temperature < 0:
-            out.append(f"temperature must be >= 0 (0 = greedy), got {p.temperature}")
-        if p.top_k < -1:
-            out.append(f"top_k must be >= 0 (0 or -1: no cut), got {p.top_k}")
-        if not 0 < p.top_p <= 1:
-            out.append(f"top_p must be in (0, 1], got {p.top_p}")
-        if not math.isfinite(p.repetition_penalty) or p.repetition_penalty <= 0:
-            out.append(f"repetition_penalty must be > 0 (1 = off), got {p.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(p, name)
-            if not -2 <= value <= 2:
-                out.append(f"{name} must be in [-2, 2], got {value}")
-        if p.logprobs is not None and not 0 <= p.logprobs <= self.max_logprobs:
-            out.append(f"logprobs must be in [0, {self.max_logprobs}], got {p.logprobs}")
-        bad_ids = [i for i in p.stop_token_ids if not 0 <= i < vocab]
-        if bad_ids:
-            out.append(f"stop_token_ids {bad_ids} are outside the vocabulary [0, {vocab})")
-        if any(not isinstance(s, str) or not s for s in p.stop):
-            out.append("stop strings must be non-empty strings")
-        elif p.stop and self.tokenizer is None:
-            out.append("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
-        if request.timeout_s is not None and not request.timeout_s > 0:
-            out.append(f"timeout_s must be > 0, got {request.timeout_s}")
-        return out
+    def _kv_space(self, cache, kv: KVCacheConfig | None) -> KVSpace:
+        """The scheduler's view of the runner's cache; sets `blocks` and the request limits."""
+        kv_tokens = None
+        if isinstance(cache, PagedKVCache):
+            prefix = kv.prefix_caching if kv is not None else True
+            self.blocks = BlockManager(cache.num_blocks, cache.block_size, prefix)
+            space: KVSpace = PagedSpace(self.blocks)
+            kv_tokens = self.blocks.num_usable * cache.block_size
+        else:
+            space = SlotSpace(self.max_batch)
+        self._kv_limit = min(self.context, kv_tokens or self.context)
+        self._limits = Limits(self.config.vocab_size, self.context, dict(self._task_len),
+                              self.max_logprobs, self.tokenizer is not None,
+                              kv_tokens if kv_tokens is not None and kv_tokens < self.context
+                              else None)
+        return space
 
     def _new_sequence(self, request: GenerationRequest, sink: Sink) -> _Sequence:
         p = request.params
@@ -381,10 +381,15 @@ class LLMEngine:
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
             generator = torch.Generator().manual_seed(seed % (1 << 64))
         now = time.monotonic()
+        hasher = None
+        if self.blocks is not None and self.blocks.prefix_caching:
+            # The namespace keeps tasks and tenants apart: equal tokens, different KV.
+            hasher = BlockHasher(self.blocks.block_size, (request.task, request.cache_salt))
         seq = _Sequence(
             request=request, sink=sink, tokens=tokens, n_input=len(tokens),
+            priority=request.priority, hasher=hasher, reuse_prefix=not p.prompt_logprobs,
             n_virtual=n_virtual, task=self._task_index.get(request.task, -1) if request.task else -1,
-            max_new=min(p.max_tokens, self.context - len(tokens)),
+            max_new=min(p.max_tokens, self._kv_limit - len(tokens)),
             text=OutputText(self.tokenizer, list(request.prompt_ids), p.stop),
             generator=generator, arrival=now,
             deadline=now + request.timeout_s if request.timeout_s else None,
@@ -414,7 +419,7 @@ class LLMEngine:
                 if self._closing:
                     break
                 self._expire(time.monotonic())
-                if not self._running and not self._waiting:
+                if not self.scheduler.running and not self.scheduler.num_waiting:
                     if until is not None and until.is_set():
                         paused = True
                         break
@@ -428,7 +433,7 @@ class LLMEngine:
                     raise
                 except Exception as exc:  # a bug: fail what was running, keep serving
                     log.exception("engine step failed")
-                    for seq in list(self._running):
+                    for seq in list(self.scheduler.running):
                         self._finish(seq, "error", f"engine step failed: {exc}")
         except StopServing as exc:
             log.warning("serving stops: %s", exc)
@@ -460,56 +465,31 @@ class LLMEngine:
                 log.exception("stop callback failed")
 
     def _fail_all(self, message: str) -> None:
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
-        for seq in list(self._running) + waiting:
+        for seq in self.scheduler.drain():
             self._finish(seq, "abort", message)
 
     def _apply_aborts(self) -> None:
         with self._lock:
             aborts, self._aborts = list(self._aborts), deque()
-            for seq in aborts:
-                if seq in self._waiting:
-                    self._waiting.remove(seq)
         for seq in aborts:
             if not seq.finished:
                 seq.aborted = True
                 self._finish(seq, "abort")
 
     def _expire(self, now: float) -> None:
-        with self._lock:
-            late = [s for s in self._waiting if s.deadline is not None and now > s.deadline]
-            for seq in late:
-                self._waiting.remove(seq)
-        late += [s for s in self._running if s.deadline is not None and now > s.deadline]
+        late = self.scheduler.remove_waiting(lambda s: s.deadline is not None and now > s.deadline)
+        late += [s for s in self.scheduler.running
+                 if s.deadline is not None and now > s.deadline]
         for seq in late:
             self._finish(seq, "timeout")
 
-    def _schedule(self, now: float) -> list[tuple[_Sequence, int]]:
-        """This step's rows: (sequence, number of its tokens to run)."""
-        budget = self.max_step_tokens
-        plan: list[tuple[_Sequence, int]] = []
-        for seq in sorted(self._running, key=lambda s: s.n_generated == 0):  # decodes first
-            n = min(len(seq.tokens) - seq.cached, budget)
-            if n > 0:
-                plan.append((seq, n))
-                budget -= n
-        while budget > 0 and self._free_slots:
-            with self._lock:
-                seq = self._waiting.popleft() if self._waiting else None
-            if seq is None:
-                break
-            seq.slot = heapq.heappop(self._free_slots)
-            self._running.append(seq)
-            self._observe("queue_time_seconds", now - seq.arrival)
-            n = min(len(seq.tokens), budget)
-            plan.append((seq, n))
-            budget -= n
-        return plan
-
     def _step(self) -> None:
         now = time.monotonic()
-        plan = self._schedule(now)
+        step = self.scheduler.schedule()
+        for seq in step.admitted:
+            if seq.preemptions == 0:
+                self._observe("queue_time_seconds", now - seq.arrival)
+        plan = step.rows
         self._counters["steps_total"] += 1
         to_sample: list[tuple[_Sequence, torch.Tensor]] = []
         done_prefill: list[_Sequence] = []
@@ -525,7 +505,7 @@ class LLMEngine:
             self._finish(seq, "length")
         if to_sample:
             self._sample_and_advance(to_sample)
-        self._kv_tokens = sum(s.cached for s in self._running)
+        self._kv_tokens = sum(s.cached for s in self.scheduler.running)
 
     def _run_group(self, group: list[tuple[_Sequence, int]],
                    to_sample: list[tuple[_Sequence, torch.Tensor]],
@@ -548,9 +528,9 @@ class LLMEngine:
             if start + n == len(seq.tokens):
                 keep.append(r * T + n - 1)
                 wanted.append((seq, None))
-        batch = StepBatch(ids, positions, torch.tensor([s.slot for s, _ in group]),
-                          torch.tensor([s.task for s, _ in group]), torch.tensor(keep,
-                                                                                 dtype=torch.long))
+        rows = self._space.rows([s for s, _ in group], int(positions.max()) + 1)
+        batch = StepBatch(ids, positions, rows, torch.tensor([s.task for s, _ in group]),
+                          torch.tensor(keep, dtype=torch.long))
         try:
             logits = self.executor.run(batch)
         except StopServing:
@@ -562,29 +542,15 @@ class LLMEngine:
             return
         for seq, n in group:
             seq.cached += n
-        self._score_prompts(wanted, logits)
+            self._space.computed(seq)
+            self._counters["computed_tokens_total"] += n
+        self.sampler.score_prompts(wanted, logits)
         for i, (seq, t) in enumerate(wanted):
             if t is None and not seq.finished:
                 if seq.max_new == 0:
                     done_prefill.append(seq)
                 else:
                     to_sample.append((seq, logits[i]))
-
-    def _score_prompts(self, wanted: list[tuple[_Sequence, int | None]],
-                       logits: torch.Tensor) -> None:
-        rows = [i for i, (_, t) in enumerate(wanted) if t is not None]
-        if not rows:
-            return
-        targets = torch.tensor([wanted[i][0].tokens[wanted[i][1] + 1] for i in rows],
-                               device=logits.device)
-        top = max(wanted[i][0].params.logprobs or 0 for i in rows)
-        chosen, values, ids = token_logprobs(logits[rows], targets, top)
-        chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
-        for j, i in enumerate(rows):
-            seq, t = wanted[i]
-            k = seq.params.logprobs or 0
-            seq.prompt_logprobs[t + 1 - seq.n_virtual] = TokenLogprob(
-                int(targets[j]), chosen[j], dict(zip(ids[j][:k], values[j][:k])))
 
     # ----------------------------------------------------------------- sampling
 
@@ -593,17 +559,18 @@ class LLMEngine:
         logits = torch.stack([row for _, row in rows])
         uniforms = uniforms_from([s.generator for s in seqs])
         try:
-            tokens = self._choose(seqs, logits, uniforms).tolist()
+            tokens = self.sampler.choose(seqs, logits, uniforms, choose_tokens).tolist()
         except Exception:
             tokens = []
             for i, seq in enumerate(seqs):  # find the request at fault; the others go on
                 try:
-                    tokens.append(int(self._choose([seq], logits[i:i + 1], uniforms[i:i + 1])[0]))
+                    tokens.append(int(self.sampler.choose([seq], logits[i:i + 1],
+                                                          uniforms[i:i + 1], choose_tokens)[0]))
                 except Exception as exc:
                     log.exception("sampling failed for request %s", seq.request.request_id)
                     tokens.append(None)
                     self._finish(seq, "error", f"sampling failed: {exc}")
-        lps = self._sampled_logprobs(seqs, logits, tokens)
+        lps = self.sampler.sampled_logprobs(seqs, logits, tokens)
         now = time.monotonic()
         for seq, token, lp in zip(seqs, tokens, lps):
             if token is None or seq.finished:
@@ -613,57 +580,6 @@ class LLMEngine:
             except Exception as exc:
                 log.exception("request %s failed", seq.request.request_id)
                 self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
-
-    def _choose(self, seqs: list[_Sequence], logits: torch.Tensor,
-                uniforms: torch.Tensor) -> torch.Tensor:
-        device, vocab = logits.device, logits.shape[-1]
-        params = [s.params for s in seqs]
-
-        def column(values, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        settings = RowSettings(column([p.temperature for p in params]),
-                               column([max(p.top_k, 0) for p in params], torch.long),
-                               column([p.top_p for p in params]),
-                               column([p.repetition_penalty for p in params]),
-                               column([p.presence_penalty for p in params]),
-                               column([p.frequency_penalty for p in params]))
-        seen = counts = banned = None
-        if any(s.seen is not None for s in seqs):
-            seen = torch.stack([s.seen if s.seen is not None else
-                                torch.zeros(vocab, dtype=torch.bool, device=device) for s in seqs])
-        if any(s.counts is not None for s in seqs):
-            counts = torch.stack([s.counts if s.counts is not None else
-                                  torch.zeros(vocab, device=device) for s in seqs])
-        for i, s in enumerate(seqs):
-            if s.n_generated < s.params.min_tokens:
-                ban = set(s.stop_ids)
-                if self.eos_id is not None and not s.params.ignore_eos:
-                    ban.add(self.eos_id)
-                if ban:
-                    if banned is None:
-                        banned = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
-                    banned[i, sorted(ban)] = True
-        logits = logits.float()
-        if seen is not None or counts is not None:
-            logits = apply_penalties(logits, settings, seen, counts)
-        return choose_tokens(logits, settings, uniforms.to(device), banned)
-
-    def _sampled_logprobs(self, seqs: list[_Sequence], logits: torch.Tensor,
-                          tokens: list[int | None]) -> list[TokenLogprob | None]:
-        rows = [i for i, s in enumerate(seqs)
-                if s.params.logprobs is not None and tokens[i] is not None]
-        out: list[TokenLogprob | None] = [None] * len(seqs)
-        if not rows:
-            return out
-        top = max(seqs[i].params.logprobs for i in rows)
-        chosen, values, ids = token_logprobs(
-            logits[rows], torch.tensor([tokens[i] for i in rows], device=logits.device), top)
-        chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
-        for j, i in enumerate(rows):
-            k = seqs[i].params.logprobs
-            out[i] = TokenLogprob(tokens[i], chosen[j], dict(zip(ids[j][:k], values[j][:k])))
-        return out
 
     # ----------------------------------------------------------------- per request
 
@@ -679,7 +595,7 @@ class LLMEngine:
         else:
             self._observe("inter_token_latency_seconds", now - seq.last_token_at)
         seq.last_token_at = now
-        self._track_penalties(seq, token)
+        self.sampler.track(seq, token)
         if (token == self.eos_id and not p.ignore_eos) or token in seq.stop_ids:
             self._finish(seq, "stop")
             return
@@ -689,18 +605,6 @@ class LLMEngine:
             self._finish(seq, "length")
         else:
             self._emit(seq)
-
-    def _track_penalties(self, seq: _Sequence, token: int) -> None:
-        p, vocab = seq.params, self.config.vocab_size
-        if p.repetition_penalty != 1.0:
-            if seq.seen is None:
-                seq.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-                seq.seen[torch.tensor(seq.tokens[seq.n_virtual:seq.n_input])] = True
-            seq.seen[token] = True
-        if p.presence_penalty or p.frequency_penalty:
-            if seq.counts is None:
-                seq.counts = torch.zeros(vocab, device=self.device)
-            seq.counts[token] += 1
 
     def _emit(self, seq: _Sequence, reason: FinishReason | None = None,
               error: str | None = None) -> None:
@@ -723,13 +627,9 @@ class LLMEngine:
         if seq.finished:
             return
         seq.finished = True
-        if seq.slot >= 0:
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
-        if seq in self._running:
-            self._running.remove(seq)
+        self.scheduler.finish(seq)
         self._counters[f"requests_finished_{reason}_total"] += 1
-        self._kv_tokens = sum(s.cached for s in self._running)
+        self._kv_tokens = sum(s.cached for s in self.scheduler.running)
         if seq.first_token_at is None:
             self._counters["prompt_tokens_total"] += seq.prompt_len
         self._observe("e2e_request_latency_seconds", time.monotonic() - seq.arrival)

@@ -26,10 +26,12 @@ import torch
 from tessera.core.config import ModelConfig
 from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
+from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import local_kv_heads
 from tessera.serving.compiled import CompiledDecode
+from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
 from tessera.tuning.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class StepBatch:
 
     ids: torch.Tensor  # (B, T) long
     positions: torch.Tensor  # (B, T) long, absolute positions in each request's sequence
-    slots: torch.Tensor  # (B,) long, KV cache slot of each row
+    slots: torch.Tensor  # (B,) long, KV cache slot of each row; (B, W) block tables if paged
     tasks: torch.Tensor  # (B,) long, task index (see `task_names`) or -1 for none
     keep: torch.Tensor  # (N,) long, flat indices into B * T whose logits are wanted
 
@@ -56,11 +58,16 @@ def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
 
 
 class ModelRunner:
-    """One rank's share of every step: its model stages, its KV cache and the task hook."""
+    """One rank's share of every step: its model stages, its KV cache and the task hook.
+
+    `kv` chooses the cache (`serving.kv_config`); without it, wave 1's slot cache of
+    `max_batch` slots. A paged cache's block count must be the same on every rank (give
+    `kv.num_blocks`; `distributed.start_rank` agrees on one).
+    """
 
     def __init__(self, stages: GPTModel | Sequence[GPTModel], max_batch: int,
                  tasks: Mapping[str, torch.Tensor] | None = None, max_seq: int | None = None,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, kv: KVCacheConfig | None = None):
         self.stages = [stages] if isinstance(stages, GPTModel) else list(stages)
         first = self.stages[0]
         self.config: ModelConfig = first.config
@@ -71,8 +78,20 @@ class ModelRunner:
         self.max_seq = max_seq or self.config.max_position_embeddings
         c, tp = self.config, self.groups.tp_size
         layer_ids = [i for m in self.stages for i in m.layer_ids]
-        self.cache = KVCache(layer_ids, max_batch, self.max_seq, local_kv_heads(c, tp), c.head_dim,
-                             self.dtype, self.device)
+        self.cache: KVCache | PagedKVCache
+        if kv is not None and kv.kind == "paged":
+            if compile_decode:
+                raise ValueError("the compiled decode step reads the slot cache: serve with "
+                                 "--kv-cache slots to compile, or without --compile")
+            num_blocks = resolve_num_blocks(
+                kv, num_layers=len(layer_ids), kv_heads=local_kv_heads(c, tp),
+                head_dim=c.head_dim, dtype=self.dtype, device=self.device, max_batch=max_batch,
+                max_seq=self.max_seq)
+            self.cache = PagedKVCache(layer_ids, num_blocks, kv.block_size, self.max_seq,
+                                      local_kv_heads(c, tp), c.head_dim, self.dtype, self.device)
+        else:
+            self.cache = KVCache(layer_ids, max_batch, self.max_seq, local_kv_heads(c, tp),
+                                 c.head_dim, self.dtype, self.device)
         self.tasks = {n: int(tasks[n].shape[0]) for n in task_names(tasks)}
         self.hook: VirtualPrompts | None = None
         for m in self.stages:

@@ -13,6 +13,9 @@ Names follow vLLM's (`tessera:` instead of `vllm:`), so its dashboards carry ove
 | `tessera:e2e_request_latency_seconds` | histogram | submit -> last event |
 | `tessera:prompt_tokens_total`, `tessera:generation_tokens_total` | counter | per finished request |
 | `tessera:requests_total{dialect,status}` | counter | every generation request, by outcome |
+| `tessera:kv_cache_blocks_used`, `..._free`, `..._total` | gauge | paged KV cache blocks |
+| `tessera:prefix_cache_queries_total`, `..._hits_total` | counter | prompt tokens looked up, found |
+| `tessera:num_preemptions_total` | counter | requests preempted for lack of KV blocks |
 
 `status` is the finish reason (`stop`, `length`, `abort`, `error`, `timeout`) for requests that
 reached the engine, else `rejected` (429/503) or `invalid` (4xx).
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tessera.serving.types import Engine
@@ -34,7 +37,20 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0
                 60.0, 120.0, 240.0, 480.0, 960.0)
 _ENGINE_GAUGES = {"running": ("num_requests_running", "requests the engine is decoding"),
                   "waiting": ("num_requests_waiting", "requests queued in the engine"),
-                  "kv_cache_usage": ("kv_cache_usage_perc", "fraction of KV cache in use (0..1)")}
+                  "kv_cache_usage": ("kv_cache_usage_perc", "fraction of KV cache in use (0..1)"),
+                  # the paged KV cache (serving.block_manager); absent with slots
+                  "kv_blocks_used": ("kv_cache_blocks_used", "KV blocks held by requests"),
+                  "kv_blocks_free": ("kv_cache_blocks_free",
+                                     "KV blocks held by no request (cached ones included)"),
+                  "kv_blocks_total": ("kv_cache_blocks_total", "usable KV blocks in the pool")}
+# engine stat -> (counter name without _total, help); vLLM's names
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries_tokens_total": ("prefix_cache_queries",
+                                          "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits_tokens_total": ("prefix_cache_hits",
+                                       "prompt tokens found in the prefix cache"),
+    "preemptions_total": ("num_preemptions", "requests preempted for lack of KV blocks")}
+_OPTIONAL = {"kv_blocks_used", "kv_blocks_free", "kv_blocks_total"}
 
 
 class _EngineStats(Collector):
@@ -49,9 +65,16 @@ class _EngineStats(Collector):
         except Exception:  # a scrape must not fail because the engine is busy or broken
             stats = {}
         for key, (name, help_) in _ENGINE_GAUGES.items():
+            if key in _OPTIONAL and key not in stats:
+                continue
             family = GaugeMetricFamily(f"tessera:{name}", help_, labels=["model_name"])
             family.add_metric([self.model], float(stats.pop(key, 0.0)))
             yield family
+        for key, (name, help_) in _ENGINE_COUNTERS.items():
+            if key in stats:
+                counter = CounterMetricFamily(f"tessera:{name}", help_, labels=["model_name"])
+                counter.add_metric([self.model], float(stats.pop(key)))
+                yield counter
         for key, value in sorted(stats.items()):
             if isinstance(value, int | float) and key.replace("_", "").isalnum():
                 family = GaugeMetricFamily(f"tessera:engine_{key}", f"engine stat {key!r}",

@@ -52,6 +52,9 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     task: str | None = None  # a prompt-tuned task served by this engine, or None
     timeout_s: float | None = None  # finish with reason "timeout" past this wall time
+    # Scheduling and prefix caching (serving.scheduler, serving.block_manager)
+    priority: int = 0  # lower runs first; equal priorities: first come, first served
+    cache_salt: str | None = None  # KV blocks are shared only between requests with equal salts
 
 
 @dataclass

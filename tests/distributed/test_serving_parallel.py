@@ -1,6 +1,8 @@
 """Tensor- and pipeline-parallel serving on gloo ranks through the engine's step protocol (no
 HTTP): greedy (and seeded) outputs equal the single-process engine's, for a checkpoint saved
-under another layout; a signal on a worker rank stops every rank."""
+under another layout; a signal on a worker rank stops every rank. The paged KV cache (the
+default) and wave 1's slots give the same outputs, on one rank and on several, also with a
+pool small enough that requests are preempted and recomputed (tp2 x pp2)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from tessera.core import ModelConfig, build_model
 from tessera.core.checkpoint import save_checkpoint
 from tessera.serving.distributed import start_rank
+from tessera.serving.kv_config import KVCacheConfig
 from tests.distributed_helper import run_ranks
 from tests.serving_helper import collect
 
@@ -37,11 +40,16 @@ def _requests():
     return out
 
 
-def _serve(path: str, tp: int, pp: int):
+SLOTS = KVCacheConfig(kind="slots")
+# 15 usable blocks of 4 tokens for 3 running requests of up to 50: preemption and recompute.
+TIGHT = KVCacheConfig(block_size=4, num_blocks=16)
+
+
+def _serve(path: str, tp: int, pp: int, kv: KVCacheConfig | None = None):
     """Every rank: serve the requests. Rank 0 returns its engine and the outputs, others None."""
     tables = {"alpha": torch.randn(4, 64, generator=torch.Generator().manual_seed(0))}
     engine = start_rank(path, tp=tp, pp=pp, max_batch=3, max_step_tokens=16, tasks=tables,
-                        tokenizer=None)
+                        tokenizer=None, kv=kv)
     if engine is None:
         return None
     results = collect(engine, _requests())
@@ -53,10 +61,15 @@ def _body(rank: int, world: int, checkpoints: dict[str, str], layout: tuple[int,
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     out = {}
-    for name, path in checkpoints.items():
-        served = _serve(path, tp, pp)
+    runs = [(name, path, None) for name, path in checkpoints.items()]
+    runs.append(("llama_slots" if world == 2 else "llama_tight", checkpoints["llama"],
+                 SLOTS if world == 2 else TIGHT))
+    for name, path, kv in runs:
+        served = _serve(path, tp, pp, kv)
         if served is not None:
             engine, out[name] = served
+            if name == "llama_tight":
+                out["preempted"] = engine.stats()["preemptions_total"]
             engine.shutdown()
     if world == 2:  # a SIGTERM on a worker stops every rank, rank 0's engine included
         served = _serve(checkpoints["llama"], tp, pp)
@@ -82,17 +95,22 @@ def checkpoints(tmp_path_factory):
         paths[name] = str(save_checkpoint(root / name, model))
         engine, reference[name] = _serve(paths[name], 1, 1)
         engine.shutdown()
+    engine, slots = _serve(paths["llama"], 1, 1, SLOTS)  # wave 1's engine
+    engine.shutdown()
+    assert slots == reference["llama"]
     return paths, reference
 
 
 def test_tp2_serving_matches_one_process_and_stops_on_a_worker_signal(checkpoints):
     paths, reference = checkpoints
     out = run_ranks(_body, 2, {"llama": paths["llama"]}, (2, 1), timeout=120)[0]
-    assert out["llama"] == reference["llama"]
+    assert out["llama"] == out["llama_slots"] == reference["llama"]
     assert out["stopped_by_worker"]
 
 
 def test_tp2_pp2_serving_matches_one_process(checkpoints):
     paths, reference = checkpoints
     out = run_ranks(_body, 4, paths, (2, 2), timeout=150)[0]
+    assert out.pop("preempted") > 0
+    assert out.pop("llama_tight") == reference["llama"]
     assert out == reference

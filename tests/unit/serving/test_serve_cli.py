@@ -101,3 +101,34 @@ def test_serve_quantize_int8_loads_int8_weights(checkpoint, monkeypatch):
 def test_serve_refuses_int8_with_another_dtype(checkpoint, capsys):
     assert main(["--checkpoint", str(checkpoint), "--quantize", "int8", "--dtype", "fp32"]) == 2
     assert "computes in bf16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, kind, blocks", [
+    ([], "paged", 8 * (256 // 16) + 1),  # the memory 8 whole-context slots would take
+    (["--kv-cache-memory", "1MiB", "--kv-block-size", "8"], "paged", (1 << 20) // (2 * 2 * 2 * 8 * 16 * 4)),
+    (["--kv-cache", "slots"], "slots", None),
+])
+def test_serve_kv_cache_flags(checkpoint, monkeypatch, extra, kind, blocks):
+    from tessera.core.kv_cache import KVCache
+
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.app")
+    app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
+    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+
+    def run(server):
+        seen["cache"] = seen["engine"].executor.runner.cache
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["--checkpoint", str(checkpoint), *extra]) == 0
+    cache = seen["cache"]
+    if kind == "slots":
+        assert isinstance(cache, KVCache) and cache.num_slots == 8
+    else:
+        assert cache.num_blocks == blocks and seen["engine"].blocks.num_blocks == blocks
+
+
+def test_serve_refuses_a_bad_kv_cache_memory(checkpoint, capsys):
+    assert main(["--checkpoint", str(checkpoint), "--kv-cache-memory", "3 parsecs"]) == 2
+    assert "--kv-cache-memory" in capsys.readouterr().err
