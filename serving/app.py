@@ -8,6 +8,7 @@
 | `/v1/models`, `/v1/completions`, `/v1/chat/completions` | OpenAI | `openai_api` |
 | `/v2`, `/v2/health/*`, `/v2/models/...`, `/v2/repository/index` | KServe v2 / Triton | `triton_api` |
 | `PUT /api` | Megatron-LM | `megatron_api` |
+| `/tokenizer_info`, `/tokenize`, `/detokenize` | vLLM's tokenizer routes | `tokenizer_api` |
 | `/health`, `/metrics`, `/docs` | operations | here |
 
 The app stays thin: routes decode a request, `Service` runs it on the engine (admission,
@@ -27,7 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tessera.serving import megatron_api, openai_api, triton_api
+from tessera.serving import megatron_api, openai_api, tokenizer_api, triton_api
 from tessera.serving.errors import install_error_handlers
 from tessera.serving.openai_api import ChatTemplate
 from tessera.serving.security import GuardMiddleware
@@ -89,7 +90,8 @@ def create_app(
     app.state.chat_template = ChatTemplate(chat_template)  # a broken template fails here
     app.state.started = time.time()
     install_error_handlers(app)
-    for router in (openai_api.router, triton_api.router, megatron_api.router, operations):
+    for router in (openai_api.router, triton_api.router, megatron_api.router,
+                   tokenizer_api.router, operations):
         app.include_router(router)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]

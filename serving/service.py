@@ -142,6 +142,16 @@ class Service:
                                 f"{tasks if tasks else 'no prompt-tuned tasks'}",
                            param="model", code="model_not_found")
 
+    @property
+    def bos_ids(self) -> list[int]:
+        """What `encode` puts before a text prompt's tokens (BOS, or nothing)."""
+        if not hasattr(self, "_bos_ids"):
+            try:
+                self._bos_ids = self.engine.encode("", add_bos=True)
+            except RequestError:  # no tokenizer
+                self._bos_ids = []
+        return self._bos_ids
+
     def model_names(self) -> list[str]:
         return [self.model_name] + [f"{self.model_name}:{t}" for t in self.engine.tasks()]
 
@@ -152,9 +162,29 @@ class Service:
             raise ApiError(400, str(exc), param="prompt") from None
         return self.check_prompt(ids)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary size (None if it does not say)."""
+        config = getattr(self.engine, "config", None)
+        return getattr(config, "vocab_size", None) or getattr(self.engine, "vocab_size", None)
+
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """`ids`, or a 400 naming the first id outside the vocabulary (before anything decodes
+        them: a negative or huge id is the client's error, never a 500)."""
+        vocab = self.vocab_size
+        limit = vocab if vocab is not None else 2**63
+        bad = next((i for i in ids if not 0 <= i < limit), None)
+        if bad is not None:
+            shown = str(bad) if abs(bad) < 10**20 else f"{str(bad)[:12]}... ({len(str(bad))} digits)"
+            where = f"the vocabulary [0, {vocab})" if vocab is not None else "[0, 2**63)"
+            raise ApiError(400, f"{param}: token id {shown} is outside {where}", param=param,
+                           code="invalid_token_id")
+        return ids
+
     def check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        self.check_token_ids(ids)
         limit = self.limits.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "

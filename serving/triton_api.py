@@ -215,7 +215,12 @@ def to_request(service: Service, inputs: S.TritonInputs, task: str | None, reque
         seed=None if inputs.random_seed is None else inputs.random_seed % 2**63,
         repetition_penalty=inputs.repetition_penalty, presence_penalty=inputs.presence_penalty,
         frequency_penalty=inputs.frequency_penalty, stop=list(inputs.stop_words),
+        stop_token_ids=[] if inputs.end_id is None else [inputs.end_id],
         logprobs=0 if (logprobs or inputs.return_log_probs) else None)
+    for name in ("end_id", "pad_id"):
+        value = getattr(inputs, name)
+        if value is not None:
+            service.check_token_ids([value], name)
     return GenerationRequest(request_id, service.encode(inputs.text_input), params, task)
 
 
