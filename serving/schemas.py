@@ -88,11 +88,17 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="only {'type': 'text'}: constrained (JSON) decoding is not supported")
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported by "
+                             "this server: it does not constrain decoding to JSON (use 'text', "
+                             "or ask for JSON in the prompt and validate the answer)")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported (leave it unset or equal to n)")
         if self.stop is not None and len(self.stop) > 16:
@@ -102,6 +108,13 @@ class SamplingFields(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`; `json_schema` / `json_object` are refused (see above)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- OpenAI: requests

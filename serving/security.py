@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tessera.serving.errors import ApiError, error_response
+from tessera.serving.triton_codec import decompress
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
 
@@ -82,11 +83,13 @@ def _too_large(path: str, limit: int):
 
 
 async def read_body(request: Request) -> bytes:
-    """The raw request body; 413 past the size limit, 400 if the client hung up mid-body."""
+    """The request body, decoded from its `Content-Encoding` (gzip or deflate; others: 415);
+    413 past the size limit (also once decompressed), 400 if the client hung up mid-body."""
+    limit = request.app.state.service.limits.max_body_bytes
     try:
-        return await request.body()
+        raw = await request.body()
     except BodyTooLarge:
-        limit = request.app.state.service.limits.max_body_bytes
         raise ApiError(413, f"request body exceeds the limit of {limit} bytes") from None
     except ClientDisconnect:
         raise ApiError(400, "the client disconnected before sending the whole body") from None
+    return decompress(raw, request.headers.get("content-encoding"), limit)

@@ -210,8 +210,9 @@ class Service:
         """Admit, validate and submit `requests`; see the module docstring. If the client of
         `http` hangs up while the requests wait for their first output, they are aborted."""
         n, cap = len(requests), self.limits.max_concurrency
+        # A refused HTTP request counts once, however many generations it asked for.
         if n > cap:
-            self.metrics.request(dialect, "invalid", n)
+            self.metrics.request(dialect, "invalid")
             raise ApiError(400, f"the request asks for {n} generations; this server runs at "
                                 f"most {cap} at once", param="n")
         context = self.engine.max_context()
@@ -227,11 +228,11 @@ class Service:
                         "can be generated")
                 self.engine.validate(request)
             except RequestError as exc:
-                self.metrics.request(dialect, "invalid", n)
+                self.metrics.request(dialect, "invalid")
                 raise ApiError(400, str(exc), param="max_tokens" if prompt + wanted > context
                                else None) from None
         if self.admitted + n > cap:
-            self.metrics.request(dialect, "rejected", n)
+            self.metrics.request(dialect, "rejected")
             raise self._busy(429, f"the server is at its limit of {cap} concurrent requests; "
                                   "retry later")
         self.admitted += n
@@ -262,10 +263,10 @@ class Batch:
         while waiting:
             i, item = await self._queue.get()
             if isinstance(item, Overloaded):
-                self.service.metrics.request(self.dialect, "rejected", len(self.results))
+                self.service.metrics.request(self.dialect, "rejected")
                 raise self.service._busy(503, f"the engine is overloaded ({item}); retry later")
             if isinstance(item, RequestError):
-                self.service.metrics.request(self.dialect, "invalid", len(self.results))
+                self.service.metrics.request(self.dialect, "invalid")
                 raise ApiError(400, str(item))
             self._buffer.append((i, item))
             waiting.discard(i)
@@ -356,6 +357,8 @@ class Batch:
         metrics.prompt_tokens.inc(out.prompt_tokens or len(request.prompt_ids))
         metrics.generation_tokens.inc(out.completion_tokens)
         metrics.request(self.dialect, out.finish_reason or "stop")
+        # A LoRA adapter (when the engine serves them) or a prompt-tuned task selects the model.
+        metrics.finished(getattr(request, "adapter", None) or request.task)
 
     def _fail(self, i: int, request: GenerationRequest, submitted: float, reason: str, message: str) -> None:
         done = self.results[i]
