@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tessera.core.help import HelpFormatter
 
+DEFAULT_SERVED_NAME = "tessera"  # what the README's client examples send as `model`
+
 _EPILOG = """examples:
   tessera serve --checkpoint runs/demo/checkpoints/step-00000300
   tessera serve --checkpoint CKPT --tp 2 --nproc-per-node 2 --dtype bf16
@@ -72,9 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $TESSERA_API_KEY)")
     p.add_argument("--prompts", action="append", default=[], metavar="DIR",
                    help="prompt table directory from `tessera tune` (repeatable)")
-    p.add_argument("--model-name", default=None,
-                   help="name clients use (default: the checkpoint directory's name)")
+    p.add_argument("--served-model-name", "--model-name", dest="served_model_name", nargs="+",
+                   default=None, metavar="NAME",
+                   help="the name(s) clients give as `model`; the first is the one answers "
+                        f"carry (default: {DEFAULT_SERVED_NAME!r}, and the checkpoint "
+                        "directory's name as a second one)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer (slowloris)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 when a request body stalls this long")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close idle keep-alive connections after this long")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at most; requests on more get 503")
     return p
 
 
@@ -133,7 +146,14 @@ def _start(args: argparse.Namespace):
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
-                      **({"model_name": args.model_name} if args.model_name else {}))
+                      model_name=served_names(args)[0])
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """`--served-model-name`, else "tessera" and the checkpoint directory's name."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [DEFAULT_SERVED_NAME, Path(args.checkpoint).resolve().name]
 
 
 def _run_http(engine, args: argparse.Namespace) -> int:
@@ -145,15 +165,20 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     import uvicorn
 
     from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
+    from tessera.serving.connections import server_config
 
     template = Path(args.chat_template).read_text() if args.chat_template else \
         stored_chat_template(args.checkpoint)
     app = create_app(engine, model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                      max_concurrency=args.max_concurrency,
-                     request_timeout_s=args.request_timeout, chat_template=template)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+                     request_timeout_s=args.request_timeout, chat_template=template,
+                     model_aliases=tuple(served_names(args)[1:]),
+                     body_timeout_s=args.body_timeout)
+    server = uvicorn.Server(server_config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        header_timeout_s=args.header_timeout, keep_alive_s=args.keep_alive_timeout,
+        max_connections=args.max_connections))
     engine.on_stop(lambda: setattr(server, "should_exit", True))
     failed = []
 

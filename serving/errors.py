@@ -30,6 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 # OpenAI error `type` by status, for errors that do not name their own.
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                 408: "timeout_error", 415: "invalid_request_error",
                  413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
                  504: "timeout_error"}
 

@@ -54,6 +54,8 @@ class Limits:
     max_concurrency: int = 64  # generation requests admitted at once (n > 1 counts n)
     request_timeout_s: float | None = 600.0  # per generation request, queueing included
     retry_after_s: int = 1  # the Retry-After of a 429 / 503
+    # Slow clients (issue 16): a request body chunk late by this long is a 408.
+    body_timeout_s: float | None = 30.0
 
 
 @dataclass
@@ -117,8 +119,11 @@ def derive_seed(seed: int | None, index: int) -> int | None:
 
 
 class Service:
-    def __init__(self, engine: Engine, model_name: str, limits: Limits) -> None:
+    def __init__(self, engine: Engine, model_name: str, limits: Limits,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
+        # Other names the base model answers to (`--served-model-name A B`: B, ...).
+        self.base_names = (model_name, *(a for a in aliases if a != model_name))
         self.admitted = 0
         self.metrics = ServingMetrics(engine, model_name, admitted=lambda: self.admitted)
 
@@ -126,10 +131,10 @@ class Service:
 
     def task_of(self, model: str | None) -> str | None:
         """The task that model name `BASE` (None) or `BASE:TASK` selects; 404 otherwise."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.base_names:
             return None
         base, sep, task = model.partition(":")
-        if base != self.model_name or not sep:
+        if base not in self.base_names or not sep:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_names()}", param="model", code="model_not_found")
         self.check_task(task)

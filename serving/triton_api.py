@@ -81,10 +81,10 @@ def _resolve(service: Service, model: str, version: str | None) -> str | None:
     """The task the model name selects (None: the base model); 404 for anything unknown."""
     if version is not None and version != VERSION:
         raise ApiError(404, f"model {model!r} has no version {version!r}; its only version is {VERSION}")
-    if model in (service.model_name, ALIAS):
+    if model in (*service.base_names, ALIAS):
         return None
     base, sep, task = model.partition(":")
-    if base in (service.model_name, ALIAS) and sep and task in service.engine.tasks():
+    if base in (*service.base_names, ALIAS) and sep and task in service.engine.tasks():
         return task
     raise ApiError(404, f"unknown model {model!r}; this server serves {_names(service)}")
 

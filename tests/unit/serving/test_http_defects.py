@@ -108,3 +108,20 @@ def test_stream_logprobs_tokens_match_the_streamed_text(client):
     text = "".join(c["text"] for c in chunks)
     tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert "".join(tokens) == text == "abc" + "cbacb"
+
+
+def test_served_model_names_default_to_the_readmes_and_take_aliases(make_client):
+    from tessera.serving.cli import build_parser, served_names
+
+    parse = build_parser().parse_args
+    assert served_names(parse(["--checkpoint", "runs/x/step-00000300"])) == ["tessera", "step-00000300"]
+    assert served_names(parse(["--checkpoint", "c", "--served-model-name", "a", "b"])) == ["a", "b"]
+    assert served_names(parse(["--checkpoint", "c", "--model-name", "old"])) == ["old"]
+    client = make_client(model_aliases=("step-00000300",))
+    for model in ("fake", "step-00000300", "step-00000300:qa"):
+        r = client.post("/v1/completions", json={"model": model, "prompt": "ab", "max_tokens": 1})
+        assert r.status_code == 200, (model, r.text)
+    assert client.post("/v2/models/step-00000300/generate", json={"text_input": "a"}).status_code == 200
+    assert client.post("/v1/completions", json={"model": "other", "prompt": "ab"}).status_code == 404
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["fake", "fake:qa",
+                                                                         "fake:sentiment"]
