@@ -167,8 +167,8 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
     from tessera.serving.connections import server_config
 
-    template = Path(args.chat_template).read_text() if args.chat_template else \
-        stored_chat_template(args.checkpoint)
+    template, origin = chat_template_of(args)
+    print(f"tessera serve: chat template: {origin}", file=sys.stderr, flush=True)
     app = create_app(engine, model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                      max_concurrency=args.max_concurrency,
@@ -204,12 +204,30 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     return 1 if failed or not server.started else 0
 
 
-def stored_chat_template(checkpoint: str) -> str | None:
-    """The chat template kept with the model (an imported `tokenizer_config.json`), if any."""
+def chat_template_of(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The chat template to serve (None: the built-in "role: content" one) and where it came
+    from, in words, for the start-up log."""
+    if args.chat_template:
+        return Path(args.chat_template).read_text(), f"--chat-template {args.chat_template}"
+    template, origin = stored_chat_template(args.checkpoint)
+    if template is None:
+        return None, ("the built-in 'role: content' lines (the checkpoint has none; give "
+                      "--chat-template FILE for an instruct model)")
+    return template, f"the checkpoint's {origin}"
+
+
+def stored_chat_template(checkpoint: str) -> tuple[str | None, str]:
+    """The chat template kept with the model and the file it is in: `chat_template.jinja`
+    (what transformers saves), `chat_template.json`, or `tokenizer_config.json`'s
+    `chat_template` (all carried over by `tessera convert --from hf`); (None, "") if none."""
     import json
 
-    config = Path(checkpoint) / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    template = json.loads(config.read_text()).get("chat_template")
-    return template if isinstance(template, str) else None
+    root = Path(checkpoint)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(), "chat_template.jinja"
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (root / name).is_file():
+            template = json.loads((root / name).read_text()).get("chat_template")
+            if isinstance(template, str):
+                return template, name
+    return None, ""
