@@ -28,10 +28,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tessera.serving import megatron_api, openai_api, tokenizer_api, triton_api
+from tessera.serving import megatron_api, openai_api, openapi_doc, tokenizer_api, triton_api
 from tessera.serving.errors import install_error_handlers
 from tessera.serving.openai_api import ChatTemplate
-from tessera.serving.security import GuardMiddleware
+from tessera.serving.security import OPEN_PATHS, GuardMiddleware
 from tessera.serving.service import Limits, Service
 from tessera.serving.types import Engine
 from tessera.serving.version import SERVER_VERSION
@@ -114,5 +114,5 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 components.update(operation.pop("x-schemas", {}))
-        app.openapi_schema = schema
+        app.openapi_schema = openapi_doc.complete(schema, OPEN_PATHS)
     return app.openapi_schema

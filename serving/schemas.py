@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 # ----------------------------------------------------------------------------------- shared
 
@@ -63,7 +63,12 @@ def _as_word_list(value: Any) -> Any:
 
 
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
-StopStrings = Annotated[list[str] | None, BeforeValidator(_as_stop_list)]
+# What clients may send (a string stands for a list of one), not the validated type.
+_STRING_OR_LIST = {"anyOf": [{"type": "string"},
+                              {"type": "array", "items": {"type": "string"}, "maxItems": 16}]}
+StopStrings = Annotated[list[str] | None, BeforeValidator(_as_stop_list),
+                        WithJsonSchema({"anyOf": [*_STRING_OR_LIST["anyOf"], {"type": "null"}]})]
+WordList = Annotated[list[str], BeforeValidator(_as_word_list), WithJsonSchema(_STRING_OR_LIST)]
 
 
 class SamplingFields(_Request):
@@ -372,7 +377,7 @@ class TritonInputs(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop_words: Annotated[list[str], BeforeValidator(_as_word_list)] = Field(default_factory=list)
+    stop_words: WordList = Field(default_factory=list)
     return_log_probs: bool = False
     task: str | None = None
     task_id: int | str | None = None  # an index into the served tasks, or a task name
@@ -385,14 +390,13 @@ class TritonInputs(_Request):
     exclude_input_in_output: bool = True
     # The rest of the TensorRT-LLM `ensemble` inputs, accepted where they change nothing here
     # (empty word lists, defaults) and refused otherwise.
-    bad_words: Annotated[list[str], BeforeValidator(_as_word_list)] = Field(
-        default_factory=list, description="only empty: banning words is not supported")
+    bad_words: WordList = Field(default_factory=list,
+                                description="only empty: banning words is not supported")
     length_penalty: float = Field(1.0, description="beam search only: no effect at beam_width 1")
     num_return_sequences: int = Field(1, ge=1, le=1, description="only 1")
     return_context_logits: bool = Field(False, description="only false")
     return_generation_logits: bool = Field(False, description="only false")
-    embedding_bias_words: Annotated[list[str], BeforeValidator(_as_word_list)] = Field(
-        default_factory=list, description="only empty")
+    embedding_bias_words: WordList = Field(default_factory=list, description="only empty")
     embedding_bias_weights: list[float] = Field(default_factory=list, description="only empty")
 
     @model_validator(mode="after")
