@@ -5,8 +5,9 @@ this server does.
 
 - `POST /tokenize {"prompt": str, "add_special_tokens": true}` -> `{"count", "max_model_len",
   "tokens", "token_strs"}`; `add_special_tokens` adds BOS as the completion routes do for a text
-  prompt. With `"messages"` instead of `"prompt"`: the tokens `/v1/chat/completions` would run
-  (the chat template rendered, then BOS).
+  prompt. The special tokens' own spellings (`</s>`) in the text are their ids, as Hugging Face
+  tokenizers do (lm-eval finds the EOS id by tokenizing `eos_token`). With `"messages"` instead
+  of `"prompt"`: the tokens `/v1/chat/completions` would run (the template rendered, then BOS).
 - `POST /detokenize {"tokens": [...]}` -> `{"prompt": str}`; ids outside the vocabulary: 400.
 - `GET /tokenizer_info` -> the special tokens (`bos_token`, `eos_token`, `pad_token`, and their
   ids), `chat_template`, `model_max_length`, `tokenizer_class`.
@@ -14,6 +15,7 @@ this server does.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -62,10 +64,27 @@ async def tokenize(request: Request) -> S.TokenizeResponse:
         text = request.app.state.chat_template.render(body.messages)
         ids = service.engine.encode(text, add_bos=True)
     else:
-        ids = service.engine.encode(body.prompt or "", add_bos=body.add_special_tokens)
+        ids = _encode_with_specials(service, tokenizer, body.prompt or "", body.add_special_tokens)
     strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None
     return S.TokenizeResponse(count=len(ids), max_model_len=service.engine.max_context(),
                               tokens=ids, token_strs=strs)
+
+
+def _encode_with_specials(service: Service, tokenizer: Any, text: str, add_bos: bool) -> list[int]:
+    """`text` encoded with each special token's spelling (BOS, EOS, PAD) taken as its id."""
+    specials = {tokenizer.token_text(i): i for i in {tokenizer.bos_id, tokenizer.eos_id,
+                                                     tokenizer.pad_id} if i is not None}
+    specials = {k: v for k, v in specials.items() if k}
+    ids = service.engine.encode("", add_bos=True) if add_bos else []
+    if not specials:
+        return ids + service.engine.encode(text, add_bos=False)
+    pattern = "(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")"
+    for i, part in enumerate(re.split(pattern, text)):
+        if i % 2:
+            ids.append(specials[part])
+        elif part:
+            ids += service.engine.encode(part, add_bos=False)
+    return ids
 
 
 @router.post("/detokenize", response_model=S.DetokenizeResponse,

@@ -129,8 +129,8 @@ def test_out_of_vocabulary_ids_are_a_400_in_every_dialect(client, bad):
 
 def test_tokenizer_routes_in_vllms_shapes(client, tokenizer):
     info = client.get("/tokenizer_info").json()
-    assert info["eos_token"] == tokenizer.decode([tokenizer.eos_id]) or info["eos_token"]
-    assert info["bos_token"] is not None and "chat_template" in info
+    assert (info["eos_token"], info["bos_token"]) == ("</s>", "<s>")  # as the model spells them
+    assert info["eos_token_id"] == tokenizer.eos_id and "chat_template" in info
     tokens = client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
     assert tokens["tokens"] == tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     with_bos = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
@@ -138,3 +138,14 @@ def test_tokenizer_routes_in_vllms_shapes(client, tokenizer):
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"][0] == tokenizer.bos_id
     assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+
+
+def test_tokenize_takes_special_token_spellings_as_their_ids(client, tokenizer):
+    info = client.get("/tokenizer_info").json()
+    for name in ("eos", "bos"):
+        tokens = client.post("/tokenize", json={"prompt": info[f"{name}_token"],
+                                                "add_special_tokens": False}).json()["tokens"]
+        assert tokens == [info[f"{name}_token_id"]] == [getattr(tokenizer, f"{name}_id")]
+    text = f"ab{info['eos_token']}cd"
+    tokens = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert tokens["tokens"] == tokenizer.encode("ab") + [tokenizer.eos_id] + tokenizer.encode("cd")
