@@ -33,14 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     env_checkpoint = os.environ.get("TESSERA_CHECKPOINT")
     p.add_argument("--checkpoint", required=not env_checkpoint, default=env_checkpoint,
                    help="Tessera checkpoint directory (any layout; default: $TESSERA_CHECKPOINT)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "auto"), default=None,
+                   help="compute dtype (default: the checkpoint's, except that a bf16 or fp16 "
+                        "checkpoint runs in fp32 on a CPU without native bf16, where bf16 is "
+                        "emulated and slower; auto: chosen from the CPU, see core/cpu_isa.py)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="int8: weight-only int8 matrices with bf16 activations, for faster "
                         "CPU decoding (implies --dtype bf16; see core/quantize.py)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decode step with TorchInductor: about 2x faster "
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
+                   help="compile the decode step with TorchInductor (auto: only on a CPU with "
+                        "native bf16, where it pays; see core/cpu_isa.py): about 2x faster "
                         "single-stream decoding of small models in bf16 on CPU (1.4x in fp32), "
                         "after 10-60 s of compiling at start; keeps a second, prepacked copy "
                         "of the weights; one process only, not with --quantize int8 "
@@ -138,6 +141,7 @@ def _start(args: argparse.Namespace):
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
+    dtype, args.compile = host_choices(args.checkpoint, dtype, args.compile, args.device)
     if args.compile:
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
               file=sys.stderr, flush=True)
@@ -154,6 +158,40 @@ def served_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
     return [DEFAULT_SERVED_NAME, Path(args.checkpoint).resolve().name]
+
+
+def host_choices(checkpoint: str, dtype: str | None, compile_: str | bool, device: str
+                 ) -> tuple[str | None, bool]:
+    """The dtype and compile setting to serve with, after the host's say (`core.cpu_isa`):
+    `auto` asks for its choice; an unset dtype keeps the checkpoint's unless that is bf16/fp16
+    on a CPU that would emulate it. A choice the host made is said on stderr."""
+    from tessera.core.checkpoint import read_manifest
+    from tessera.core.cpu_isa import cpu_isa, serving_defaults
+
+    if compile_ in (True, False):
+        compile_ = "on" if compile_ else "off"
+    if dtype not in (None, "auto") and compile_ != "auto":
+        return dtype, compile_ == "on"
+    on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+    stored = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+        read_manifest(checkpoint).dtype, "fp32")
+    isa = cpu_isa()
+    choice = serving_defaults(isa, stored, "cpu" if on_cpu else "cuda")
+    if dtype == "auto" or compile_ == "auto":
+        print(f"tessera serve: host defaults: {choice.reason}", file=sys.stderr, flush=True)
+    if dtype == "auto":
+        dtype = choice.dtype
+    elif dtype is None and on_cpu and stored != "fp32" and not isa.native_bf16:
+        dtype = "fp32"
+        print(f"tessera serve: the checkpoint is {stored}; this CPU ({isa}) serves it in fp32 "
+              "(pass --dtype to choose)", file=sys.stderr, flush=True)
+    return dtype, choice.compile_decode if compile_ == "auto" else compile_ == "on"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _run_http(engine, args: argparse.Namespace) -> int:
