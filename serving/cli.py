@@ -171,6 +171,12 @@ def host_choices(checkpoint: str, dtype: str | None, compile_: str | bool, devic
     if compile_ in (True, False):
         compile_ = "on" if compile_ else "off"
     if dtype not in (None, "auto") and compile_ != "auto":
+        if compile_ == "on" and dtype in ("bf16", "fp16") and not cpu_isa().native_bf16 \
+                and (device == "cpu" or (device == "auto" and not _cuda_available())):
+            print(f"tessera serve: warning: this CPU ({cpu_isa()}) has no native bf16; a "
+                  f"compiled {dtype} decode step is slower than eager here (up to 5x with "
+                  "many requests: bench/bench_mm_layout.py); --dtype fp32 is faster",
+                  file=sys.stderr, flush=True)
         return dtype, compile_ == "on"
     on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
     stored = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
