@@ -210,11 +210,11 @@ def _usage(plan: Plan, results: list[Result]) -> S.Usage:
 
 
 def _top(texts: TokenTexts, entry: TokenLogprob, k: int) -> dict[str, float]:
-    """The top-k alternatives at a position as {text: logprob}, always with the chosen token
-    (so `logprobs: 0` gives it alone, and the argmax is there whenever k >= 1). Texts that
-    collide keep the larger logprob."""
+    """The top-k alternatives at a position as {text: logprob} (the argmax among them), or,
+    for `logprobs: 0`, the chosen token alone (never null). Texts that collide keep the
+    larger logprob."""
     out: dict[str, float] = {}
-    for token_id, lp in [*_best(entry.top, k), (entry.token_id, entry.logprob)]:
+    for token_id, lp in _best(entry.top, k) if k else [(entry.token_id, entry.logprob)]:
         text, value = texts.alternative(token_id), json_logprob(lp)
         out[text] = max(out.get(text, value), value)
     return out
