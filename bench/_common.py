@@ -55,9 +55,12 @@ def peak_rss_mb() -> float:
 
 
 def machine() -> str:
+    """The host in one line, with the CPU's ISA: CPU figures differ by it (core/cpu_isa.py)."""
+    from tessera.core.cpu_isa import cpu_isa
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"{gpu}, torch {torch.__version__}")
+    return (f"{platform.processor() or platform.machine()}, {cpu_isa()}, {os.cpu_count()} CPU "
+            f"cores, {gpu}, torch {torch.__version__}")
 
 
 def record(rows: list[dict], name: str) -> None:

@@ -3,7 +3,9 @@
 With `--url`, a running Tessera server generates and the tokens are printed as they arrive.
 With `--checkpoint`, the model runs in this process: that code lives beside the engine
 (`tessera.serving.generate.run_local`), which clients may not import, so the root command passes
-it in as `local`. Either way the prompt is printed first, then its continuation.
+it in as `local`. Either way the prompt is printed first, then its continuation; with `--chat`
+the prompt is a user message (`--system` adds a system one before it) sent through the chat
+template, and only the reply is printed. `--stop S` (repeatable) ends the text before S.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate a continuation of PROMPT with a local checkpoint or a server.",
         epilog='examples:\n  tessera generate "Return the" --checkpoint '
                "runs/demo/checkpoints/step-00000300 --max-tokens 40 --temperature 0.8\n"
-               '  tessera generate "Return the" --url http://127.0.0.1:8000 --model demo:qa')
+               '  tessera generate "Return the" --url http://127.0.0.1:8000 --model demo:qa\n'
+               '  tessera generate "What is a tensor?" --chat --stream --stop "\\n\\n" '
+               "--checkpoint CKPT")
     parser.add_argument("prompt", help="text to continue")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--checkpoint", metavar="DIR",
@@ -44,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed for reproducible sampling (default: none)")
     parser.add_argument("--dtype", default=None,
                         help="with --checkpoint: fp32 | bf16 | fp16 (default: the checkpoint's)")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the text before TEXT (repeatable; up to 16)")
+    parser.add_argument("--stream", action="store_true",
+                        help="print the text as it is generated (--url always streams)")
+    parser.add_argument("--chat", action="store_true",
+                        help="PROMPT is a user message, sent through the model's chat "
+                             "template; prints the reply alone")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="with --chat: a system message before PROMPT")
     return parser
 
 
@@ -51,6 +64,8 @@ def main(argv: list[str], local: Callable[[argparse.Namespace], int] | None = No
     """Run `tessera generate ARGV`; `local` runs `--checkpoint` (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
     if args.url:
         return _remote(args)
     if local is None:
@@ -65,12 +80,19 @@ def _remote(args: argparse.Namespace) -> int:
     from tessera.clients.client import Client, TesseraError
 
     params = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-              "seed": args.seed}
+              "seed": args.seed, **({"stop": args.stop} if args.stop else {})}
     try:
         with Client(args.url, api_key=args.api_key, model=args.model) as client:
-            chunks = client.stream(args.prompt, max_tokens=args.max_tokens, **params)
+            if args.chat:
+                messages = ([{"role": "system", "content": args.system}] if args.system else []) \
+                    + [{"role": "user", "content": args.prompt}]
+                chunks = client.chat_stream(messages, max_tokens=args.max_tokens, **params)
+                head = ""
+            else:
+                chunks = client.stream(args.prompt, max_tokens=args.max_tokens, **params)
+                head = args.prompt
             first = next(chunks, None)  # the server has accepted the request
-            print(args.prompt + (first.text if first else ""), end="", flush=True)
+            print(head + (first.text if first else ""), end="", flush=True)
             for chunk in chunks:
                 print(chunk.text, end="", flush=True)
     except TesseraError as exc:

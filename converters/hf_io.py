@@ -180,6 +180,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | str 
             shutil.copyfile(src.tokenizer, tmp / tok_name)
             if (hf_dir / "tokenizer_config.json").is_file():
                 shutil.copyfile(hf_dir / "tokenizer_config.json", tmp / "tokenizer_config.json")
+            _copy_chat_template(hf_dir, tmp)
         hf_extra = {"model_type": src.config["model_type"],
                     **{k: src.config.get(k) for k in _SPECIAL_KEYS}}
         write_manifest(tmp, build_manifest(config, Layout(), {n: [file] for n in shapes},
@@ -274,6 +275,15 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path,
 
 # ------------------------------------------------------------------------------- tokenizer
 
+# Where transformers keeps a chat template outside tokenizer_config.json (v4.43+ saves it so).
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def _copy_chat_template(src_dir: Path, dst_dir: Path) -> None:
+    for name in CHAT_TEMPLATE_FILES:
+        if (src_dir / name).is_file():
+            shutil.copyfile(src_dir / name, dst_dir / name)
+
 
 def _token_texts(path: Path, ids: dict[str, int | None]) -> dict[str, str]:
     """The text of each special token id (sentencepiece piece or tokenizer.json token)."""
@@ -332,17 +342,35 @@ def sentencepiece_to_tokenizer_json(model_file: str | Path) -> str | None:
     return tok.to_str()
 
 
+def _with_bos(tokenizer_json: str, bos_id: int | None) -> str:
+    """The tokenizer.json adding BOS when special tokens are asked for (transformers' default,
+    which `add_bos_token` alone does not give the generic tokenizer class)."""
+    if bos_id is None:
+        return tokenizer_json
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    bos = tok.id_to_token(bos_id)
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                            special_tokens=[(bos, bos_id)])
+    return tok.to_str()
+
+
 def _export_tokenizer(ckpt_dir: Path, name: str, tokenizer: Tokenizer, max_length: int,
                       tmp: Path) -> None:
     src = ckpt_dir / name
     shutil.copyfile(src, tmp / name)
+    _copy_chat_template(ckpt_dir, tmp)
     if name.endswith(".model"):
         text = sentencepiece_to_tokenizer_json(src)
         if text is not None:
-            (tmp / "tokenizer.json").write_text(text)
+            (tmp / "tokenizer.json").write_text(_with_bos(text, tokenizer.bos_id))
     if (ckpt_dir / "tokenizer_config.json").is_file():  # imported from HF: keep it as it was
         shutil.copyfile(ckpt_dir / "tokenizer_config.json", tmp / "tokenizer_config.json")
         return
+    if name.endswith(".json"):
+        (tmp / name).write_text(_with_bos(src.read_text(), tokenizer.bos_id))
     ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
     if name.endswith(".model"):
         import sentencepiece as spm
@@ -352,7 +380,9 @@ def _export_tokenizer(ckpt_dir: Path, name: str, tokenizer: Tokenizer, max_lengt
         ids["pad_token"] = sp.pad_id() if sp.pad_id() >= 0 else None
     # The generic class loads tokenizer.json verbatim (v4 and v5); v5's LlamaTokenizer would
     # rebuild the pipeline and drop the dummy prefix before leading spaces.
+    # add_bos_token as `tessera serve` tokenizes a text prompt (BOS first when there is one),
+    # so HF users and lm-eval see the sequences the server runs.
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "add_bos_token": False, "add_eos_token": False,  # Tessera data has no BOS
+              "add_bos_token": tokenizer.bos_id is not None, "add_eos_token": False,
               "clean_up_tokenization_spaces": False, **_token_texts(src, ids)}
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

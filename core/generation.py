@@ -6,6 +6,8 @@ server's engine (continuous batching, many requests) is built on the same model 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tessera.core.kv_cache import KVCache
@@ -34,8 +36,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
 @torch.no_grad()
 def generate_ids(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 eos_id: int | None = None, seed: int | None = None) -> list[int]:
-    """Continue `prompt` by up to `max_new_tokens` tokens (stopping after `eos_id`)."""
+                 eos_id: int | None = None, seed: int | None = None,
+                 on_token: Callable[[int], bool] | None = None) -> list[int]:
+    """Continue `prompt` by up to `max_new_tokens` tokens (stopping after `eos_id`).
+
+    `on_token(token)` is called with each new token as it is sampled; returning True stops
+    generation there (e.g. a stop string completed)."""
     config = model.config
     if not prompt:
         raise ValueError("the prompt is empty; give at least one token (e.g. BOS)")
@@ -57,6 +63,8 @@ def generate_ids(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
         token = int(sample_next(logits, temperature, top_k, top_p, gen)[0])
         out.append(token)
         if eos_id is not None and token == eos_id:
+            break
+        if on_token is not None and on_token(token):
             break
         next_pos = len(prompt) + len(out) - 1
         ids = torch.tensor([[token]], device=device)

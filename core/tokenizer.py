@@ -92,6 +92,11 @@ class Tokenizer:
         """The serialized model, enough to rebuild this tokenizer with `tokenizer_from_bytes`."""
         raise NotImplementedError
 
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` as the model spells it (`</s>`, `▁is`, `Ġis`),
+        e.g. to name special tokens; not its decoded text."""
+        raise NotImplementedError
+
     def save(self, path: PathLike) -> Path:
         """Write the model to `path` (or to `path/self.filename` if `path` is a directory).
 
@@ -133,6 +138,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def model_bytes(self) -> bytes:
         return self._proto
+
+    def token_text(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (SentencePieceTokenizer, (self._proto,))  # picklable for worker processes
@@ -190,6 +198,9 @@ class HFTokenizer(Tokenizer):
 
     def model_bytes(self) -> bytes:
         return self._json.encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id)) or ""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HFTokenizer, (self._json, self._config))

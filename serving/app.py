@@ -8,6 +8,7 @@
 | `/v1/models`, `/v1/completions`, `/v1/chat/completions` | OpenAI | `openai_api` |
 | `/v2`, `/v2/health/*`, `/v2/models/...`, `/v2/repository/index` | KServe v2 / Triton | `triton_api` |
 | `PUT /api` | Megatron-LM | `megatron_api` |
+| `/tokenizer_info`, `/tokenize`, `/detokenize` | vLLM's tokenizer routes | `tokenizer_api` |
 | `/health`, `/metrics`, `/docs` | operations | here |
 
 The app stays thin: routes decode a request, `Service` runs it on the engine (admission,
@@ -27,10 +28,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tessera.serving import megatron_api, openai_api, triton_api
+from tessera.serving import megatron_api, openai_api, openapi_doc, tokenizer_api, triton_api
 from tessera.serving.errors import install_error_handlers
 from tessera.serving.openai_api import ChatTemplate
-from tessera.serving.security import GuardMiddleware
+from tessera.serving.security import OPEN_PATHS, GuardMiddleware
 from tessera.serving.service import Limits, Service
 from tessera.serving.types import Engine
 from tessera.serving.version import SERVER_VERSION
@@ -65,6 +66,8 @@ def create_app(
     max_concurrency: int = Limits.max_concurrency,
     request_timeout_s: float | None = Limits.request_timeout_s,
     chat_template: str | None = None,
+    model_aliases: tuple[str, ...] = (),
+    body_timeout_s: float | None = Limits.body_timeout_s,
 ) -> FastAPI:
     """The HTTP app for `engine`, served under `model_name`.
 
@@ -78,20 +81,26 @@ def create_app(
         request_timeout_s: wall-time limit of one generation request, queueing included.
         chat_template: a Jinja chat template (Hugging Face conventions) for
             `/v1/chat/completions`; default: "role: content" lines, then "assistant:".
+        model_aliases: more names the base model answers to (answers name `model_name`).
+        body_timeout_s: a request body that stalls this long gets 408 and a closed connection
+            (the header deadline is the server's: `serving.connections`).
     """
     if max_concurrency < 1 or max_body_bytes < 1:
         raise ValueError("max_concurrency and max_body_bytes must be positive")
     limits = Limits(max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens,
-                    max_concurrency=max_concurrency, request_timeout_s=request_timeout_s)
+                    max_concurrency=max_concurrency, request_timeout_s=request_timeout_s,
+                    body_timeout_s=body_timeout_s)
     app = FastAPI(title=f"Tessera: {model_name}", version=SERVER_VERSION, redoc_url=None,
                   description="OpenAI, KServe v2 / Triton and Megatron-LM text generation.")
-    app.state.service = Service(engine, model_name, limits)
+    app.state.service = Service(engine, model_name, limits, tuple(model_aliases))
     app.state.chat_template = ChatTemplate(chat_template)  # a broken template fails here
     app.state.started = time.time()
     install_error_handlers(app)
-    for router in (openai_api.router, triton_api.router, megatron_api.router, operations):
+    for router in (openai_api.router, triton_api.router, megatron_api.router,
+                   tokenizer_api.router, operations):
         app.include_router(router)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -105,5 +114,5 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 components.update(operation.pop("x-schemas", {}))
-        app.openapi_schema = schema
+        app.openapi_schema = openapi_doc.complete(schema, OPEN_PATHS)
     return app.openapi_schema

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tessera.core.help import HelpFormatter
 
+DEFAULT_SERVED_NAME = "tessera"  # what the README's client examples send as `model`
+
 _EPILOG = """examples:
   tessera serve --checkpoint runs/demo/checkpoints/step-00000300
   tessera serve --checkpoint CKPT --tp 2 --nproc-per-node 2 --dtype bf16
@@ -31,14 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     env_checkpoint = os.environ.get("TESSERA_CHECKPOINT")
     p.add_argument("--checkpoint", required=not env_checkpoint, default=env_checkpoint,
                    help="Tessera checkpoint directory (any layout; default: $TESSERA_CHECKPOINT)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "auto"), default=None,
+                   help="compute dtype (default: the checkpoint's, except that a bf16 or fp16 "
+                        "checkpoint runs in fp32 on a CPU without native bf16, where bf16 is "
+                        "emulated and slower; auto: chosen from the CPU, see core/cpu_isa.py)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="int8: weight-only int8 matrices with bf16 activations, for faster "
                         "CPU decoding (implies --dtype bf16; see core/quantize.py)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decode step with TorchInductor: about 2x faster "
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
+                   help="compile the decode step with TorchInductor (auto: only on a CPU with "
+                        "native bf16, where it pays; see core/cpu_isa.py): about 2x faster "
                         "single-stream decoding of small models in bf16 on CPU (1.4x in fp32), "
                         "after 10-60 s of compiling at start; keeps a second, prepacked copy "
                         "of the weights; one process only, not with --quantize int8 "
@@ -72,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $TESSERA_API_KEY)")
     p.add_argument("--prompts", action="append", default=[], metavar="DIR",
                    help="prompt table directory from `tessera tune` (repeatable)")
-    p.add_argument("--model-name", default=None,
-                   help="name clients use (default: the checkpoint directory's name)")
+    p.add_argument("--served-model-name", "--model-name", dest="served_model_name", nargs="+",
+                   default=None, metavar="NAME",
+                   help="the name(s) clients give as `model`; the first is the one answers "
+                        f"carry (default: {DEFAULT_SERVED_NAME!r}, and the checkpoint "
+                        "directory's name as a second one)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
     # The KV cache (serving/kv_config.py)
     p.add_argument("--kv-cache", choices=("paged", "slots"), default=None,
@@ -86,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV blocks between requests with a common prefix")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer (slowloris)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 when a request body stalls this long")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close idle keep-alive connections after this long")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at most; requests on more get 503")
     return p
 
 
@@ -144,6 +160,7 @@ def _start(args: argparse.Namespace):
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
+    dtype, args.compile = host_choices(args.checkpoint, dtype, args.compile, args.device)
     if args.compile:
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
               file=sys.stderr, flush=True)
@@ -157,7 +174,54 @@ def _start(args: argparse.Namespace):
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
-                      **({"model_name": args.model_name} if args.model_name else {}))
+                      model_name=served_names(args)[0])
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """`--served-model-name`, else "tessera" and the checkpoint directory's name."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [DEFAULT_SERVED_NAME, Path(args.checkpoint).resolve().name]
+
+
+def host_choices(checkpoint: str, dtype: str | None, compile_: str | bool, device: str
+                 ) -> tuple[str | None, bool]:
+    """The dtype and compile setting to serve with, after the host's say (`core.cpu_isa`):
+    `auto` asks for its choice; an unset dtype keeps the checkpoint's unless that is bf16/fp16
+    on a CPU that would emulate it. A choice the host made is said on stderr."""
+    from tessera.core.checkpoint import read_manifest
+    from tessera.core.cpu_isa import cpu_isa, serving_defaults
+
+    if compile_ in (True, False):
+        compile_ = "on" if compile_ else "off"
+    if dtype not in (None, "auto") and compile_ != "auto":
+        if compile_ == "on" and dtype in ("bf16", "fp16") and not cpu_isa().native_bf16 \
+                and (device == "cpu" or (device == "auto" and not _cuda_available())):
+            print(f"tessera serve: warning: this CPU ({cpu_isa()}) has no native bf16; a "
+                  f"compiled {dtype} decode step is slower than eager here (up to 5x with "
+                  "many requests: bench/bench_mm_layout.py); --dtype fp32 is faster",
+                  file=sys.stderr, flush=True)
+        return dtype, compile_ == "on"
+    on_cpu = device == "cpu" or (device == "auto" and not _cuda_available())
+    stored = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+        read_manifest(checkpoint).dtype, "fp32")
+    isa = cpu_isa()
+    choice = serving_defaults(isa, stored, "cpu" if on_cpu else "cuda")
+    if dtype == "auto" or compile_ == "auto":
+        print(f"tessera serve: host defaults: {choice.reason}", file=sys.stderr, flush=True)
+    if dtype == "auto":
+        dtype = choice.dtype
+    elif dtype is None and on_cpu and stored != "fp32" and not isa.native_bf16:
+        dtype = "fp32"
+        print(f"tessera serve: the checkpoint is {stored}; this CPU ({isa}) serves it in fp32 "
+              "(pass --dtype to choose)", file=sys.stderr, flush=True)
+    return dtype, choice.compile_decode if compile_ == "auto" else compile_ == "on"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _run_http(engine, args: argparse.Namespace) -> int:
@@ -169,15 +233,20 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     import uvicorn
 
     from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
+    from tessera.serving.connections import server_config
 
-    template = Path(args.chat_template).read_text() if args.chat_template else \
-        stored_chat_template(args.checkpoint)
+    template, origin = chat_template_of(args)
+    print(f"tessera serve: chat template: {origin}", file=sys.stderr, flush=True)
     app = create_app(engine, model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                      max_concurrency=args.max_concurrency,
-                     request_timeout_s=args.request_timeout, chat_template=template)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+                     request_timeout_s=args.request_timeout, chat_template=template,
+                     model_aliases=tuple(served_names(args)[1:]),
+                     body_timeout_s=args.body_timeout)
+    server = uvicorn.Server(server_config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        header_timeout_s=args.header_timeout, keep_alive_s=args.keep_alive_timeout,
+        max_connections=args.max_connections))
     engine.on_stop(lambda: setattr(server, "should_exit", True))
     failed = []
 
@@ -203,12 +272,30 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     return 1 if failed or not server.started else 0
 
 
-def stored_chat_template(checkpoint: str) -> str | None:
-    """The chat template kept with the model (an imported `tokenizer_config.json`), if any."""
+def chat_template_of(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The chat template to serve (None: the built-in "role: content" one) and where it came
+    from, in words, for the start-up log."""
+    if args.chat_template:
+        return Path(args.chat_template).read_text(), f"--chat-template {args.chat_template}"
+    template, origin = stored_chat_template(args.checkpoint)
+    if template is None:
+        return None, ("the built-in 'role: content' lines (the checkpoint has none; give "
+                      "--chat-template FILE for an instruct model)")
+    return template, f"the checkpoint's {origin}"
+
+
+def stored_chat_template(checkpoint: str) -> tuple[str | None, str]:
+    """The chat template kept with the model and the file it is in: `chat_template.jinja`
+    (what transformers saves), `chat_template.json`, or `tokenizer_config.json`'s
+    `chat_template` (all carried over by `tessera convert --from hf`); (None, "") if none."""
     import json
 
-    config = Path(checkpoint) / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    template = json.loads(config.read_text()).get("chat_template")
-    return template if isinstance(template, str) else None
+    root = Path(checkpoint)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(), "chat_template.jinja"
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (root / name).is_file():
+            template = json.loads((root / name).read_text()).get("chat_template")
+            if isinstance(template, str):
+                return template, name
+    return None, ""

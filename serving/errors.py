@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 # OpenAI error `type` by status, for errors that do not name their own.
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                 408: "timeout_error", 415: "invalid_request_error",
                  413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
                  504: "timeout_error"}
 
@@ -124,12 +126,50 @@ def decode_json(raw: bytes) -> Any:
     if not text.strip():
         raise ApiError(400, "request body is empty; expected a JSON object")
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                             f"column {exc.colno}") from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply") from None
+    if _has_surrogate(value):
+        raise ApiError(400, f"request body has a lone surrogate escape ({_surrogate_at(text)}): "
+                            "a JSON string must be valid Unicode (pair \\uD800-\\uDBFF with "
+                            "\\uDC00-\\uDFFF)")
+    return value
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|.)", re.DOTALL)  # one JSON escape, in order
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(_SURROGATE.search(value))
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
+def _surrogate_at(text: str) -> str:
+    """'line L column C' of the first lone surrogate escape in the raw JSON `text`."""
+    codes = [(m.start(), m.end(), int(m.group(1)[1:], 16) if len(m.group(1)) == 5 else None)
+             for m in _ESCAPE.finditer(text)]
+    for i, (start, end, code) in enumerate(codes):
+        if code is None or not 0xD800 <= code <= 0xDFFF:
+            continue
+        nxt = codes[i + 1] if i + 1 < len(codes) else None
+        prev = codes[i - 1] if i else None
+        high_paired = code <= 0xDBFF and nxt is not None and nxt[0] == end and \
+            nxt[2] is not None and 0xDC00 <= nxt[2] <= 0xDFFF
+        low_paired = code >= 0xDC00 and prev is not None and prev[1] == start and \
+            prev[2] is not None and 0xD800 <= prev[2] <= 0xDBFF
+        if not (high_paired or low_paired):
+            line = text.count("\n", 0, start) + 1
+            return f"line {line} column {start - (text.rfind(chr(10), 0, start) + 1) + 1}"
+    return "position unknown"
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
@@ -140,7 +180,23 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     return validate(value, model)
 
 
+def whole_numbers_as_ints(value: Any) -> Any:
+    """`value` with every whole-number float (`16.0`) that is exact as a float made an int.
+
+    JSON Schema counts `16.0` as an integer and JSON clients (JavaScript above all) send it;
+    the strict models would refuse it. A float field still accepts the int, so nothing that
+    was valid changes meaning."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: whole_numbers_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [whole_numbers_as_ints(v) for v in value]
+    return value
+
+
 def validate(value: Any, model: type[M]) -> M:
+    value = whole_numbers_as_ints(value)
     try:
         # JSON mode keeps strictness (no "16" -> 16) while accepting nested objects as dicts.
         return model.model_validate_json(json.dumps(value))

@@ -21,6 +21,7 @@ from tessera.serving import schemas as S
 from tessera.serving.errors import ApiError, body_doc, parse_body
 from tessera.serving.security import read_body
 from tessera.serving.service import Result, Service, json_logprob, raise_failures
+from tessera.serving.token_text import TokenTexts, fit_to, prompt_texts
 from tessera.serving.types import GenerationRequest, SamplingParams
 
 router = APIRouter(tags=["Megatron-LM"])
@@ -50,7 +51,10 @@ def encode_response(service: Service, body: S.MegatronRequest, results: list[Res
     texts, segments, logprobs = [], [], []
     for prompt, r in zip(body.prompts, results):
         texts.append(prompt + r.text)
-        segments.append([decode([t]) for t in r.prompt_ids + r.token_ids])
+        # Token texts that concatenate to the text (leading spaces kept, BOS empty).
+        bos = service.bos_ids if body.add_BOS else []
+        segments.append(prompt_texts(decode, r.prompt_ids, bos)
+                        + fit_to(TokenTexts(decode, r.prompt_ids).texts(r.token_ids), r.text))
         prompt_lps = [None if e is None else e.logprob for e in (r.prompt_logprobs or [])][1:]
         prompt_lps += [None] * (len(r.prompt_ids) - 1 - len(prompt_lps))
         logprobs.append([json_logprob(x) if x is not None else 0.0 for x in prompt_lps]

@@ -16,9 +16,11 @@ Names follow vLLM's (`tessera:` instead of `vllm:`), so its dashboards carry ove
 | `tessera:kv_cache_blocks_used`, `..._free`, `..._total` | gauge | paged KV cache blocks |
 | `tessera:prefix_cache_queries_total`, `..._hits_total` | counter | prompt tokens looked up, found |
 | `tessera:num_preemptions_total` | counter | requests preempted for lack of KV blocks |
+| `tessera:model_requests_total{served_model}` | counter | finished, per BASE, BASE:TASK, BASE:ADAPTER |
 
 `status` is the finish reason (`stop`, `length`, `abort`, `error`, `timeout`) for requests that
-reached the engine, else `rejected` (429/503) or `invalid` (4xx).
+reached the engine, else `rejected` (429/503) or `invalid` (4xx); a refused HTTP request counts
+once, however many generations (prompts x n) it asked for.
 """
 
 from __future__ import annotations
@@ -105,10 +107,18 @@ class ServingMetrics:
         self.generation_tokens = count("generation_tokens", "tokens generated")
         self._requests = Counter("tessera:requests", "generation requests by outcome",
                                  ["model_name", "dialect", "status"], registry=registry)
+        self._by_model = Counter("tessera:model_requests", "finished generation requests by the "
+                                 "model name that selected them (BASE, BASE:TASK, BASE:ADAPTER)",
+                                 ["model_name", "served_model"], registry=registry)
         self.model = model
 
     def request(self, dialect: str, status: str, count: int = 1) -> None:
         self._requests.labels(self.model, dialect, status).inc(count)
+
+    def finished(self, adapter: str | None) -> None:
+        """One finished request of the base model (None) or of a task / LoRA adapter."""
+        self._by_model.labels(self.model, self.model if adapter is None else
+                              f"{self.model}:{adapter}").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,7 @@ from tessera.serving.service import (
     raise_failures,
     sse,
 )
+from tessera.serving.token_text import TokenTexts, fit_to, prompt_texts
 from tessera.serving.types import GenerationRequest, SamplingParams, TokenLogprob
 
 router = APIRouter(tags=["OpenAI"])
@@ -167,6 +168,7 @@ def _requests(service: Service, prompts: list[list[int]], body: S.SamplingFields
 
 def decode_completion(service: Service, body: S.CompletionRequest) -> Plan:
     task = service.task_of(body.model)
+    service.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     raw = body.prompt
     if isinstance(raw, str):
         raw = [raw]
@@ -184,6 +186,7 @@ def decode_completion(service: Service, body: S.CompletionRequest) -> Plan:
 
 def decode_chat(service: Service, body: S.ChatCompletionRequest, template: ChatTemplate) -> Plan:
     task = service.task_of(body.model)
+    service.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     text = template.render(body.messages)
     ids = service.encode(text)
     plan_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -206,20 +209,32 @@ def _usage(plan: Plan, results: list[Result]) -> S.Usage:
     return S.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _token(service: Service, token_id: int) -> str:
-    return service.engine.decode([token_id])
+def _top(texts: TokenTexts, entry: TokenLogprob, k: int) -> dict[str, float]:
+    """The top-k alternatives at a position as {text: logprob} (the argmax among them), or,
+    for `logprobs: 0`, the chosen token alone (never null). Texts that collide keep the
+    larger logprob."""
+    out: dict[str, float] = {}
+    for token_id, lp in _best(entry.top, k) if k else [(entry.token_id, entry.logprob)]:
+        text, value = texts.alternative(token_id), json_logprob(lp)
+        out[text] = max(out.get(text, value), value)
+    return out
 
 
-def completion_logprobs(service: Service, entries: list[TokenLogprob | None], ids: list[int],
-                        k: int, offset: int = 0) -> S.CompletionLogprobs:
+def completion_logprobs(entries: list[TokenLogprob | None], ids: list[int], k: int,
+                        texts: TokenTexts, offset: int = 0, final: bool = True,
+                        target: str | None = None) -> S.CompletionLogprobs:
+    """The legacy `logprobs` object of `ids`, continuing the sequence `texts` has seen; the
+    tokens concatenate to the text (cut to `target`, the text these ids produced, when a stop
+    string ended inside them)."""
     out = S.CompletionLogprobs(top_logprobs=[])
+    tokens: list[str] = []
     for token_id, entry in zip(ids, entries):
-        token = _token(service, token_id)
-        out.tokens.append(token)
         out.token_logprobs.append(None if entry is None else json_logprob(entry.logprob))
-        top = None if entry is None or not k else {
-            _token(service, t): lp for t, lp in _best(entry.top, k)}
-        out.top_logprobs.append(top)
+        out.top_logprobs.append(None if entry is None else _top(texts, entry, k))
+        tokens += texts.push(token_id)
+    tokens += texts.end(final)
+    out.tokens = tokens if target is None else fit_to(tokens, target)
+    for token in out.tokens:
         out.text_offset.append(offset)
         offset += len(token)
     return out
@@ -229,15 +244,25 @@ def _best(top: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(top.items(), key=lambda kv: -kv[1])[:k]
 
 
-def chat_logprobs(service: Service, entries: list[TokenLogprob], k: int) -> S.ChatLogprobs:
-    def item(token_id: int, lp: float) -> dict:
-        token = _token(service, token_id)
+def chat_logprobs(entries: list[TokenLogprob], k: int, texts: TokenTexts, final: bool = True,
+                  target: str | None = None) -> S.ChatLogprobs:
+    """The chat `logprobs.content` of `entries`: token texts (and their UTF-8 `bytes`) that
+    concatenate to the message, each with its top-k alternatives."""
+    tops, tokens = [], []
+    for e in entries:
+        tops.append([(texts.alternative(t), lp) for t, lp in _best(e.top, k)])
+        tokens += texts.push(e.token_id)
+    tokens += texts.end(final)
+    if target is not None:
+        tokens = fit_to(tokens, target)
+
+    def item(token: str, lp: float) -> dict:
         return {"token": token, "logprob": json_logprob(lp), "bytes": list(token.encode())}
 
     return S.ChatLogprobs(content=[
-        S.ChatTokenLogprob(**item(e.token_id, e.logprob),
-                           top_logprobs=[S.TopLogprob(**item(t, lp)) for t, lp in _best(e.top, k)])
-        for e in entries])
+        S.ChatTokenLogprob(**item(token, e.logprob),
+                           top_logprobs=[S.TopLogprob(**item(t, lp)) for t, lp in top])
+        for token, e, top in zip(tokens, entries, tops)])
 
 
 def _echo_prefix(service: Service, plan: Plan, choice: int,
@@ -248,7 +273,24 @@ def _echo_prefix(service: Service, plan: Plan, choice: int,
         return text, None
     ids = result.prompt_ids
     entries = result.prompt_logprobs or [None] * len(ids)
-    return text, completion_logprobs(service, entries, ids, plan.logprobs)
+    out = S.CompletionLogprobs(top_logprobs=[])
+    out.tokens = prompt_texts(service.engine.decode, ids, service.bos_ids)
+    offset = 0
+    for token, entry in zip(out.tokens, entries):
+        out.token_logprobs.append(None if entry is None else json_logprob(entry.logprob))
+        out.text_offset.append(offset)
+        offset += len(token)
+    # The alternatives at position i are scored after tokens [0, i): a fresh pass in context.
+    texts = TokenTexts(service.engine.decode)
+    for token_id, entry in zip(ids, entries):
+        out.top_logprobs.append(None if entry is None else _top(texts, entry, plan.logprobs))
+        texts.push(token_id)
+    return text, out
+
+
+def _generated_texts(service: Service, result: Result) -> TokenTexts:
+    """Token texts continuing `result`'s prompt."""
+    return TokenTexts(service.engine.decode, result.prompt_ids)
 
 
 def encode_completion(service: Service, plan: Plan, results: list[Result]) -> S.CompletionResponse:
@@ -256,7 +298,8 @@ def encode_completion(service: Service, plan: Plan, results: list[Result]) -> S.
     for i, r in enumerate(results):
         text, logprobs = r.text, None
         if plan.logprobs is not None:
-            logprobs = completion_logprobs(service, r.logprobs, r.token_ids, plan.logprobs)
+            logprobs = completion_logprobs(r.logprobs, r.token_ids, plan.logprobs,
+                                           _generated_texts(service, r), target=r.text)
         if plan.echo:
             prefix, prompt_lp = _echo_prefix(service, plan, i, r)
             text = prefix + text
@@ -280,7 +323,8 @@ def encode_chat(service: Service, plan: Plan, results: list[Result]) -> S.ChatCo
     k = plan.logprobs
     choices = [
         S.ChatChoice(index=i, message=S.AssistantMessage(content=r.text),
-                     logprobs=None if k is None else chat_logprobs(service, r.logprobs, k),
+                     logprobs=None if k is None else chat_logprobs(
+                         r.logprobs, k, _generated_texts(service, r), target=r.text),
                      finish_reason=r.finish_reason)
         for i, r in enumerate(results)]
     return S.ChatCompletionResponse(id=plan.id, created=plan.created, model=plan.model,
@@ -293,6 +337,7 @@ async def stream_events(service: Service, plan: Plan, batch: Batch) -> AsyncIter
             "object": "chat.completion.chunk" if plan.chat else "text_completion"}
     started: set[int] = set()
     offsets = [0] * len(plan.requests)
+    texts: dict[int, TokenTexts] = {}
 
     def chunk(choice: dict) -> str:
         return sse(json.dumps({**head, "choices": [choice]}))
@@ -315,11 +360,14 @@ async def stream_events(service: Service, plan: Plan, batch: Batch) -> AsyncIter
                     yield chunk({"index": i, "text": prefix, "finish_reason": None,
                                  "logprobs": prompt_lp and prompt_lp.model_dump()})
             if plan.logprobs is not None and out.logprobs:
+                if i not in texts:
+                    texts[i] = _generated_texts(service, batch.results[i])
                 if plan.chat:
-                    logprobs = chat_logprobs(service, out.logprobs, plan.logprobs).model_dump()
+                    logprobs = chat_logprobs(out.logprobs, plan.logprobs, texts[i], out.finished,
+                                             text).model_dump()
                 else:
-                    lp = completion_logprobs(service, out.logprobs, out.token_ids, plan.logprobs,
-                                             offsets[i])
+                    lp = completion_logprobs(out.logprobs, out.token_ids, plan.logprobs, texts[i],
+                                             offsets[i], out.finished, text)
                     offsets[i] += sum(len(t) for t in lp.tokens)
                     logprobs = lp.model_dump()
             if not (text or logprobs or out.finished):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 # ----------------------------------------------------------------------------------- shared
 
@@ -52,8 +52,23 @@ def _as_stop_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+def _as_word_list(value: Any) -> Any:
+    """TensorRT-LLM word lists: a string or a list of strings, empty strings dropped ("" and
+    [""] mean none, as its clients send them)."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list):
+        return [w for w in value if w != ""]
+    return value
+
+
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
-StopStrings = Annotated[list[str] | None, BeforeValidator(_as_stop_list)]
+# What clients may send (a string stands for a list of one), not the validated type.
+_STRING_OR_LIST = {"anyOf": [{"type": "string"},
+                              {"type": "array", "items": {"type": "string"}, "maxItems": 16}]}
+StopStrings = Annotated[list[str] | None, BeforeValidator(_as_stop_list),
+                        WithJsonSchema({"anyOf": [*_STRING_OR_LIST["anyOf"], {"type": "null"}]})]
+WordList = Annotated[list[str], BeforeValidator(_as_word_list), WithJsonSchema(_STRING_OR_LIST)]
 
 
 class SamplingFields(_Request):
@@ -78,11 +93,17 @@ class SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="only {'type': 'text'}: constrained (JSON) decoding is not supported")
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported by "
+                             "this server: it does not constrain decoding to JSON (use 'text', "
+                             "or ask for JSON in the prompt and validate the answer)")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported (leave it unset or equal to n)")
         if self.stop is not None and len(self.stop) > 16:
@@ -92,6 +113,13 @@ class SamplingFields(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`; `json_schema` / `json_object` are refused (see above)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- OpenAI: requests
@@ -349,22 +377,37 @@ class TritonInputs(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop_words: Annotated[list[str], BeforeValidator(_as_stop_list)] = Field(default_factory=list)
+    stop_words: WordList = Field(default_factory=list)
     return_log_probs: bool = False
     task: str | None = None
     task_id: int | str | None = None  # an index into the served tasks, or a task name
     stream: bool = False
     accumulate_tokens: bool = False  # generate_stream: each event carries the whole text so far
     # Sent by TensorRT-LLM clients; meaningless here but harmless.
-    end_id: int | None = None
-    pad_id: int | None = None
+    end_id: int | None = Field(None, description="an extra stop token id")
+    pad_id: int | None = Field(None, description="accepted (and checked) for compatibility")
     beam_width: int = Field(1, ge=1, le=1, description="only 1 (no beam search)")
     exclude_input_in_output: bool = True
+    # The rest of the TensorRT-LLM `ensemble` inputs, accepted where they change nothing here
+    # (empty word lists, defaults) and refused otherwise.
+    bad_words: WordList = Field(default_factory=list,
+                                description="only empty: banning words is not supported")
+    length_penalty: float = Field(1.0, description="beam search only: no effect at beam_width 1")
+    num_return_sequences: int = Field(1, ge=1, le=1, description="only 1")
+    return_context_logits: bool = Field(False, description="only false")
+    return_generation_logits: bool = Field(False, description="only false")
+    embedding_bias_words: WordList = Field(default_factory=list, description="only empty")
+    embedding_bias_weights: list[float] = Field(default_factory=list, description="only empty")
 
     @model_validator(mode="after")
     def _one_task(self) -> TritonInputs:
         if self.task is not None and self.task_id is not None:
             raise ValueError("give task or task_id, not both")
+        unsupported = [name for name in ("bad_words", "embedding_bias_words",
+                                         "embedding_bias_weights", "return_context_logits",
+                                         "return_generation_logits") if getattr(self, name)]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported by this server (leave it empty)")
         return self
 
 
@@ -374,6 +417,57 @@ class TritonGenerateResponse(_Response):
     text_output: str
     cum_log_probs: float | None = None
     output_log_probs: list[float] | None = None
+
+
+# --------------------------------------------------------------- tokenizer (vLLM's shapes)
+
+
+class TokenizeRequest(_Request):
+    """`POST /tokenize`: a text `prompt`, or chat `messages` (as `/v1/chat/completions` runs them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="add BOS, as the completion routes do")
+    add_generation_prompt: bool = Field(True, description="only true (as chat completions)")
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt: false is not supported")
+        return self
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class TokenizerInfo(_Response):
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    chat_template: str | None = None
+    model_max_length: int | None = None
+    vocab_size: int | None = None
 
 
 SamplingFields.model_rebuild()

@@ -54,6 +54,8 @@ class Limits:
     max_concurrency: int = 64  # generation requests admitted at once (n > 1 counts n)
     request_timeout_s: float | None = 600.0  # per generation request, queueing included
     retry_after_s: int = 1  # the Retry-After of a 429 / 503
+    # Slow clients (issue 16): a request body chunk late by this long is a 408.
+    body_timeout_s: float | None = 30.0
 
 
 @dataclass
@@ -117,8 +119,11 @@ def derive_seed(seed: int | None, index: int) -> int | None:
 
 
 class Service:
-    def __init__(self, engine: Engine, model_name: str, limits: Limits) -> None:
+    def __init__(self, engine: Engine, model_name: str, limits: Limits,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
+        # Other names the base model answers to (`--served-model-name A B`: B, ...).
+        self.base_names = (model_name, *(a for a in aliases if a != model_name))
         self.admitted = 0
         self.metrics = ServingMetrics(engine, model_name, admitted=lambda: self.admitted)
 
@@ -126,10 +131,10 @@ class Service:
 
     def task_of(self, model: str | None) -> str | None:
         """The task that model name `BASE` (None) or `BASE:TASK` selects; 404 otherwise."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.base_names:
             return None
         base, sep, task = model.partition(":")
-        if base != self.model_name or not sep:
+        if base not in self.base_names or not sep:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_names()}", param="model", code="model_not_found")
         self.check_task(task)
@@ -142,6 +147,16 @@ class Service:
                                 f"{tasks if tasks else 'no prompt-tuned tasks'}",
                            param="model", code="model_not_found")
 
+    @property
+    def bos_ids(self) -> list[int]:
+        """What `encode` puts before a text prompt's tokens (BOS, or nothing)."""
+        if not hasattr(self, "_bos_ids"):
+            try:
+                self._bos_ids = self.engine.encode("", add_bos=True)
+            except RequestError:  # no tokenizer
+                self._bos_ids = []
+        return self._bos_ids
+
     def model_names(self) -> list[str]:
         return [self.model_name] + [f"{self.model_name}:{t}" for t in self.engine.tasks()]
 
@@ -152,9 +167,29 @@ class Service:
             raise ApiError(400, str(exc), param="prompt") from None
         return self.check_prompt(ids)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The engine's vocabulary size (None if it does not say)."""
+        config = getattr(self.engine, "config", None)
+        return getattr(config, "vocab_size", None) or getattr(self.engine, "vocab_size", None)
+
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """`ids`, or a 400 naming the first id outside the vocabulary (before anything decodes
+        them: a negative or huge id is the client's error, never a 500)."""
+        vocab = self.vocab_size
+        limit = vocab if vocab is not None else 2**63
+        bad = next((i for i in ids if not 0 <= i < limit), None)
+        if bad is not None:
+            shown = str(bad) if abs(bad) < 10**20 else f"{str(bad)[:12]}... ({len(str(bad))} digits)"
+            where = f"the vocabulary [0, {vocab})" if vocab is not None else "[0, 2**63)"
+            raise ApiError(400, f"{param}: token id {shown} is outside {where}", param=param,
+                           code="invalid_token_id")
+        return ids
+
     def check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        self.check_token_ids(ids)
         limit = self.limits.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most "
@@ -180,8 +215,9 @@ class Service:
         """Admit, validate and submit `requests`; see the module docstring. If the client of
         `http` hangs up while the requests wait for their first output, they are aborted."""
         n, cap = len(requests), self.limits.max_concurrency
+        # A refused HTTP request counts once, however many generations it asked for.
         if n > cap:
-            self.metrics.request(dialect, "invalid", n)
+            self.metrics.request(dialect, "invalid")
             raise ApiError(400, f"the request asks for {n} generations; this server runs at "
                                 f"most {cap} at once", param="n")
         context = self.engine.max_context()
@@ -197,11 +233,11 @@ class Service:
                         "can be generated")
                 self.engine.validate(request)
             except RequestError as exc:
-                self.metrics.request(dialect, "invalid", n)
+                self.metrics.request(dialect, "invalid")
                 raise ApiError(400, str(exc), param="max_tokens" if prompt + wanted > context
                                else None) from None
         if self.admitted + n > cap:
-            self.metrics.request(dialect, "rejected", n)
+            self.metrics.request(dialect, "rejected")
             raise self._busy(429, f"the server is at its limit of {cap} concurrent requests; "
                                   "retry later")
         self.admitted += n
@@ -232,10 +268,10 @@ class Batch:
         while waiting:
             i, item = await self._queue.get()
             if isinstance(item, Overloaded):
-                self.service.metrics.request(self.dialect, "rejected", len(self.results))
+                self.service.metrics.request(self.dialect, "rejected")
                 raise self.service._busy(503, f"the engine is overloaded ({item}); retry later")
             if isinstance(item, RequestError):
-                self.service.metrics.request(self.dialect, "invalid", len(self.results))
+                self.service.metrics.request(self.dialect, "invalid")
                 raise ApiError(400, str(item))
             self._buffer.append((i, item))
             waiting.discard(i)
@@ -326,6 +362,8 @@ class Batch:
         metrics.prompt_tokens.inc(out.prompt_tokens or len(request.prompt_ids))
         metrics.generation_tokens.inc(out.completion_tokens)
         metrics.request(self.dialect, out.finish_reason or "stop")
+        # A LoRA adapter (when the engine serves them) or a prompt-tuned task selects the model.
+        metrics.finished(getattr(request, "adapter", None) or request.task)
 
     def _fail(self, i: int, request: GenerationRequest, submitted: float, reason: str, message: str) -> None:
         done = self.results[i]

@@ -81,10 +81,10 @@ def _resolve(service: Service, model: str, version: str | None) -> str | None:
     """The task the model name selects (None: the base model); 404 for anything unknown."""
     if version is not None and version != VERSION:
         raise ApiError(404, f"model {model!r} has no version {version!r}; its only version is {VERSION}")
-    if model in (service.model_name, ALIAS):
+    if model in (*service.base_names, ALIAS):
         return None
     base, sep, task = model.partition(":")
-    if base in (service.model_name, ALIAS) and sep and task in service.engine.tasks():
+    if base in (*service.base_names, ALIAS) and sep and task in service.engine.tasks():
         return task
     raise ApiError(404, f"unknown model {model!r}; this server serves {_names(service)}")
 
@@ -215,7 +215,12 @@ def to_request(service: Service, inputs: S.TritonInputs, task: str | None, reque
         seed=None if inputs.random_seed is None else inputs.random_seed % 2**63,
         repetition_penalty=inputs.repetition_penalty, presence_penalty=inputs.presence_penalty,
         frequency_penalty=inputs.frequency_penalty, stop=list(inputs.stop_words),
+        stop_token_ids=[] if inputs.end_id is None else [inputs.end_id],
         logprobs=0 if (logprobs or inputs.return_log_probs) else None)
+    for name in ("end_id", "pad_id"):
+        value = getattr(inputs, name)
+        if value is not None:
+            service.check_token_ids([value], name)
     return GenerationRequest(request_id, service.encode(inputs.text_input), params, task)
 
 

@@ -107,8 +107,8 @@ def _json_elements(data: Any, datatype: str, name: str) -> np.ndarray:
 
 
 def decode_request(body: bytes, headers: Mapping[str, str], limit: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """(JSON header, {input name: array of its shape}); BYTES arrays hold `bytes` objects."""
-    body = decompress(body, headers.get("content-encoding"), limit)
+    """(JSON header, {input name: array of its shape}); BYTES arrays hold `bytes` objects.
+    `body` is already decompressed (`security.read_body` removes the Content-Encoding)."""
     declared = headers.get(HEADER_LENGTH)
     if declared is None:
         header, binary = decode_json(body), b""

@@ -345,8 +345,10 @@ def test_tessera_serve_command_serves_this_app(tiny_checkpoint):
             while not client.health():
                 assert process.poll() is None and time.monotonic() < deadline
                 time.sleep(0.1)
-            assert client.models()[0].id == "tiny"
+            # Served as the README's "tessera", and under the checkpoint directory's name.
+            assert client.models()[0].id == "tessera"
             assert client.generate("The cat", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+            assert client.generate("The cat", model="tiny", max_tokens=1).model == "tiny"
         assert httpx.get(f"{url}/v1/models").status_code == 401
     finally:
         process.terminate()

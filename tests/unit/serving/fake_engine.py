@@ -33,6 +33,7 @@ VOCAB = 0x110000 + OFFSET
 
 class FakeEngine:
     model_name = "fake"
+    vocab_size = VOCAB
 
     def __init__(self, *, tasks: tuple[str, ...] = ("qa", "sentiment"), context: int = 256,
                  capacity: int = 1000, delay_s: float = 0.0) -> None:

@@ -28,8 +28,8 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     seen = {}
     app_module = types.ModuleType("tessera.serving.app")
 
-    def create_app(engine, *, model_name, api_key=None, **limits):
-        seen.update(engine=engine, model_name=model_name, api_key=api_key)
+    def create_app(engine, *, model_name, api_key=None, model_aliases=(), **limits):
+        seen.update(engine=engine, model_name=model_name, api_key=api_key, aliases=model_aliases)
         return "the-app"
 
     def run(server):
@@ -44,7 +44,8 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     assert main(["--checkpoint", str(checkpoint), "--api-key", "k", "--max-batch", "2"]) == 0
     engine = seen["engine"]
     assert seen["config"].host == "127.0.0.1" and seen["config"].port == 8000
-    assert (seen["model_name"], seen["api_key"]) == ("tiny-ckpt", "k")
+    # Served as "tessera" (the README's examples), and under the directory's name too.
+    assert (seen["model_name"], seen["aliases"], seen["api_key"]) == ("tessera", ("tiny-ckpt",), "k")
     assert engine.tokenizer is not None and engine.max_batch == 2 and seen["alive"]
     assert not engine.alive  # shut down when the server returned
     # The step loop ran on the main thread (see serving.engine), uvicorn on a helper thread.

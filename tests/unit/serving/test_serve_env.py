@@ -38,7 +38,7 @@ def test_host_and_checkpoint_come_from_the_environment(checkpoint, monkeypatch):
     monkeypatch.setenv("TESSERA_CHECKPOINT", str(checkpoint))
     assert main(["--port", "9000"]) == 0  # a command given in place of the image's default
     assert (seen["config"].host, seen["config"].port, seen["name"]) == ("0.0.0.0", 9000,
-                                                                        "tiny-ckpt")
+                                                                        "tessera")
     assert main(["--host", "127.0.0.1"]) == 0  # a flag still wins
     assert seen["config"].host == "127.0.0.1"
 
