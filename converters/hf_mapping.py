@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from tessera.core.config import ModelConfig
 from tessera.converters.hf_moe import (
     MOE_FAMILIES,
     check_moe_exportable,
@@ -37,6 +36,7 @@ from tessera.converters.hf_moe import (
     moe_name_maps,
     qwen2_moe_config,
 )
+from tessera.core.config import ModelConfig
 from tessera.core.parallel.sharding import global_param_shapes, shard_spec
 
 Read = Callable[[str], torch.Tensor]
