@@ -34,4 +34,5 @@ def end_moe_step(job: Any) -> dict[str, float]:
     """The step's router metrics over all ranks ({} for a dense model)."""
     if not job.stages[0].config.num_experts:
         return {}
-    return router_step_end(job.stages, job.groups, job.cfg.parallel.sequence_parallel)
+    par = job.cfg.parallel
+    return router_step_end(job.stages, job.groups, par.sequence_parallel, par.micro_batches)

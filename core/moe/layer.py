@@ -18,7 +18,8 @@ MLP (column-parallel `w1`, row-parallel `w2`).
 
 The load-balancing and z losses, weighted by `moe_aux_loss_coef` / `moe_z_loss_coef` and
 averaged over the model's MoE layers, join the training loss through the layer's output
-(`losses.attach_aux_loss`, scaled by `aux_loss_scale`). Each training forward (not the
+(`losses.attach_aux_loss`, scaled by `aux_loss_scale`), unless the router is frozen (prompt
+tuning: the router losses must not train the prompt). Each training forward (not the
 recomputation of activation checkpointing) appends one `RouterRecord` to `records`, for the
 step's metrics and the expert-bias update while `track` is on (`core.moe.stats`).
 """
@@ -112,12 +113,15 @@ class MoEFeedForward(nn.Module):
         aux = load_balancing_loss(routing.scores, routing.chosen, self.num_experts,
                                   self.tp_group, self.tp_size)
         z = z_loss(routing.logits, self.tp_size)
-        if self.track and torch._C._current_graph_task_id() == -1:  # not a recomputation
+        # Not the recomputation of activation checkpointing (inside backward), nor the pipeline
+        # schedule's shape inference (meta tensors, no grad).
+        if (self.track and torch.is_grad_enabled() and not flat.is_meta
+                and torch._C._current_graph_task_id() == -1):
             kept = routing.expert_ids.reshape(-1)
             self.records.append(RouterRecord(
                 self.layer, torch.bincount(kept[kept >= 0], minlength=self.num_experts),
                 (kept < 0).sum(), aux.detach(), z.detach()))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.router.weight.requires_grad:  # not when frozen
             out = attach_aux_loss(out, self.aux_coef * aux + self.z_coef * z,
                                   self.aux_loss_scale)
         return out

@@ -43,9 +43,14 @@ def track_router_stats(stages: Sequence[nn.Module], on: bool = True) -> None:
             m.records.clear()
 
 
-def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool
-                    ) -> dict[str, float]:
-    """The step's router metrics over all ranks (see the module docstring); collective."""
+def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool,
+                    micro_batches: int | None = None) -> dict[str, float]:
+    """The step's router metrics over all ranks (see the module docstring); collective.
+
+    `micro_batches`: count only each layer's last that many records. A pipeline schedule's
+    first step also runs every stage once on example inputs to learn the shapes it sends
+    (`torch.distributed.pipelining` metadata inference), which the layers cannot tell apart
+    from a training forward; its records come first."""
     config = stages[0].config
     if not config.num_experts:
         return {}
@@ -58,7 +63,7 @@ def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool
     dropped, aux, z, calls = buf[n_layers * n_experts:].view(4, n_layers)
     modules = moe_modules(stages)
     for m in modules:
-        for r in m.records:
+        for r in m.records[-micro_batches:] if micro_batches else m.records:
             i = index[r.layer]
             counts[i] += r.counts.to(buf)
             dropped[i] += r.dropped.to(buf)
