@@ -77,9 +77,9 @@ def test_logits_loss_and_aux_loss_match_hf(imported):
         hf = hf_model(ids, labels=ids, output_router_logits=True)
         hf_plain = hf_model(ids, labels=ids)
         assert (hf.logits - model(ids)).abs().max().item() <= 1e-4
-        model.train()  # dropout is 0: the same function, and the router records its losses
-        track_router_stats([model])
-        loss = model(ids, labels=targets)
+    model.train()  # dropout is 0: the same function, and the router records its losses
+    track_router_stats([model])
+    loss = model(ids, labels=targets)
     metrics = router_step_end([model], model.groups, sequence_parallel=False)
     assert abs(loss.item() - hf_plain.loss.item()) <= 1e-5
     # Tessera's aux loss is the mean over MoE layers of each layer's E * sum f_i P_i; HF's
