@@ -52,6 +52,7 @@ def runs(tiny: TinyData, tmp_path_factory, one_thread) -> dict[str, Path]:
     return runs
 
 
+@pytest.mark.slow  # ~10 s; tests/distributed/test_moe_parallel.py covers the same layouts cheaply
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
 def test_parallel_moe_pretraining_matches_one_process(runs, layout):
     want, got = read_losses(runs["single"]), read_losses(runs[layout])
