@@ -3,7 +3,11 @@ Tessera's grouped-GEMM experts vs its per-expert loop, side by side.
 
 One step = forward, backward (the load-balancing loss included on both sides: HF with
 `output_router_logits=True`) and an AdamW update, single process, same config, same batch, same
-precision (fp32, and bf16 autocast with fp32 master weights). Rows:
+precision (fp32; bf16 autocast with fp32 master weights; pure bf16 weights). NOTE: under bf16
+autocast transformers 5.x runs its experts in fp32 (`torch._grouped_mm` is not autocast-enabled,
+so it casts the input to the fp32 weights), while Tessera's experts follow autocast (bf16); on a
+CPU without native bf16 matrix units (AVX2) fp32 products are the faster ones, so that row
+compares different arithmetic. The pure-bf16 row compares like with like. Rows:
 - `tessera grouped`: experts through `torch._grouped_mm` (one call for all experts);
 - `tessera loop`: the per-expert `F.linear` loop (the fallback);
 - `hf`: transformers' Mixtral (its own per-hit-expert loop over fused expert weights).
@@ -77,14 +81,16 @@ def run_training(args) -> list[dict]:
                         generator=torch.Generator().manual_seed(0))
     tokens = args.batch * args.seq
     rows = []
-    for precision, autocast in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
+    for precision, autocast, dtype in (("fp32", None, torch.float32),
+                                       ("bf16 autocast", torch.bfloat16, torch.float32),
+                                       ("bf16 weights", None, torch.bfloat16)):
         times = {}
-        model = build_model(config, seed=0).train()
+        model = build_model(config, seed=0, dtype=dtype).train()
         for grouped in (True, False):
             _set_grouped(model, grouped)
             times["tessera grouped" if grouped else "tessera loop"] = best_time(
                 _step_fn(model, ids, autocast, hf=False), repeats=args.steps)
-        times["hf"] = best_time(_step_fn(_hf_model(config), ids, autocast, hf=True),
+        times["hf"] = best_time(_step_fn(_hf_model(config).to(dtype), ids, autocast, hf=True),
                                 repeats=args.steps)
         for name, t in times.items():
             rows.append({"precision": precision, "side": name, "tokens/s": tokens / t,
