@@ -32,6 +32,17 @@ from tessera.converters.hf_bert import (
     bert_config_from_hf,
     bert_config_to_hf,
 )
+from tessera.converters.hf_moe import (
+    MOE_FAMILIES,
+    check_moe_exportable,
+    expand_experts,
+    fused_overrides,
+    has_fused_experts,
+    mixtral_config,
+    moe_config_to_hf,
+    moe_name_maps,
+    qwen2_moe_config,
+)
 from tessera.core.config import ModelConfig
 from tessera.core.parallel.sharding import global_param_shapes, shard_spec
 
@@ -98,6 +109,8 @@ NAME_MAPS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "bert": BERT_NAMES,
 }
+
+NAME_MAPS.update(moe_name_maps(_LLAMA_LIKE))  # Mixture-of-Experts families (converters.hf_moe)
 
 # HF tensors stored `(in, out)` (GPT-2's Conv1D): transposed on the way in and out.
 TRANSPOSED = frozenset(f"transformer.h.{{}}.{leaf}.weight"
@@ -205,6 +218,7 @@ def _t5_config(hf: dict[str, Any]) -> ModelConfig:  # T5: converters.hf_t5
 _FROM_HF: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gpt2": _gpt2_config, "llama": _llama_config, "mistral": _llama_config,
     "nemotron": _nemotron_config, "t5": _t5_config, "bert": bert_config_from_hf,
+    "mixtral": mixtral_config, "qwen2_moe": qwen2_moe_config,
 }
 SUPPORTED_MODEL_TYPES = tuple(_FROM_HF)
 
@@ -240,6 +254,12 @@ def _check_exportable(config: ModelConfig) -> None:
         from tessera.converters.hf_t5 import check_t5_exportable
 
         return check_t5_exportable(config)
+    if config.family in MOE_FAMILIES:  # Mixture-of-Experts (converters.hf_moe)
+        problems = check_moe_exportable(config)
+        if problems:
+            raise ConversionError(f"this {config.family} model cannot be written as a Hugging "
+                                  f"Face {config.family} model: {'; '.join(problems)}")
+        return
     if config.family not in _FAMILY_TRAITS:
         raise ConversionError(f"family {config.family!r} has no Hugging Face mapping; "
                               f"known: {', '.join(_FAMILY_TRAITS)}")
@@ -271,6 +291,8 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
     out: dict[str, Any]
     if c.family == "bert":
         out = bert_config_to_hf(c)
+    elif c.family in MOE_FAMILIES:  # Mixture-of-Experts (converters.hf_moe)
+        out = moe_config_to_hf(c)
     elif c.family == "gpt2":
         out = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size,
                    n_embd=c.hidden_size, n_layer=c.num_layers, n_head=c.num_heads,
@@ -307,19 +329,26 @@ def _pattern(name: str) -> tuple[str, str]:
     return (f"layers.{{}}.{m.group(2)}", m.group(1)) if m else (name, "")
 
 
-def tensor_pairs(config: ModelConfig) -> Iterator[tuple[str, list[tuple[str, bool]]]]:
-    """(Tessera global name, [(HF name, transposed?), ...]) in `global_param_shapes` order."""
+def tensor_pairs(config: ModelConfig, fused_experts: bool = False
+                 ) -> Iterator[tuple[str, list[tuple[str, bool]]]]:
+    """(Tessera global name, [(HF name, transposed?), ...]) in `global_param_shapes` order.
+
+    MoE experts (`converters.hf_moe`) are listed expert by expert, or with `fused_experts` as
+    the fused `experts.gate_up_proj` / `experts.down_proj` tensors."""
     if config.family == "t5":  # converters.hf_t5
         from tessera.converters.hf_t5 import t5_tensor_pairs
 
         yield from t5_tensor_pairs(config)
         return
     names = NAME_MAPS[config.family]
+    if fused_experts:
+        names = {**names, **fused_overrides(config.family)}
     for name in global_param_shapes(config):
         pattern, layer = _pattern(name)
         if pattern not in names:
             raise ConversionError(f"no Hugging Face name for {name} in the {config.family} map")
-        yield name, [(p.format(layer), p in TRANSPOSED) for p in names[pattern]]
+        hf_names = expand_experts(names[pattern], config.num_experts)
+        yield name, [(p.format(layer), p in TRANSPOSED) for p in hf_names]
 
 
 def _resolve(hf_name: str, hf_names: set[str]) -> str | None:
@@ -341,7 +370,7 @@ def import_tensors(config: ModelConfig, read: Read,
     """
     plan: list[tuple[str, list[tuple[str, bool]]]] = []
     used: set[str] = set()
-    for name, sources in tensor_pairs(config):
+    for name, sources in tensor_pairs(config, has_fused_experts(hf_names)):
         resolved = []
         for hf_name, transposed in sources:
             found = _resolve(hf_name, hf_names)
@@ -364,6 +393,8 @@ def import_tensors(config: ModelConfig, read: Read,
     for name, sources in plan:
         parts = [read(n).t().contiguous() if transposed else read(n) for n, transposed in sources]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if len(shapes[name]) == 3 and tensor.dim() == 2:  # MoE experts, one after the other
+            tensor = tensor.reshape(-1, *shapes[name][1:])
         if tuple(tensor.shape) != shapes[name]:
             raise ConversionError(f"{[n for n, _ in sources]} give shape {tuple(tensor.shape)} "
                                   f"for {name}; the config implies {shapes[name]}")
@@ -384,7 +415,9 @@ def hf_parts(config: ModelConfig, name: str, tensor: torch.Tensor,
     """`(HF name, tensor)` of each HF tensor the Tessera global `tensor` `name` is made of
     (`targets` from `tensor_pairs`): fused blocks split, Conv1D weights transposed."""
     parts = (tensor,)
-    if len(targets) > 1:  # fused blocks: their sizes live in the sharding rules
+    if tensor.dim() == 3 and len(targets) > 1:  # MoE experts: equal blocks, expert by expert
+        parts = tensor.reshape(-1, tensor.shape[-1]).chunk(len(targets), dim=0)
+    elif len(targets) > 1:  # fused blocks: their sizes live in the sharding rules
         parts = tensor.split(list(shard_spec(name, config).parts), dim=0)
     for (hf_name, transposed), part in zip(targets, parts, strict=True):
         yield hf_name, part.t().contiguous() if transposed else part.contiguous()

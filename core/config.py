@@ -30,7 +30,7 @@ class ModelConfig:
     """The global shape of a GPT-style decoder. Defaults describe a tiny Llama-style model."""
 
     name: str = "custom"
-    family: str = "llama"  # gpt2 | llama | nemotron: decides the Hugging Face mapping only
+    family: str = "llama"  # gpt2 | llama | nemotron | mixtral | qwen2_moe: the HF mapping only
     vocab_size: int = 512  # the true vocabulary; TP padding is a layout detail, never saved
     hidden_size: int = 64
     num_layers: int = 2
@@ -58,15 +58,24 @@ class ModelConfig:
     relative_attention_max_distance: int = 128
     decoder_start_token_id: int = 0
     scaled_output: bool = False
-    # --- Mixture-of-Experts, expert-parallel branch (issue 14): the two fields expert
-    # parallelism reads. The MoE branch owns these and adds the rest (moe_top_k, ...);
-    # reconciled at merge. 0 experts: a dense model.
-    num_experts: int = 0
-    moe_ffn_hidden_size: int | None = None  # each expert's FFN size; None: ffn_hidden_size
     # BERT (issue 18): family "bert" is a bidirectional post-LayerNorm encoder with a masked-LM
     # head (`core.bert`); these fields mean nothing to the decoder families.
     type_vocab_size: int = 0  # token-type (segment A / B) embeddings; 0: none
     binary_head: bool = False  # [CLS] pooler (dense + tanh) and next-sentence classifier
+    # Mixture-of-Experts (`core.moe`); the defaults describe a dense model. Checked by
+    # `core.moe.validate.moe_problems`.
+    num_experts: int = 0  # routed experts per MoE layer; 0: dense (no MoE layers)
+    moe_top_k: int = 2  # experts each token is sent to
+    moe_ffn_hidden_size: int | None = None  # each routed expert's FFN size (None: ffn_hidden_size)
+    moe_shared_ffn_hidden_size: int = 0  # Qwen2-MoE shared expert with a sigmoid gate (0: none)
+    moe_layer_freq: int = 1  # layer i is MoE when (i + 1) % freq == 0 (Qwen's decoder_sparse_step)
+    moe_router_score: str = "softmax"  # softmax | sigmoid
+    moe_norm_topk: bool = True  # renormalize the k chosen weights to sum to 1 (Mixtral)
+    moe_aux_loss_coef: float = 0.001  # load balancing: coef x E x sum_i f_i P_i, mean over layers
+    moe_z_loss_coef: float = 0.0  # router z-loss: coef x mean(logsumexp(logits)^2)
+    moe_capacity_factor: float | None = None  # None: dropless; else ceil(n k / E x factor) each
+    moe_expert_bias: bool = False  # aux-loss-free balancing: a routing-only bias per expert
+    moe_expert_bias_rate: float = 1e-3  # its update per step: rate x sign(mean load - load)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -92,6 +101,13 @@ class ModelConfig:
             from tessera.core.bert_config import check_bert_config
 
             check_bert_config(self)
+        if self.num_experts:
+            from tessera.core.moe.validate import moe_problems
+
+            problems = moe_problems(self)
+            if problems:
+                raise ConfigError("invalid Mixture-of-Experts config:\n  - "
+                                  + "\n  - ".join(problems))
 
     @property
     def rotary_dim(self) -> int:
@@ -185,6 +201,29 @@ PRESETS["t5-base"] = {**_T5, "vocab_size": 32128, "hidden_size": 768, "num_layer
                       "num_decoder_layers": 12, "num_heads": 12, "ffn_hidden_size": 2048,
                       "max_position_embeddings": 512}
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
+# Mixture-of-Experts: tiny sizes for tests, real ones (Mixtral 8x7B, Qwen1.5-MoE-A2.7B) for
+# planning. Qwen1.5-MoE's q/k/v biases (and no others) have no Tessera equivalent: left out.
+_MIXTRAL = dict(_LLAMA, family="mixtral", num_experts=8, moe_top_k=2, moe_norm_topk=True,
+                moe_aux_loss_coef=0.02)
+_QWEN_MOE = dict(_LLAMA, family="qwen2_moe", moe_top_k=4, moe_norm_topk=False,
+                 moe_aux_loss_coef=0.001)
+PRESETS.update({
+    "mixtral-tiny": {**_MIXTRAL, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
+                     "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128, "num_experts": 4,
+                     "max_position_embeddings": 256},
+    "qwen-moe-tiny": {**_QWEN_MOE, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
+                      "num_heads": 4, "num_kv_heads": 4, "ffn_hidden_size": 128,
+                      "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
+                      "moe_shared_ffn_hidden_size": 128, "max_position_embeddings": 256},
+    "mixtral-8x7b": {**_MIXTRAL, "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32,
+                     "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336,
+                     "max_position_embeddings": 32768, "rope_theta": 1e6},
+    "qwen1.5-moe-a2.7b": {**_QWEN_MOE, "vocab_size": 151936, "hidden_size": 2048,
+                          "num_layers": 24, "num_heads": 16, "ffn_hidden_size": 5632,
+                          "num_experts": 60, "moe_ffn_hidden_size": 1408,
+                          "moe_shared_ffn_hidden_size": 5632, "max_position_embeddings": 8192,
+                          "rope_theta": 1e6, "norm_eps": 1e-6},
+})
 
 # BERT (issue 18): post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
 # masked-LM decoder tied to the word embedding (`core.bert`).
@@ -353,6 +392,10 @@ def _layout_problems(
     out += _kv_head_problems(model, lay.tp)
     if model.ffn_hidden_size % lay.tp:
         out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {lay.tp}")
+    if model.num_experts:  # Mixture-of-Experts
+        from tessera.core.moe.validate import moe_layout_problems
+
+        out += moe_layout_problems(model, lay)
     stages = lay.num_stages
     if model.family == "t5":  # encoder and decoder share out the stages (core.t5_layout)
         from tessera.core.t5_layout import t5_layout_problems

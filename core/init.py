@@ -28,12 +28,13 @@ def init_global_tensor(name: str, config: ModelConfig, seed: int,
     shape = global_param_shapes(config)[name]
     leaf = name.rsplit(".", 1)[-1]
     is_norm = name.startswith("norm.") or "_norm." in name
-    if leaf == "bias":
+    if leaf in ("bias", "expert_bias"):
         return torch.zeros(shape, device=device)
     if is_norm:  # LayerNorm1P stores weight - 1
         return torch.full(shape, 0.0 if config.norm == "layernorm1p" else 1.0, device=device)
     std = config.init_std
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2",
+                      "shared_expert.w2.weight")):
         std /= math.sqrt(2 * config.num_layers)  # GPT-2's scaled init of residual projections
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.randn(shape, generator=gen, device=device) * std

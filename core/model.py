@@ -22,6 +22,8 @@ from torch import nn
 from tessera.core import fused
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
+from tessera.core.moe.layer import MoEFeedForward
+from tessera.core.moe.shapes import is_moe_layer, moe_active_expert_weights
 from tessera.core.parallel import context_parallel as cpar
 from tessera.core.parallel.context_parallel import SegmentedContext, SequenceContext
 from tessera.core.parallel.groups import ParallelGroups
@@ -160,7 +162,8 @@ class Block(nn.Module):
         self.attention_norm = Norm(config, sp)
         self.attention = Attention(config, layer, groups, sp, selective_recompute)
         self.ffn_norm = Norm(config, sp)
-        self.feed_forward = MLP(config, layer, groups, sp)
+        self.feed_forward = (MoEFeedForward(config, layer, groups, sp)  # Mixture-of-Experts
+                             if is_moe_layer(config, layer) else MLP(config, layer, groups, sp))
         self.dropout, self.sp = config.dropout, sp
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -372,6 +375,7 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
                  if len(shape) == 2 and "embeddings" not in name)
     if config.tied_embeddings:  # the embedding table is also the output projection
         matmul += config.vocab_size * config.hidden_size
+    matmul += moe_active_expert_weights(config)  # Mixture-of-Experts: the k experts run
     attention = 12 * config.num_layers * seq_len * config.num_heads * config.head_dim
     return 6 * matmul + attention
 

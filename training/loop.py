@@ -40,6 +40,7 @@ from tessera.core.parallel.sharding import kv_replicas
 from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
 from tessera.training.metrics import MetricsLogger, resolve_peak
+from tessera.training.moe_step import begin_moe_step, end_moe_step
 from tessera.training.objectives import CAUSAL_LM, Objective, check_objective, objective_for
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
 from tessera.training.run_dir import claim_run_dir
@@ -212,6 +213,7 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
     `extra`: the objective's per-row keyword inputs for every stage (`Objective.split_batch`)."""
     g, par = job.groups, job.cfg.parallel
     docs = document_ids(tokens, job.eod_id) if job.eod_id is not None else None
+    begin_moe_step(job)  # Mixture-of-Experts: router-loss gradient scale, statistics
     if job.schedule is not None:
         with compute_context(job):
             loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels,
@@ -270,7 +272,7 @@ def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
         job.scaler.update()
     else:
         job.optimizer.step()
-    return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm}
+    return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, **end_moe_step(job)}
 
 
 @torch.no_grad()

@@ -54,6 +54,7 @@ import torch
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.expert_config import expert_ffn_size
+from tessera.core.moe.shapes import is_moe_layer, moe_param_shapes, moe_split
 from tessera.core.parallel.bert_sharding import bert_param_shapes
 
 
@@ -109,6 +110,9 @@ def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         linear(f"layers.{i}.attention.wqkv", qkv_rows, c)
         linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
         norm(f"layers.{i}.ffn_norm")
+        if is_moe_layer(config, i):  # Mixture-of-Experts: router, experts (core.moe.shapes)
+            shapes.update(moe_param_shapes(config, i))
+            continue
         linear(f"layers.{i}.feed_forward.w1", ffn_rows, c)
         linear(f"layers.{i}.feed_forward.w2", c, config.ffn_hidden_size)
     norm("norm")
@@ -136,6 +140,9 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     m = _LAYER.match(name)
     local = m.group(2) if m else name
     hd = config.head_dim
+    moe = moe_split(local, config)  # Mixture-of-Experts weights (core.moe.shapes)
+    if moe is not None:
+        return ShardSpec(**moe)
     if local.startswith("attention.wqkv."):
         nh, nkv = config.num_heads, config.num_kv_heads
         return ShardSpec(dim=0, parts=(nh * hd, nkv * hd, nkv * hd), heads=(nh, nkv, nkv))

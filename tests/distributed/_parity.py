@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.init import build_model
+from tessera.core.moe.losses import set_aux_loss_scale
 from tessera.core.parallel.data_parallel import (
     allreduce_gradients,
     build_zero_optimizer,
@@ -136,6 +137,7 @@ def _run_case(case: Case) -> dict[str, Any]:
         modules = wrap_data_parallel(models, sched, groups)
         losses = []
         n_mb = sched.micro_batches
+        set_aux_loss_scale(models[0], 1 / n_mb)  # MoE router losses: scaled as the loss
         doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
         dynamic = DynamicCP.create(config, lay, groups, sched.cp_comm) if sched.cp_dynamic else None
         for i, lab, d in zip(ids.chunk(n_mb), labels.chunk(n_mb), doc_chunks):
@@ -189,6 +191,7 @@ def reference(case: Case) -> dict[str, Any]:
     ids, labels = make_batch(case, config.vocab_size)
     docs = make_documents(case)
     n = lay.dp * sched.micro_batches  # dp rank d, micro-batch m is chunk d * micro_batches + m
+    set_aux_loss_scale(model, 1 / n)  # MoE router losses: scaled as the loss
     chunk_losses = []
     doc_chunks = [None] * n if docs is None else docs.chunk(n)
     for i, lab, d in zip(ids.chunk(n), labels.chunk(n), doc_chunks):

@@ -1,0 +1,175 @@
+"""The Hugging Face <-> Tessera contract of the Mixture-of-Experts families, as data.
+
+Families (`ModelConfig.family`, equal to the HF `model_type`): `mixtral` (`MixtralForCausalLM`)
+and `qwen2_moe` (`Qwen2MoeForCausalLM`). Attention, norms, embeddings and (Qwen's) dense layers
+map as for Llama; the MoE weights (names in `core.moe.shapes`) map as follows.
+
+Two on-disk layouts of the routed experts exist; both are read, the first is written (it is what
+transformers 5.x `save_pretrained` writes, and what every version loads):
+- per expert: `...experts.{e}.w1/w3/w2.weight` (Mixtral: gate, up, down) or
+  `...experts.{e}.gate_proj/up_proj/down_proj.weight` (Qwen), each `(F, h)` / `(h, F)`. Tessera's
+  `experts.w1 (E, 2F, h)` is, flattened to `(E * 2F, h)`, the concatenation gate_0, up_0,
+  gate_1, up_1, ... along dim 0, and `experts.w2 (E, h, F)` flattened is down_0, down_1, ...: the
+  same stack-along-dim-0 rule as every other fused tensor, plus a reshape;
+- fused (transformers 5.x in memory, newer checkpoints): `mlp.experts.gate_up_proj (E, 2F, h)`
+  (gate first, as `MixtralExperts` chunks it) and `mlp.experts.down_proj (E, h, F)`, which are
+  Tessera's `w1` and `w2` as they are. Mixtral's router is then `mlp.gate.weight`.
+So both directions remain pure re-arrangements: HF -> Tessera -> HF is bit-identical.
+
+Config fields Tessera cannot compute exactly are errors that name the field: Mixtral's router
+jitter noise, Qwen's q/k/v-only biases (Tessera has one bias flag for every linear layer), its
+`mlp_only_layers` and sliding windows. Qwen's dense layers (`decoder_sparse_step > 1`) use the
+model's `intermediate_size`, the routed experts `moe_intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.core.config import ModelConfig
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
+
+_MIXTRAL_MOE = "model.layers.{}.block_sparse_moe"
+_QWEN_MLP = "model.layers.{}.mlp"
+
+# Tessera name pattern -> HF names stacked along dim 0, `{e}` expanded over the experts (expert
+# by expert, in the listed order), then reshaped to the Tessera shape.
+MOE_NAME_MAPS: dict[str, dict[str, tuple[str, ...]]] = {
+    "mixtral": {
+        "layers.{}.feed_forward.router.weight": (f"{_MIXTRAL_MOE}.gate.weight",),
+        "layers.{}.feed_forward.experts.w1": (f"{_MIXTRAL_MOE}.experts.{{e}}.w1.weight",
+                                              f"{_MIXTRAL_MOE}.experts.{{e}}.w3.weight"),
+        "layers.{}.feed_forward.experts.w2": (f"{_MIXTRAL_MOE}.experts.{{e}}.w2.weight",),
+    },
+    "qwen2_moe": {
+        "layers.{}.feed_forward.router.weight": (f"{_QWEN_MLP}.gate.weight",),
+        "layers.{}.feed_forward.experts.w1": (f"{_QWEN_MLP}.experts.{{e}}.gate_proj.weight",
+                                              f"{_QWEN_MLP}.experts.{{e}}.up_proj.weight"),
+        "layers.{}.feed_forward.experts.w2": (f"{_QWEN_MLP}.experts.{{e}}.down_proj.weight",),
+        "layers.{}.feed_forward.shared_expert.w1.weight": (
+            f"{_QWEN_MLP}.shared_expert.gate_proj.weight",
+            f"{_QWEN_MLP}.shared_expert.up_proj.weight"),
+        "layers.{}.feed_forward.shared_expert.w2.weight": (
+            f"{_QWEN_MLP}.shared_expert.down_proj.weight",),
+        "layers.{}.feed_forward.shared_expert_gate.weight": (
+            f"{_QWEN_MLP}.shared_expert_gate.weight",),
+    },
+}
+
+# The fused layout's names (both families), replacing the per-expert ones when the files hold it.
+FUSED_EXPERTS: dict[str, tuple[str, ...]] = {
+    "layers.{}.feed_forward.experts.w1": (f"{_QWEN_MLP}.experts.gate_up_proj",),
+    "layers.{}.feed_forward.experts.w2": (f"{_QWEN_MLP}.experts.down_proj",),
+}
+FUSED_ROUTER = {"mixtral": {"layers.{}.feed_forward.router.weight": (f"{_QWEN_MLP}.gate.weight",)}}
+
+
+def moe_name_maps(llama_like: dict[str, tuple[str, ...]]) -> dict[str, dict[str, tuple[str, ...]]]:
+    """The whole name map of each MoE family, from the Llama-like attention/norm map."""
+    dense_mlp = {"layers.{}.feed_forward.w1.weight": ("model.layers.{}.mlp.gate_proj.weight",
+                                                      "model.layers.{}.mlp.up_proj.weight")}
+    return {family: {**llama_like, **dense_mlp, **names}
+            for family, names in MOE_NAME_MAPS.items()}
+
+
+def has_fused_experts(hf_names: set[str]) -> bool:
+    """Whether HF tensor names use the fused expert layout (`experts.gate_up_proj`)."""
+    return any(n.endswith("experts.gate_up_proj") for n in hf_names)
+
+
+def fused_overrides(family: str) -> dict[str, tuple[str, ...]]:
+    """The name-map entries that change when the experts are stored fused."""
+    return {**FUSED_EXPERTS, **FUSED_ROUTER.get(family, {})}
+
+
+def expand_experts(patterns: tuple[str, ...], num_experts: int) -> list[str]:
+    """`patterns` with `{e}` expanded expert by expert (patterns without it pass through)."""
+    if not any("{e}" in p for p in patterns):
+        return list(patterns)
+    return [p.replace("{e}", str(e)) for e in range(num_experts) for p in patterns]
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def _moe_base(hf: dict[str, Any]) -> dict[str, Any]:
+    from tessera.converters.hf_mapping import ConversionError, _llama_config
+
+    qkv_bias = hf.get("qkv_bias", False)
+    config = _llama_config({**hf, "attention_bias": qkv_bias, "mlp_bias": qkv_bias})
+    if config.bias:
+        raise ConversionError(f"{hf['model_type']} config: qkv_bias=True puts biases on q/k/v "
+                              "only; Tessera has one bias flag for every linear layer, so only "
+                              "qkv_bias=False converts")
+    return {**config.to_dict(), "name": hf["model_type"], "family": hf["model_type"]}
+
+
+def mixtral_config(hf: dict[str, Any]) -> ModelConfig:
+    from tessera.converters.hf_mapping import _require
+
+    _require(hf, "router_jitter_noise", (0.0, 0, None), 0.0)
+    return ModelConfig(**{**_moe_base(hf), "num_experts": hf["num_local_experts"],
+                          "moe_top_k": hf["num_experts_per_tok"], "moe_norm_topk": True,
+                          "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+
+
+def qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
+    from tessera.converters.hf_mapping import _require
+
+    _require(hf, "mlp_only_layers", ([], None), [])
+    _require(hf, "use_sliding_window", (False, None), False)
+    return ModelConfig(**{
+        **_moe_base({**hf, "sliding_window": None}), "num_experts": hf["num_experts"],
+        "moe_top_k": hf["num_experts_per_tok"],
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_shared_ffn_hidden_size": hf.get("shared_expert_intermediate_size") or 0,
+        "moe_layer_freq": hf.get("decoder_sparse_step", 1),
+        "moe_norm_topk": bool(hf.get("norm_topk_prob", False)),
+        "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+
+
+def check_moe_exportable(config: ModelConfig) -> list[str]:
+    """What keeps `config` (an MoE family) from being written as its HF model (empty: nothing)."""
+    c, out = config, []
+    if c.num_experts == 0:
+        out.append("num_experts is 0 (a dense model)")
+    if (c.norm, c.activation, c.position, c.rotary_fraction, c.bias) != (
+            "rmsnorm", "swiglu", "rope", 1.0, False):
+        out.append("norm/activation/position/rotary_fraction/bias must be rmsnorm/swiglu/rope/"
+                   "1.0/False")
+    if c.moe_router_score != "softmax" or c.moe_capacity_factor is not None or (
+            c.moe_expert_bias or c.moe_z_loss_coef):
+        out.append("router must be softmax, dropless, without expert bias or z-loss")
+    if c.family == "qwen2_moe" and not c.moe_shared_ffn_hidden_size:
+        out.append("Qwen2-MoE always has a shared expert: set moe_shared_ffn_hidden_size")
+    if c.family == "mixtral":
+        if not c.moe_norm_topk or c.moe_shared_ffn_hidden_size or c.moe_layer_freq != 1 or (
+                c.moe_ffn_hidden_size not in (None, c.ffn_hidden_size)):
+            out.append("Mixtral normalizes the top-k weights, has no shared expert, an MoE "
+                       "block in every layer and experts of ffn_hidden_size")
+    return out
+
+
+def moe_config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The family-specific `config.json` fields of an MoE model (the caller adds the rest)."""
+    c = config
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    out: dict[str, Any] = dict(
+        model_type=c.family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        hidden_act="silu", max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps, attention_dropout=c.dropout, rope_parameters=rope,
+        rope_theta=c.rope_theta, num_experts_per_tok=c.moe_top_k,
+        router_aux_loss_coef=c.moe_aux_loss_coef, output_router_logits=False)
+    if c.family == "mixtral":
+        out.update(architectures=["MixtralForCausalLM"], num_local_experts=c.num_experts,
+                   router_jitter_noise=0.0, sliding_window=None)
+    else:
+        out.update(architectures=["Qwen2MoeForCausalLM"], num_experts=c.num_experts,
+                   moe_intermediate_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
+                   shared_expert_intermediate_size=c.moe_shared_ffn_hidden_size,
+                   decoder_sparse_step=c.moe_layer_freq, mlp_only_layers=[],
+                   norm_topk_prob=c.moe_norm_topk, qkv_bias=False, use_sliding_window=False)
+    return out

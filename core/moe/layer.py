@@ -1,0 +1,127 @@
+"""The Mixture-of-Experts feed-forward block that replaces the dense MLP in MoE layers.
+
+`MoEFeedForward(x)` takes the FFN input `(T, B, C)` (`(T / tp, B, C)` under sequence
+parallelism) and returns the same shape:
+
+    routing = router(x)                                    # core.moe.router
+    xs, counts = dispatcher.dispatch(x, routing.expert_ids, routing.weights)
+    out = dispatcher.combine(experts(xs, counts))         # core.moe.dispatch, core.moe.experts
+    out += sigmoid(x @ shared_expert_gate^T) * shared_expert(x)   # Qwen2-MoE, when configured
+
+Tensor parallelism at expert parallelism 1: the router and the routed experts are replicated
+over tp and run on the tokens this rank holds. Without sequence parallelism every tp rank holds
+every token, computes the same and needs no communication; with it each rank routes its own
+chunk, so these weights' gradients are partial and are marked `sequence_parallel` (summed over
+tp after backward, `pipeline.sync_sequence_parallel_grads`), and the aux losses are computed
+over the whole sequence (`core.moe.losses`). The shared expert is split over tp like the dense
+MLP (column-parallel `w1`, row-parallel `w2`).
+
+The load-balancing and z losses, weighted by `moe_aux_loss_coef` / `moe_z_loss_coef` and
+averaged over the model's MoE layers, join the training loss through the layer's output
+(`losses.attach_aux_loss`, scaled by `aux_loss_scale`), unless the router is frozen (prompt
+tuning: the router losses must not train the prompt). Each training forward (not the
+recomputation of activation checkpointing) appends one `RouterRecord` to `records`, for the
+step's metrics and the expert-bias update while `track` is on (`core.moe.stats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.core.moe.dispatch import make_dispatcher
+from tessera.core.moe.experts import GroupedExperts, activate
+from tessera.core.moe.losses import attach_aux_loss, load_balancing_loss, z_loss
+from tessera.core.moe.router import Router
+from tessera.core.moe.shapes import moe_ffn_size, moe_layers
+from tessera.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass
+class RouterRecord:
+    """One training forward of one MoE layer on this rank (tensors detached)."""
+
+    layer: int
+    counts: torch.Tensor  # (E,) int64 assignments kept per expert (what the experts ran)
+    dropped: torch.Tensor  # () int64 assignments dropped by capacity
+    aux_loss: torch.Tensor  # () fp32 this rank's share of the load-balancing loss (no coef)
+    z_loss: torch.Tensor  # () fp32 this rank's share of the z-loss (no coef)
+
+
+class SharedExpert(nn.Module):
+    """A dense MLP of `moe_shared_ffn_hidden_size`, split over tp like the model's MLP."""
+
+    def __init__(self, hidden: int, ffn: int, activation: str, groups, sp: bool):
+        super().__init__()
+        tp, gated = groups.tp_size, activation == "swiglu"
+        self.activation = activation
+        self.w1 = ColumnParallelLinear(hidden, ffn * (2 if gated else 1) // tp, False,
+                                       groups.tp_group, sp)
+        self.w2 = RowParallelLinear(ffn // tp, hidden, False, groups.tp_group, sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(activate(self.w1(x), self.activation))
+
+
+class MoEFeedForward(nn.Module):
+    """Router, routed experts, optional gated shared expert (see the module docstring)."""
+
+    def __init__(self, config, layer: int, groups, sp: bool):
+        super().__init__()
+        c = config
+        self.layer, self.num_experts, self.sp = layer, c.num_experts, sp
+        self.tp_group = groups.tp_group if sp else None
+        self.tp_size = groups.tp_size if sp else 1
+        n_moe = len(moe_layers(c))
+        self.aux_coef, self.z_coef = c.moe_aux_loss_coef / n_moe, c.moe_z_loss_coef / n_moe
+        self.aux_loss_scale = 1.0  # set by the training loop (`losses.set_aux_loss_scale`)
+        # Training forwards append here while `track` is on (`stats.track_router_stats`).
+        self.track, self.records = False, []
+        self.router = Router(c.hidden_size, c.num_experts, c.moe_top_k,
+                             score=c.moe_router_score, norm_topk=c.moe_norm_topk,
+                             capacity_factor=c.moe_capacity_factor,
+                             expert_bias=c.moe_expert_bias)
+        self.dispatcher = make_dispatcher(groups, c)
+        self.experts = GroupedExperts(self.dispatcher.num_local_experts, c.hidden_size,
+                                      moe_ffn_size(c), c.activation)
+        self.shared_expert = self.shared_expert_gate = None
+        if c.moe_shared_ffn_hidden_size:
+            self.shared_expert = SharedExpert(c.hidden_size, c.moe_shared_ffn_hidden_size,
+                                              c.activation, groups, sp)
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        replicated = [self.router.weight, *self.experts.parameters()]
+        if self.shared_expert_gate is not None:
+            replicated.append(self.shared_expert_gate.weight)
+        for p in replicated:
+            # Each tp rank routes its own sequence chunk under SP: gradients summed over tp.
+            p.sequence_parallel = sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (n, C)
+        routing = self.router(flat)
+        xs, counts = self.dispatcher.dispatch(flat, routing.expert_ids, routing.weights)
+        out = self.dispatcher.combine(self.experts(xs, counts)).to(x.dtype)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(flat))
+            out = out + gate * self.shared_expert(x).reshape(flat.shape)
+        out = out.reshape(shape)
+        if not self.training:
+            return out
+        aux = load_balancing_loss(routing.scores, routing.chosen, self.num_experts,
+                                  self.tp_group, self.tp_size)
+        z = z_loss(routing.logits, self.tp_size)
+        # Not the recomputation of activation checkpointing (inside backward), nor the pipeline
+        # schedule's shape inference (meta tensors, no grad).
+        if (self.track and torch.is_grad_enabled() and not flat.is_meta
+                and torch._C._current_graph_task_id() == -1):
+            kept = routing.expert_ids.reshape(-1)
+            self.records.append(RouterRecord(
+                self.layer, torch.bincount(kept[kept >= 0], minlength=self.num_experts),
+                (kept < 0).sum(), aux.detach(), z.detach()))
+        if torch.is_grad_enabled() and self.router.weight.requires_grad:  # not when frozen
+            out = attach_aux_loss(out, self.aux_coef * aux + self.z_coef * z,
+                                  self.aux_loss_scale)
+        return out
