@@ -37,10 +37,6 @@ def expert_layout_problems(lay: Layout, model: ModelConfig) -> list[str]:
     if experts % ep:
         out.append(f"num_experts {experts} is not divisible by ep {ep}; each ep rank holds "
                    f"num_experts / ep experts: use ep in {_divisors(experts)}")
-    top_k = getattr(model, "moe_top_k", None)
-    if top_k is not None and top_k > experts:
-        out.append(f"moe_top_k {top_k} > num_experts {experts}: a token cannot pick more "
-                   f"experts than exist; use moe_top_k <= {experts}")
     dp_cp = lay.dp * lay.cp
     if dp_cp % ep:
         out.append(f"ep {ep} does not divide dp {lay.dp} x cp {lay.cp} = {dp_cp}: expert "

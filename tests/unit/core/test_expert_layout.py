@@ -36,11 +36,9 @@ def test_bad_expert_layouts_name_the_numbers(layout, model, needles):
         assert needle in str(err.value)
 
 
-def test_top_k_checked_when_the_moe_fields_exist():
-    class WithTopK(ModelConfig):
-        moe_top_k = 9
-    model = WithTopK(num_experts=8)
-    assert any("moe_top_k 9 > num_experts 8" in p for p in Layout(dp=2, ep=2).problems(model))
+def test_top_k_above_the_experts_is_refused_with_the_numbers():
+    with pytest.raises(ConfigError, match="moe_top_k 9 must be between 1 and num_experts 8"):
+        ModelConfig(num_experts=8, moe_top_k=9)
 
 
 def test_good_expert_layouts_pass():
