@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close idle keep-alive connections after this long")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections at most; requests on more get 503")
+    p.add_argument("--t5-sentinels", type=int, default=None, metavar="N",
+                   help="T5 checkpoints: sentinel tokens <extra_id_k> above the tokenizer "
+                        "(default: the room the model's vocabulary has, at most 100)")
     return p
 
 
@@ -126,17 +129,22 @@ def main(argv: list[str]) -> int:
 
         return launch_local_ranks("serve", argv, args.nproc_per_node)
     try:
-        from tessera.serving.fill_mask import fill_mask_app_for
+        from tessera.serving.family_apps import app_for_family
 
-        fill_mask = fill_mask_app_for(args)  # a BERT checkpoint: fill-mask, not generation
-        engine = None if fill_mask else _start(args)
+        family_app = app_for_family(args, served_names(args))  # BERT, T5: one process
+        engine = None if family_app else _start(args)
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"tessera serve: {exc}", file=sys.stderr)
         return 2
-    if fill_mask is not None:
+    if family_app is not None:
         import uvicorn
 
-        uvicorn.run(fill_mask, host=args.host, port=args.port, log_level=args.log_level)
+        from tessera.serving.connections import server_config
+
+        uvicorn.Server(server_config(
+            family_app, host=args.host, port=args.port, log_level=args.log_level,
+            header_timeout_s=args.header_timeout, keep_alive_s=args.keep_alive_timeout,
+            max_connections=args.max_connections)).run()
         return 0
     if engine is None:
         return 0  # a worker rank: rank 0 has stopped

@@ -127,18 +127,13 @@ def create_fill_mask_app(fill: FillMask, *, api_key: str | None = None,
     return app
 
 
-def fill_mask_app_for(args: Any) -> FastAPI | None:
-    """`tessera serve`'s app for a BERT checkpoint (None for any other family): this app, one
-    process. Raises ValueError for generation-only flags."""
-    from tessera.core.checkpoint import load_checkpoint, read_manifest
+def fill_mask_app(checkpoint: str, model_name: str, *, dtype: str | None = None,
+                  api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The fill-mask app of the BERT checkpoint at `checkpoint` (`serving.family_apps` picks it
+    for `tessera serve`), answering as `model_name`."""
+    from tessera.core.checkpoint import load_checkpoint
     from tessera.core.tokenizer import load_tokenizer
 
-    if read_manifest(args.checkpoint).model.family != "bert":
-        return None
-    if args.tp * args.pp != 1 or args.prompts or args.quantize not in (None, "none"):
-        raise ValueError("a BERT checkpoint serves fill-mask on one process, unquantized and "
-                         "without prompts: drop --tp/--pp/--prompts/--quantize")
-    model = load_checkpoint(args.checkpoint, dtype=args.dtype)
-    fill = FillMask(model, load_tokenizer(args.checkpoint),
-                    args.model_name or model.config.name)
-    return create_fill_mask_app(fill, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    model = load_checkpoint(checkpoint, dtype=dtype)
+    fill = FillMask(model, load_tokenizer(checkpoint), model_name)
+    return create_fill_mask_app(fill, api_key=api_key, max_body_bytes=max_body_bytes)

@@ -5,8 +5,6 @@ that says why, and `tessera serve` picks this app for a BERT checkpoint."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
@@ -20,7 +18,9 @@ from tessera.core.checkpoint import load_checkpoint, save_checkpoint  # noqa: E4
 from tessera.core.config import ModelConfig  # noqa: E402
 from tessera.core.init import build_model  # noqa: E402
 from tessera.core.tokenizer import load_tokenizer  # noqa: E402
-from tessera.serving.fill_mask import FillMask, create_fill_mask_app, fill_mask_app_for  # noqa: E402
+from tessera.serving.cli import build_parser, served_names  # noqa: E402
+from tessera.serving.family_apps import app_for_family  # noqa: E402
+from tessera.serving.fill_mask import FillMask, create_fill_mask_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +71,11 @@ def test_fill_mask_route_matches_hf(bert_ckpt, tiny):
 
 
 def test_serve_picks_fill_mask_for_bert(bert_ckpt):
-    args = argparse.Namespace(checkpoint=str(bert_ckpt / "ckpt"), tp=1, pp=1, prompts=[],
-                              quantize="none", dtype=None, model_name=None, api_key=None,
-                              max_body_bytes=1 << 20)
-    app = fill_mask_app_for(args)
+    ckpt = str(bert_ckpt / "ckpt")
+    args = build_parser().parse_args(["--checkpoint", ckpt, "--served-model-name", "bert"])
+    app = app_for_family(args, served_names(args))
     assert app is not None and any(r.path == "/v1/fill_mask" for r in app.routes)
+    with TestClient(app) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "bert"
     with pytest.raises(ValueError, match="one process"):
-        fill_mask_app_for(argparse.Namespace(**{**vars(args), "tp": 2}))
+        app_for_family(build_parser().parse_args(["--checkpoint", ckpt, "--tp", "2"]), ["x"])

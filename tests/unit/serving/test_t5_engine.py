@@ -15,6 +15,8 @@ from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.core.t5_tokens import SentinelTokenizer  # noqa: E402
 from tessera.core.tokenizer import train_tokenizer  # noqa: E402
 from tessera.serving.app import create_app  # noqa: E402
+from tessera.serving.cli import build_parser, served_names  # noqa: E402
+from tessera.serving.family_apps import app_for_family, t5_sentinels  # noqa: E402
 from tessera.serving.t5_engine import T5Engine  # noqa: E402
 
 SENTINELS = 20
@@ -46,11 +48,11 @@ def served(tmp_path_factory):
     import_hf(tmp / "hf", tmp / "t5")
     engine = T5Engine.from_checkpoint(tmp / "t5", num_sentinels=SENTINELS, model_name="t5")
     with TestClient(create_app(engine, model_name="t5")) as client:
-        yield client, hf.eval(), tok
+        yield client, hf.eval(), tok, tmp / "t5"
 
 
 def test_completion_is_hf_greedy_generate(served):
-    client, hf, tok = served
+    client, hf, tok, _ = served
     ids = tok.encode(PROMPT, eos=True)
     assert tok.decode(ids[:-1]) == PROMPT  # sentinels survive the round trip as text
     with torch.no_grad():
@@ -76,3 +78,19 @@ def test_sampling_requests_are_refused_clearly(served):
     r = client.post("/v1/completions", json={"model": "t5", "prompt": "the cat", "max_tokens": 4,
                                               "temperature": 0.7})
     assert r.status_code == 400 and "decodes greedily: set temperature 0" in r.text
+
+
+def test_tessera_serve_picks_the_t5_engine_with_the_sentinels_the_vocabulary_holds(served):
+    client, _, _, checkpoint = served
+    args = build_parser().parse_args(["--checkpoint", str(checkpoint), "--api-key", "k"])
+    app = app_for_family(args, served_names(args))
+    body = {"model": "tessera", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    with TestClient(app) as cli:
+        assert cli.post("/v1/completions", json=body).status_code == 401
+        r = cli.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+    want = client.post("/v1/completions", json={**body, "model": "t5"}).json()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert t5_sentinels(320, 300, None) == 20 and t5_sentinels(32128, 32000, None) == 100
+    with pytest.raises(ValueError, match="room for 20"):
+        t5_sentinels(320, 300, 21)
