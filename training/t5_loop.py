@@ -47,8 +47,9 @@ def t5_embedding_sync(cfg: Any, groups: ParallelGroups, stages: list[T5Model]
 def t5_pipeline_eval_loss(schedule: Any, stages: list[T5Model], encoder_ids: torch.Tensor,
                           labels: torch.Tensor, extra: dict[str, torch.Tensor]
                           ) -> torch.Tensor | None:
-    """The mean micro-batch loss of one batch through `schedule` without backward, on the
-    rank of the last stage (None elsewhere; `pipeline.broadcast_loss` shares it)."""
+    """The loss of one batch through `schedule` without backward, on the rank of the last stage
+    (None elsewhere; `pipeline.broadcast_loss` shares it): the micro-batch means weighted by
+    their label counts, so it is the batch's mean over its labels as one forward gives it."""
     first = any(m.is_first for m in stages)
     last = any(m.is_last for m in stages)
     losses: list[torch.Tensor] | None = [] if last else None
@@ -56,4 +57,5 @@ def t5_pipeline_eval_loss(schedule: Any, stages: list[T5Model], encoder_ids: tor
                   losses=losses, return_outputs=False, local_logits=True, **extra)
     if not last:
         return None
-    return torch.stack([loss.float() for loss in losses]).mean()
+    counts = torch.stack([(mb != -100).sum() for mb in labels.chunk(len(losses))]).float()
+    return (torch.stack([loss.float() for loss in losses]) * counts).sum() / counts.sum()

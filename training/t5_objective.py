@@ -77,7 +77,36 @@ def datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
         cfg.data.data, tokenizer, t.seq_len, cfg.data.split,
         [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
         cfg.data.data_cache or None, cfg.model.vocab_size)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        # Sequence parallelism splits the decoder's tokens over tp: the target length (from
+        # seq_len, e.g. 9 for 32) is padded up to a multiple of tp with ignored positions. The
+        # decoder is causal and the padding is never a label, so the loss stays the same.
+        train_ds, valid_ds = (None if ds is None else PaddedTargets(ds, cfg.parallel.tp,
+                                                                    tokenizer.pad_id)
+                              for ds in (train_ds, valid_ds))
     return train_ds, valid_ds
+
+
+class PaddedTargets:
+    """`dataset`'s samples with `labels` (-100) and `decoder_input_ids` (`pad_id`) padded at
+    the end to a multiple of `multiple` tokens."""
+
+    def __init__(self, dataset: Any, multiple: int, pad_id: int):
+        self.inner, self.multiple, self.pad_id = dataset, multiple, pad_id
+        self.datasets = getattr(dataset, "datasets", None) or [dataset]  # for the banner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Batch:
+        item = dict(self.inner[i])
+        extra = -item["labels"].shape[0] % self.multiple
+        if extra:
+            pad = torch.nn.functional.pad
+            item["labels"] = pad(item["labels"], (0, extra), value=-100)
+            item["decoder_input_ids"] = pad(item["decoder_input_ids"], (0, extra),
+                                            value=self.pad_id)
+        return item
 
 
 def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Batch]:
