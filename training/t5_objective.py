@@ -8,6 +8,12 @@ it must hold them. In the loop, the encoder ids are the first stage's positional
 labels the last stage's targets, and `decoder_input_ids` / `encoder_mask` the keywords every
 stage gets (`core.t5.T5Model.forward`).
 
+The step's loss is, as for GPT and as Megatron computes T5's, the mean over micro-batches (and
+data-parallel ranks) of each micro-batch's mean over its labels. T5 targets differ in length,
+so that loss depends on the rows per micro-batch (`global_batch / (dp x micro_batches)`): a
+run follows the one-process curve of the same rows per micro-batch (tp and pp change nothing;
+dp 2 x 2 micro-batches equals one process with 4).
+
 What T5 cannot take here (`problems`): context parallelism and isolated documents (decoder-only
 packing), virtual pipeline stages, activation recomputation, FP8, and data without a tokenizer
 (the sentinels sit above the tokenizer's pieces and the EOS id comes from it).
