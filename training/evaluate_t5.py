@@ -26,8 +26,8 @@ from tessera.training.t5_data import corrupt, fit_raw_length, noise_mask
 EVAL_SEED = 1234
 
 
-def _sample(tokens: np.ndarray, shape, tok: SentinelTokenizer, seq_len: int, i: int, seed: int
-            ) -> tuple[np.ndarray, ...]:
+def _sample(tokens: np.ndarray, shape, tok: SentinelTokenizer, seq_len: int, start: int,
+            i: int, seed: int) -> tuple[np.ndarray, ...]:
     rng = np.random.Generator(np.random.Philox(key=[seed, i]))
     inputs, targets = corrupt(tokens, noise_mask(shape, rng), tok)
     enc = np.full(seq_len, tok.pad_id, dtype=np.int64)
@@ -35,7 +35,7 @@ def _sample(tokens: np.ndarray, shape, tok: SentinelTokenizer, seq_len: int, i: 
     mask = (np.arange(seq_len) < len(inputs)).astype(np.int64)
     labels = np.full(shape.target_length, -100, dtype=np.int64)
     labels[: len(targets)] = targets
-    dec = np.concatenate([[tok.pad_id], labels[:-1]])  # T5 starts the decoder with its pad id
+    dec = np.concatenate([[start], labels[:-1]])  # as `t5_data.T5SpanDataset` makes them
     dec[dec == -100] = tok.pad_id
     return enc, mask, dec, labels
 
@@ -59,7 +59,8 @@ def evaluate_span_corruption(model, documents: Iterable[np.ndarray], seq_len: in
                          "--seq-len, or choose another --split")
     total, correct, count = 0.0, 0, 0
     for start in range(0, len(held), batch):
-        rows = [_sample(w.numpy(), shape, tok, seq_len, start + k, seed)
+        rows = [_sample(w.numpy(), shape, tok, seq_len, model.config.decoder_start_token_id,
+                        start + k, seed)
                 for k, w in enumerate(held[start:start + batch])]
         enc, mask, dec, labels = (torch.from_numpy(np.stack(c)) for c in zip(*rows))
         logits = model(enc, decoder_input_ids=dec, encoder_mask=mask).float()
