@@ -93,3 +93,12 @@ def test_prompt_tuning_a_t5_is_refused(run12, tmp_path, capsys):
     assert tune_main(["--checkpoint", str(latest_checkpoint(run12)),
                       "--output", str(tmp_path / "tune")]) != 0
     assert "needs a decoder (GPT-style) model" in capsys.readouterr().err
+
+
+def test_demo_prints_span_fills(run12, capsys):
+    """The demo's closing samples for a T5: each prompt's `<extra_id_0>` span filled, greedy."""
+    from tessera.training.t5_demo import DEMO_T5_PROMPTS, print_t5_samples
+
+    print_t5_samples(str(latest_checkpoint(run12)), max_new_tokens=4)
+    out = capsys.readouterr().out
+    assert "span fills (greedy)" in out and all(repr(p) in out for p in DEMO_T5_PROMPTS), out
