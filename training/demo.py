@@ -112,7 +112,11 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     tok, prefix = run_dir / "data" / "tokenizer.model", run_dir / "data" / "corpus"
     cfg.data.data, cfg.data.tokenizer = [str(prefix)], str(tok)
     summary = pretrain(cfg)
-    if rank0 and summary.get("checkpoint"):
+    if rank0 and summary.get("checkpoint") and cfg.model.family == "t5":
+        from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
+
+        print_t5_samples(summary["checkpoint"])
+    elif rank0 and summary.get("checkpoint"):
         print_samples(summary["checkpoint"])
 
 

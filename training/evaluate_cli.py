@@ -53,15 +53,22 @@ def main(argv: list[str]) -> int:
         ratios = args.split_ratios or training_split_ratios(args.checkpoint) or DEFAULT_RATIOS
         docs = document_tokens(args.data, Path(args.checkpoint), args.json_key, args.split,
                                ratios)
-        # The model family's own metrics (GPT: `evaluate.evaluate`; BERT: masked-LM accuracy).
-        result = objective_for(model.config).evaluate(model, docs, seq_len, args.batch,
-                                                      args.max_windows or None)
+        # The model family's own metrics (GPT: `evaluate.evaluate`; BERT: masked-LM accuracy;
+        # T5: span-corruption loss and accuracy, with the checkpoint's tokenizer's ids).
+        objective = objective_for(model.config)
+        kw = {"checkpoint": args.checkpoint} if objective.name == "span-corruption" else {}
+        result = objective.evaluate(model, docs, seq_len, args.batch, args.max_windows or None,
+                                    **kw)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"tessera evaluate: {exc}", file=sys.stderr)
         return 2
     result.update(split=args.split, split_ratios=ratios)
     if args.json:
         print(json.dumps(result))
+    elif result.get("objective") == "span-corruption":
+        print(f"span-corruption loss {result['loss']:.4f} | perplexity "
+              f"{result['perplexity']:.2f} | token accuracy {result['accuracy']:.4f} | "
+              f"{result['tokens']:,} target tokens scored | split {args.split} (ratios {ratios})")
     elif "accuracy" in result:
         print(f"masked-LM loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
               f"accuracy {result['accuracy']:.4f} | {result['tokens']:,} masked tokens scored | "

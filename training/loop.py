@@ -15,7 +15,7 @@ import math
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,8 @@ class Job:
     eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
     objective: Objective = CAUSAL_LM  # the family's batches and losses (training.objectives)
     dynamic_cp: DynamicCP | None = None  # --cp-dynamic: the cp sub-groups and their layout
+    # T5: sums the embedding copies' gradients, in place of the tied-embedding sync
+    embedding_sync: Callable[[], None] | None = None
 
 
 def check_config(cfg: PretrainConfig, world: int) -> None:
@@ -112,6 +114,11 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
         torch.manual_seed(cfg.train.seed + 7_919 * groups.cp_rank)
     tracker.seed(cfg.train.seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
+    if cfg.model.family == "t5":  # encoder-decoder stages (training.t5_loop)
+        from tessera.training.t5_loop import build_t5_rank_stages
+
+        return device, groups, build_t5_rank_stages(cfg, layout, schedule, groups, device,
+                                                    dtype, init)
     if layout.pp > 1:
         stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
                                        device=device, dtype=dtype, seed=cfg.train.seed,
@@ -171,6 +178,10 @@ def setup(cfg: PretrainConfig) -> Job:
 
         eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
     job = make_job(cfg, device, groups, stages, eod_id)
+    if cfg.model.family == "t5":  # collective: every rank, once
+        from tessera.training.t5_loop import t5_embedding_sync
+
+        job.embedding_sync = t5_embedding_sync(cfg, groups, job.stages)
     if cfg.parallel.cp_dynamic:
         job.dynamic_cp = DynamicCP.create(cfg.model, cfg.parallel.layout(), groups,
                                           cfg.parallel.cp_comm)
@@ -232,12 +243,15 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
                 mb_tokens, mb_labels, kw = job.dynamic_cp.model_inputs(mb_tokens, mb_labels,
                                                                        mb_docs)
             with compute_context(job):
-                mb_loss = model(mb_tokens, mb_labels, **kw) / n_mb
+                mb_loss = model(mb_tokens, labels=mb_labels, **kw) / n_mb
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
             loss += mb_loss.detach().float()
     pipeline.sync_sequence_parallel_grads(job.stages, g)
     pipeline.sync_kv_replica_grads(job.stages, g)
-    pipeline.sync_tied_embedding_grads(job.stages, g)
+    if job.embedding_sync is not None:
+        job.embedding_sync()
+    else:
+        pipeline.sync_tied_embedding_grads(job.stages, g)
     allreduce_gradients(job.stages, g)
     if g.dp_group is not None:
         loss = loss.clone()
@@ -297,11 +311,16 @@ def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
     g, par = job.groups, job.cfg.parallel
     kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
     kw.update(extra or {})
-    if job.schedule is not None:
+    if job.schedule is not None and job.embedding_sync is not None:  # T5 (training.t5_loop)
+        from tessera.training.t5_loop import t5_pipeline_eval_loss
+
+        loss = t5_pipeline_eval_loss(job.schedule, job.stages, tokens, labels, kw)
+        loss = pipeline.broadcast_loss(loss, par.layout(), g)
+    elif job.schedule is not None:
         loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     else:
-        loss = job.stages[0](tokens, labels, **kw).float()
+        loss = job.stages[0](tokens, labels=labels, **kw).float()
     if g.dp_group is not None:
         loss = loss.clone()
         dist.all_reduce(loss, group=g.dp_group)

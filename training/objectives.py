@@ -28,8 +28,9 @@ micro-batches and data-parallel ranks), and without labels its output (logits) f
 
 GPT ("causal-lm") is the identity of what the loop always did: packed windows, `tokens` in,
 `labels` out, no extra inputs. BERT ("masked-lm") adds token types and the padding mask as
-extra inputs. A new family registers one `Objective` in `OBJECTIVES` and its family in
-`FAMILY_OBJECTIVES`.
+extra inputs. T5 ("span-corruption", `training.t5_objective`) feeds the encoder ids to the
+first stage and the decoder input and encoder mask to every stage. A new family registers one
+`Objective` in `OBJECTIVES` and its family in `FAMILY_OBJECTIVES`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera.core.config import ConfigError, ModelConfig
+from tessera.training import t5_objective as t5
 
 if TYPE_CHECKING:
     from tessera.training.config import PretrainConfig
@@ -149,8 +151,17 @@ MASKED_LM = Objective(name="masked-lm", problems=_bert_problems, model_vocab=_be
                       datasets=_bert_datasets, split_batch=_bert_split, evaluate=_bert_evaluate)
 
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CAUSAL_LM, MASKED_LM)}
-FAMILY_OBJECTIVES: dict[str, str] = {"bert": "masked-lm"}  # every other family: causal-lm
+# ------------------------------------------------------------------------------ span corruption
+
+
+SPAN_CORRUPTION = Objective(name="span-corruption", problems=t5.problems,  # T5
+                            model_vocab=t5.model_vocab, datasets=t5.datasets,
+                            split_batch=t5.split_batch, evaluate=t5.evaluate)
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CAUSAL_LM, MASKED_LM, SPAN_CORRUPTION)}
+FAMILY_OBJECTIVES: dict[str, str] = {"bert": "masked-lm",  # every other family: causal-lm
+                                     "t5": "span-corruption"}
 
 
 def objective_for(config: ModelConfig) -> Objective:

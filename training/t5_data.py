@@ -200,6 +200,19 @@ class T5SpanDataset(Dataset[Sample]):
     def __len__(self) -> int:
         return len(self.raw)
 
+    # What the pretraining banner reports of a dataset (`training.banner.split_epochs`).
+    @property
+    def indexed(self) -> IndexedDataset:
+        return self.raw.indexed
+
+    @property
+    def documents(self) -> tuple[int, int]:
+        return self.raw.documents
+
+    @property
+    def num_samples(self) -> int:
+        return self.raw.num_samples
+
     def raw_tokens(self, i: int) -> np.ndarray:
         """The `raw_length` tokens sample i corrupts."""
         return np.asarray(self.raw.sample_tokens(i), dtype=np.int64)

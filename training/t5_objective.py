@@ -1,0 +1,130 @@
+"""T5's part of pretraining (`training.objectives.SPAN_CORRUPTION`): span-corruption batches.
+
+A sample is `training.t5_data.T5SpanDataset`'s: `seq_len` encoder tokens (`--seq-len` is the
+encoder length; the target length follows from it), the decoder input and the labels. The
+tokenizer's vocabulary gets `DEFAULT_SENTINELS` (100, as T5) sentinel ids right above its own
+pieces, so the model's vocabulary is the tokenizer's + 100 unless `vocab_size` is set, and then
+it must hold them. In the loop, the encoder ids are the first stage's positional input, the
+labels the last stage's targets, and `decoder_input_ids` / `encoder_mask` the keywords every
+stage gets (`core.t5.T5Model.forward`).
+
+The step's loss is, as for GPT and as Megatron computes T5's, the mean over micro-batches (and
+data-parallel ranks) of each micro-batch's mean over its labels. T5 targets differ in length,
+so that loss depends on the rows per micro-batch (`global_batch / (dp x micro_batches)`): a
+run follows the one-process curve of the same rows per micro-batch (tp and pp change nothing;
+dp 2 x 2 micro-batches equals one process with 4).
+
+What T5 cannot take here (`problems`): context parallelism and isolated documents (decoder-only
+packing), virtual pipeline stages, activation recomputation, FP8, and data without a tokenizer
+(the sentinels sit above the tokenizer's pieces and the EOS id comes from it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tessera.core.t5_tokens import DEFAULT_SENTINELS
+
+if TYPE_CHECKING:
+    from tessera.training.config import PretrainConfig
+
+Batch = dict[str, torch.Tensor]
+
+
+def problems(cfg: PretrainConfig) -> list[str]:
+    """The settings T5 pretraining cannot run, each saying what to do instead."""
+    par, out = cfg.parallel, []
+    if par.cp > 1 or par.cp_dynamic:
+        out.append(f"--cp {par.cp}: context parallelism splits a decoder-only sequence; T5 runs "
+                   "with --cp 1 (use --tp/--pp/--dp)")
+    if cfg.data.isolate_documents:
+        out.append("--isolate-documents is for packed decoder samples; T5 samples are span-"
+                   "corrupted encoder inputs with their own padding mask: leave it off")
+    if par.virtual_stages > 1:
+        out.append(f"--virtual-stages {par.virtual_stages}: T5 runs one pipeline stage per rank "
+                   "(the encoder/decoder split); use --virtual-stages 1")
+    if par.recompute != "none":
+        out.append(f"--recompute {par.recompute}: T5 runs without activation recomputation; "
+                   "use --recompute none")
+    if cfg.train.precision == "fp8":
+        out.append("--precision fp8 covers the decoder-only blocks; train T5 in fp32, bf16, "
+                   "bf16-pure or fp16")
+    if not cfg.data.tokenizer:
+        out.append("T5 span corruption puts its sentinel tokens above the tokenizer's pieces "
+                   "and ends samples with its EOS: pass --tokenizer (the one the data was made "
+                   "with)")
+    return out
+
+
+def model_vocab(data_vocab: int, set_vocab: int | None) -> int:
+    """The tokenizer's vocabulary + the sentinels; an explicit `set_vocab` must hold them."""
+    need = data_vocab + DEFAULT_SENTINELS
+    if set_vocab is None:
+        return need
+    if set_vocab < need:
+        raise ValueError(
+            f"the model's vocab_size {set_vocab} has no room for T5's {DEFAULT_SENTINELS} "
+            f"sentinel tokens above the tokenizer's {data_vocab} pieces (ids up to {need - 1}): "
+            f"set vocab_size to at least {need}, or leave it out so that it follows")
+    return set_vocab
+
+
+def datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+    """The train and valid span-corruption datasets, sized for the whole run."""
+    from tessera.core.t5_tokens import SentinelTokenizer
+    from tessera.core.tokenizer import load_tokenizer
+    from tessera.training.t5_data import build_t5_datasets
+
+    t = cfg.train
+    tokenizer = SentinelTokenizer(load_tokenizer(cfg.data.tokenizer), DEFAULT_SENTINELS)
+    train_ds, valid_ds, _ = build_t5_datasets(
+        cfg.data.data, tokenizer, t.seq_len, cfg.data.split,
+        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
+        cfg.data.data_cache or None, cfg.model.vocab_size)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        # Sequence parallelism splits the decoder's tokens over tp: the target length (from
+        # seq_len, e.g. 9 for 32) is padded up to a multiple of tp with ignored positions. The
+        # decoder is causal and the padding is never a label, so the loss stays the same.
+        train_ds, valid_ds = (None if ds is None else PaddedTargets(ds, cfg.parallel.tp,
+                                                                    tokenizer.pad_id)
+                              for ds in (train_ds, valid_ds))
+    return train_ds, valid_ds
+
+
+class PaddedTargets:
+    """`dataset`'s samples with `labels` (-100) and `decoder_input_ids` (`pad_id`) padded at
+    the end to a multiple of `multiple` tokens."""
+
+    def __init__(self, dataset: Any, multiple: int, pad_id: int):
+        self.inner, self.multiple, self.pad_id = dataset, multiple, pad_id
+        self.datasets = getattr(dataset, "datasets", None) or [dataset]  # for the banner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Batch:
+        item = dict(self.inner[i])
+        extra = -item["labels"].shape[0] % self.multiple
+        if extra:
+            pad = torch.nn.functional.pad
+            item["labels"] = pad(item["labels"], (0, extra), value=-100)
+            item["decoder_input_ids"] = pad(item["decoder_input_ids"], (0, extra),
+                                            value=self.pad_id)
+        return item
+
+
+def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+    """(encoder ids, labels, the decoder input and encoder mask for every stage)."""
+    extra = {"decoder_input_ids": batch["decoder_input_ids"],
+             "encoder_mask": batch["encoder_mask"]}
+    return batch["encoder_ids"], batch["labels"], extra
+
+
+def evaluate(model: Any, documents: Any, seq_len: int, batch: int = 8,
+             max_windows: int | None = None, **kw: Any) -> dict[str, float]:
+    """`tessera evaluate`'s span-corruption loss and accuracy (`training.evaluate_t5`)."""
+    from tessera.training.evaluate_t5 import evaluate_span_corruption
+
+    return evaluate_span_corruption(model, documents, seq_len, batch, max_windows, **kw)
