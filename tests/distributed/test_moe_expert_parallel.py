@@ -54,7 +54,9 @@ CAPACITY = {**MIXTRAL, "moe_capacity_factor": 1.0}
 SP = {"tp": 2, "dp": 2, "sequence_parallel": True}
 CASES = [
     Case("ep4", "mixtral-tiny", {"dp": 4, "ep": 4}, model=MIXTRAL),
-    Case("ep2-edp2-capacity", "mixtral-tiny", {"dp": 4, "ep": 2}, model=CAPACITY),
+    # Full recomputation: dispatch and combine run again inside the recomputed layer.
+    Case("ep2-edp2-capacity-recompute", "mixtral-tiny", {"dp": 4, "ep": 2, "recompute": "full"},
+         model=CAPACITY),
     Case("ep4-capacity-allgather", "mixtral-tiny",
          {"dp": 4, "ep": 4, "moe_dispatcher": "allgather"}, model=CAPACITY),
     Case("ep2-tp2-sp-etp1", "qwen-moe-tiny", {**SP, "ep": 2}, model=QWEN),
