@@ -98,7 +98,9 @@ def _run_case(case: Case) -> dict[str, Any]:
              for n, p in m.named_parameters()]
     return {"coords": (groups.tp_rank, groups.pp_rank, groups.dp_rank, groups.cp_rank),
             "expert": (groups.ep_rank, groups.etp_rank, groups.ep_size, groups.etp_size),
-            "loss": float(loss), "grads": grads, "norm": float(global_grad_norm(models))}
+            "loss": float(loss), "grads": grads, "norm": float(global_grad_norm(models)),
+            "dispatchers": {type(m.dispatcher).__name__ for model in models
+                            for m in model.modules() if hasattr(m, "dispatcher")}}
 
 
 def _run_all(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
@@ -126,6 +128,9 @@ def _expert_grads(results: list[dict[str, Any]], config) -> dict[tuple[int, str]
 
 def check(case: Case, results: list[dict[str, Any]]) -> dict[str, float]:
     config = case.model_config()
+    kind = case.parallel.get("moe_dispatcher", "alltoall")
+    want_kind = {"alltoall": "AllToAllDispatcher", "allgather": "AllGatherDispatcher"}[kind]
+    assert all(r["dispatchers"] == {want_kind} for r in results), case.name
     ref = reference(case)
     loss_rel = max(abs(r["loss"] - ref["losses"][r["coords"][2]]) / abs(ref["losses"][0])
                    for r in results)

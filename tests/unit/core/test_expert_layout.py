@@ -99,3 +99,16 @@ def test_sharded_data_parallel_refused_with_expert_parallelism():
                    for p in problems), problems
     assert train_schedule_problems(lay, TrainSchedule()) == []
     assert train_schedule_problems(Layout(dp=4), TrainSchedule(data_parallel="zero1")) == []
+
+
+def test_moe_dispatcher_named_and_checked():
+    from tessera.core import TrainSchedule
+    from tessera.core.parallel.pipeline import train_schedule_problems
+    from tessera.training.config import load_config
+
+    problems = train_schedule_problems(Layout(dp=2, ep=2), TrainSchedule(moe_dispatcher="bogus"))
+    assert any("unknown moe_dispatcher 'bogus'" in p and "allgather" in p for p in problems)
+    assert train_schedule_problems(Layout(dp=2, ep=2),
+                                   TrainSchedule(moe_dispatcher="allgather")) == []
+    cfg = load_config(["--model", "mixtral-tiny", "--moe-dispatcher", "allgather"])[0]
+    assert cfg.parallel.train_schedule().moe_dispatcher == "allgather"
