@@ -99,3 +99,20 @@ def test_ep2_launched_by_nproc_per_node(tiny, single, tmp_path):
                               text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stdout + done.stderr
     print(f"ep2 launched: worst relative loss difference {_check(single, run, resumed):.1e}")
+
+
+def _pretrain(rank: int, world_size: int, argv: list[str]) -> None:
+    pretrain(load_config(argv)[0])
+
+
+@pytest.mark.slow  # another 2-rank spawn; the default test resumes an ep2 checkpoint
+def test_one_process_checkpoint_resumes_under_ep2(tiny, single, tmp_path):
+    """The single-process run's step-4 checkpoint (whole expert banks, whole moments) resumed
+    under ep2 follows the single-process curve over steps 5-8."""
+    run = tmp_path / "ep2-from-one"
+    rewind_run(single, run, 4)
+    run_ranks(_pretrain, 2, _argv(tiny, run, "--ep", "2", "--resume"), timeout=400)
+    got, want = read_losses(run), read_losses(single)
+    assert sorted(got) == list(range(5, STEPS + 1))
+    worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+    assert worst <= RTOL, (got, want)
