@@ -63,6 +63,7 @@ CASES = [
     Case("ep2-tp2-sp-etp1-allgather", "mixtral-tiny",
          {**SP, "ep": 2, "moe_dispatcher": "allgather"}, model=MIXTRAL),
     Case("ep2-tp2-sp-etp2", "mixtral-tiny", {**SP, "ep": 2, "etp": 2}, model=MIXTRAL),
+    Case("ep2-etp2-tp1", "qwen-moe-tiny", {"dp": 4, "ep": 2, "etp": 2}, model=QWEN),
     Case("ep2-pp2", "mixtral-tiny", {"pp": 2, "dp": 2, "ep": 2, "micro_batches": 2},
          model={**MIXTRAL, "moe_router_score": "sigmoid"}),
     Case("ep2-cp2", "mixtral-tiny", {"cp": 2, "dp": 2, "ep": 2}, model=MIXTRAL),
