@@ -116,3 +116,17 @@ def test_one_process_checkpoint_resumes_under_ep2(tiny, single, tmp_path):
     assert sorted(got) == list(range(5, STEPS + 1))
     worst = max(abs(got[s] - want[s]) / want[s] for s in got)
     assert worst <= RTOL, (got, want)
+
+
+@pytest.mark.slow  # another 2-rank spawn
+def test_cp2_router_losses_and_metrics_match_one_process(tiny, single, tmp_path):
+    """Under cp each rank holds its share of a sequence's router losses: the curve and the
+    logged aux / z losses equal one process's (4 micro-batches of 2 rows in both)."""
+    run = tmp_path / "cp2"
+    run_ranks(_pretrain, 2, _argv(tiny, run, "--cp", "2", "--micro-batches", "4"), timeout=400)
+    got, want = read_losses(run), read_losses(single)
+    assert max(abs(got[s] - want[s]) / want[s] for s in want) <= RTOL, (got, want)
+    ref, par = _router_metrics(single), _router_metrics(run)
+    for step, metrics in ref.items():
+        for key, value in metrics.items():
+            assert par[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
