@@ -365,6 +365,9 @@ class TrainSchedule:
     # Dynamic context parallelism (`core.parallel.dynamic_cp_runtime`): per micro-batch, each
     # sequence (packed document) spread over its own power-of-two block of the cp group.
     cp_dynamic: bool = False
+    # Mixture-of-Experts under expert parallelism (issue 14): how tokens reach the ranks holding
+    # their experts, "alltoall" or "allgather" (`core.parallel.expert_parallel`).
+    moe_dispatcher: str = "alltoall"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -18,6 +18,7 @@ from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.expert_checkpoint import expert_sharded
 from tessera.core.families import stage_class
 from tessera.core.model import GPTModel
+from tessera.core.moe.layer import set_dispatchers
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import global_param_shapes, shard_expert_tensor, shard_tensor
 
@@ -89,6 +90,8 @@ def build_model(
                            '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
         model = stage_class(config)(config, layout, groups, stage_id, num_stages, schedule)
+    if schedule is not None and config.num_experts:  # the expert-parallel token dispatcher
+        set_dispatchers(model, model.groups, schedule.moe_dispatcher)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
     # the `sequence_parallel` mark that the gradient sync looks for: carry it over.
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}

@@ -125,6 +125,8 @@ class ParallelSection:
     etp: int = 1
     # dynamic context parallelism
     cp_dynamic: bool = False
+    # MoE token dispatcher under expert parallelism (issue 14)
+    moe_dispatcher: str = "alltoall"
 
     def layout(self) -> Layout:
         from tessera.core.parallel.pipeline import split_layout_and_schedule
@@ -174,6 +176,8 @@ _PARALLEL_HELP = {
            "set apart from tp; ep x etp must divide tp x cp x dp",
     "cp_dynamic": "per micro-batch, spread each sequence (packed document) over as few cp ranks "
                   "as its length needs (short ones stay whole on one rank) instead of all cp",
+    "moe_dispatcher": "how MoE tokens reach the ranks holding their experts (ep x etp > 1): "
+                      "alltoall | allgather",
 }
 
 

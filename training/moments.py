@@ -29,9 +29,16 @@ import torch
 from safetensors import safe_open
 
 from tessera.core.checkpoint import CheckpointError, Manifest
+from tessera.core.expert_checkpoint import expert_sharded
 from tessera.core.model import GPTModel
-from tessera.core.parallel.sharding import shard_spec, shard_tensor, unshard_tensors
+from tessera.core.parallel.sharding import (
+    is_expert_param,
+    shard_spec,
+    shard_tensor,
+    unshard_tensors,
+)
 from tessera.core.parallel.zero import ShardedOptimizer
+from tessera.training.expert_moments import expert_moment, global_expert_moments
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 FORMAT = 2
@@ -80,6 +87,8 @@ def collect_moments(models: list[GPTModel], optimizer: Any, *, sharded: bool
     for name, key, start, stop, total in optimizer_slots(models, optimizer):
         if name in rows or (shard_spec(name, config).dim is None and g.tp_rank != 0):
             continue  # a tied copy (same global name), or a replica another tp rank writes
+        if expert_sharded(name, g):
+            continue  # an expert-grid piece: `expert_moments` writes it
         state = optimizer.state.get(key, {})
         if not all(k in state for k in MOMENTS):
             continue
@@ -164,7 +173,10 @@ def load_moments(path: Path, manifest: Manifest, record: dict[str, Any], models:
 
     def my_shard(key: str, name: str) -> torch.Tensor | None:
         if (key, name) not in cache:  # a tied copy reads the same shard again
-            if shard_spec(name, config).dim is None:
+            if is_expert_param(name):  # expert parallelism may have saved or may want pieces
+                value = expert_moment(path, key, name, config, g,
+                                      lambda: pieces.shard(key, 0))
+            elif shard_spec(name, config).dim is None:
                 value = pieces.shard(key, 0)
             elif pieces.saved_tp == g.tp_size:
                 value = pieces.shard(key, g.tp_rank)
@@ -206,4 +218,5 @@ def read_global_moments(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             parts = [pieces.shard(key, t) for t in range(pieces.saved_tp)]
             out[key] = unshard_tensors(name, parts, config)
+    out.update(global_expert_moments(path, config))  # expert parallelism: their own files
     return out

@@ -51,6 +51,7 @@ from tessera.core.fp8_training import Fp8Training
 from tessera.core.model import GPTModel
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
+from tessera.training.expert_moments import collect_expert_moments
 from tessera.training.moments import collect_moments, load_moments, optimizer_record
 
 
@@ -83,12 +84,15 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
     target = series.step_dir(step)
     sharded = isinstance(optimizer, ShardedOptimizer)
     moments = collect_moments(models, optimizer, sharded=sharded)
+    expert_moments = collect_expert_moments(models, optimizer)  # expert parallelism only
 
     def write_state(tmp: Path) -> None:
         (tmp / "training").mkdir(exist_ok=True)
         if moments is not None:
             file, tensors, meta = moments
             save_file(tensors, str(tmp / "training" / file), metadata=meta)
+        if expert_moments is not None:
+            save_file(expert_moments[1], str(tmp / "training" / expert_moments[0]))
         rng = {"cpu": torch.get_rng_state()}
         rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
         if torch.cuda.is_available():

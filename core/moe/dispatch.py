@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from tessera.core.moe.permute import permute, unpermute
+from tessera.core.parallel.expert_parallel import make_expert_parallel_dispatcher
 
 
 class Dispatcher(Protocol):
@@ -63,9 +64,14 @@ class LocalDispatcher:
         return unpermute(ys, order, weights)
 
 
-def make_dispatcher(groups: Any, config: Any) -> Dispatcher:
+def make_dispatcher(groups: Any, config: Any, kind: str = "alltoall") -> Dispatcher:
     """The dispatcher for an MoE layer of `config` on this rank's `groups` (`ParallelGroups`).
 
-    Expert parallelism 1: every expert is local.
+    Expert parallelism 1 (ep x etp = 1): every expert is local (`LocalDispatcher`; `kind` does
+    not matter). Otherwise the expert-parallel dispatcher `kind` ("alltoall" or "allgather",
+    `TrainSchedule.moe_dispatcher`) over the rank's ep and etp groups
+    (`core.parallel.expert_parallel`).
     """
+    if groups.ep_size * groups.etp_size > 1:
+        return make_expert_parallel_dispatcher(groups, config.num_experts, kind)
     return LocalDispatcher(config.num_experts)

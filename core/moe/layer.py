@@ -36,6 +36,7 @@ from tessera.core.moe.experts import GroupedExperts, activate
 from tessera.core.moe.losses import attach_aux_loss, load_balancing_loss, z_loss
 from tessera.core.moe.router import Router
 from tessera.core.moe.shapes import moe_ffn_size, moe_layers
+from tessera.core.parallel.expert_parallel import DISPATCHERS
 from tessera.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -71,9 +72,14 @@ class MoEFeedForward(nn.Module):
     def __init__(self, config, layer: int, groups, sp: bool):
         super().__init__()
         c = config
-        self.layer, self.num_experts, self.sp = layer, c.num_experts, sp
+        self.config, self.layer, self.num_experts, self.sp = c, layer, c.num_experts, sp
         self.tp_group = groups.tp_group if sp else None
         self.tp_size = groups.tp_size if sp else 1
+        # The ranks sharing one sequence's tokens for the router losses: tp under SP, and cp.
+        # A cp rank's share is scaled by cp, as the LM loss's is (`context_parallel.
+        # global_mean_loss`): gradients are averaged over dp x cp.
+        self.cp_size = groups.cp_size
+        self.seq_groups = tuple(x for x in (self.tp_group, groups.cp_group) if x is not None)
         n_moe = len(moe_layers(c))
         self.aux_coef, self.z_coef = c.moe_aux_loss_coef / n_moe, c.moe_z_loss_coef / n_moe
         self.aux_loss_scale = 1.0  # set by the training loop (`losses.set_aux_loss_scale`)
@@ -84,19 +90,28 @@ class MoEFeedForward(nn.Module):
                              capacity_factor=c.moe_capacity_factor,
                              expert_bias=c.moe_expert_bias)
         self.dispatcher = make_dispatcher(groups, c)
+        # Expert parallelism: this rank's E / ep experts, each FFN sliced over etp.
+        expert_grid = groups.ep_size * groups.etp_size > 1
         self.experts = GroupedExperts(self.dispatcher.num_local_experts, c.hidden_size,
-                                      moe_ffn_size(c), c.activation)
+                                      moe_ffn_size(c) // groups.etp_size, c.activation)
         self.shared_expert = self.shared_expert_gate = None
         if c.moe_shared_ffn_hidden_size:
             self.shared_expert = SharedExpert(c.hidden_size, c.moe_shared_ffn_hidden_size,
                                               c.activation, groups, sp)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
-        replicated = [self.router.weight, *self.experts.parameters()]
+        replicated = [self.router.weight]
+        if not expert_grid:  # else expert pieces: gradients reduced over edp, never over tp
+            replicated += self.experts.parameters()
         if self.shared_expert_gate is not None:
             replicated.append(self.shared_expert_gate.weight)
         for p in replicated:
             # Each tp rank routes its own sequence chunk under SP: gradients summed over tp.
             p.sequence_parallel = sp
+
+    def set_dispatcher(self, groups, kind: str) -> None:
+        """Move tokens with the expert-parallel dispatcher `kind` ("alltoall", "allgather";
+        `TrainSchedule.moe_dispatcher`); no change at expert parallelism 1."""
+        self.dispatcher = make_dispatcher(groups, self.config, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -111,8 +126,8 @@ class MoEFeedForward(nn.Module):
         if not self.training:
             return out
         aux = load_balancing_loss(routing.scores, routing.chosen, self.num_experts,
-                                  self.tp_group, self.tp_size)
-        z = z_loss(routing.logits, self.tp_size)
+                                  self.seq_groups or None, self.tp_size * self.cp_size)
+        z = z_loss(routing.logits, self.tp_size * self.cp_size)
         # Not the recomputation of activation checkpointing (inside backward), nor the pipeline
         # schedule's shape inference (meta tensors, no grad).
         if (self.track and torch.is_grad_enabled() and not flat.is_meta
@@ -122,6 +137,17 @@ class MoEFeedForward(nn.Module):
                 self.layer, torch.bincount(kept[kept >= 0], minlength=self.num_experts),
                 (kept < 0).sum(), aux.detach(), z.detach()))
         if torch.is_grad_enabled() and self.router.weight.requires_grad:  # not when frozen
-            out = attach_aux_loss(out, self.aux_coef * aux + self.z_coef * z,
+            out = attach_aux_loss(out, (self.aux_coef * aux + self.z_coef * z) * self.cp_size,
                                   self.aux_loss_scale)
         return out
+
+
+def set_dispatchers(model: nn.Module, groups, kind: str) -> None:
+    """Give every MoE layer of `model` the token dispatcher `kind` ("alltoall" or "allgather",
+    `TrainSchedule.moe_dispatcher`); only expert-parallel layers change."""
+    if kind not in DISPATCHERS:
+        raise ValueError(f"unknown MoE token dispatcher {kind!r}; choose one of "
+                         f"{list(DISPATCHERS)}")
+    for m in model.modules():
+        if isinstance(m, MoEFeedForward):
+            m.set_dispatcher(groups, kind)

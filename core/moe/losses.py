@@ -28,17 +28,20 @@ from torch import nn
 
 
 def load_balancing_loss(scores: torch.Tensor, chosen: torch.Tensor, num_experts: int,
-                        group: dist.ProcessGroup | None = None, group_size: int = 1
-                        ) -> torch.Tensor:
+                        group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None,
+                        group_size: int = 1) -> torch.Tensor:
     """This rank's share of `E * sum_e f_e P_e` over the tokens of all `group` ranks.
 
     `scores (n, E)` fp32 (rows sum to 1), `chosen (n, k)` the top-k experts before dropping.
-    With `group` (sequence parallelism) every rank holds n tokens of the same sequence.
+    With `group` (sequence parallelism; or a tuple of orthogonal groups, tp and cp, whose
+    product holds the sequence) every rank holds n tokens of the same sequence, `group_size`
+    ranks in all.
     """
     n = scores.shape[0] * group_size
     counts = torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
-    if group is not None:
-        dist.all_reduce(counts, group=group)
+    for g in (group if isinstance(group, tuple) else (group,)):
+        if g is not None:
+            dist.all_reduce(counts, group=g)
     return torch.sum((counts / n) * (scores.sum(dim=0) / n)) * num_experts
 
 

@@ -76,9 +76,10 @@ def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool
     if not bool((calls > 0).all()):
         return {}
     # Without SP, the tp ranks of one layer route the same tokens: count them once. With SP,
-    # each holds its share of the whole sequence's losses (the shares add up).
+    # each holds its share of the whole sequence's losses (the shares add up); so does each cp
+    # rank (`layer.MoEFeedForward`).
     same_tokens = 1 if sequence_parallel else groups.tp_size
-    shares = groups.tp_size if sequence_parallel else 1
+    shares = (groups.tp_size if sequence_parallel else 1) * groups.cp_size
     counts /= same_tokens
     dropped /= same_tokens
     mean = counts.mean(dim=1)

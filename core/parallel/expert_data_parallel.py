@@ -81,6 +81,9 @@ def expert_grad_norm_squared(grads: list[torch.Tensor], groups: ParallelGroups,
 
 def expert_schedule_problems(layout: Layout, schedule: TrainSchedule) -> list[str]:
     """Why `schedule` cannot train expert-parallel `layout` (empty when it can)."""
+    kind = getattr(schedule, "moe_dispatcher", "alltoall")
+    if kind not in ("alltoall", "allgather"):
+        return [f"unknown moe_dispatcher {kind!r}; choose 'alltoall' or 'allgather'"]
     if getattr(layout, "ep", 1) * getattr(layout, "etp", 1) == 1:
         return []
     if schedule.data_parallel in ("zero1", "fsdp"):
