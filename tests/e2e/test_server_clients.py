@@ -301,8 +301,12 @@ async def _load_round(url: str, n_requests: int, n_clients: int) -> dict[str, in
             else:
                 counts["other"] += 1
 
+    # keepalive_expiry below the server's keep-alive timeout (uvicorn: 5 s): with both at 5 s
+    # (httpx's default), a worker starved for 5 s on a loaded machine can send its next request
+    # on a connection the server is closing at that moment, a ReadError that is not the server's.
+    limits = httpx.Limits(max_connections=n_clients, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"},
-                                 timeout=60, limits=httpx.Limits(max_connections=n_clients)) as http:
+                                 timeout=60, limits=limits) as http:
         await asyncio.wait_for(asyncio.gather(*[worker(http) for _ in range(n_clients)]), timeout=60)
     return counts
 
