@@ -323,7 +323,28 @@ def build_datasets(
     seed: int = 1234,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[Dataset[Sample] | None, Dataset[Sample] | None, Dataset[Sample] | None]:
-    """Train, valid and test datasets (None where 0 samples are asked) from `--data` arguments.
+    """Train, valid and test GPT datasets (None where 0 samples are asked) from `--data`
+    arguments, split and blended by `build_split_datasets`."""
+
+    def part(ds: IndexedDataset, n: int, docs: tuple[int, int], name: str) -> Dataset[Sample]:
+        return GPTDataset(ds, seq_len, n, seed, docs, cache_dir, name)
+
+    return build_split_datasets(data_args, split, num_samples, part, cache_dir)
+
+
+PartFactory = Callable[[IndexedDataset, int, tuple[int, int], str], Dataset]
+
+
+def build_split_datasets(
+    data_args: Sequence[str],
+    split: str,
+    num_samples: Sequence[int],
+    make_part: PartFactory,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    """Train, valid and test datasets (None where 0 samples are asked) from `--data` arguments,
+    for any sample kind: `make_part(indexed, num_samples, doc_range, split_name)` builds one
+    prefix's dataset over its documents `doc_range` (GPT windows, T5 span corruption, ...).
 
     Each prefix is split by documents with the same `split` ratios; with several prefixes each
     split is a `BlendedDataset` whose parts are sized exactly to what the blend takes.
@@ -334,16 +355,14 @@ def build_datasets(
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
     weights = tuple(w for w, _ in blend)
-    result: list[Dataset[Sample] | None] = []
+    result: list[Dataset | None] = []
     for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
         if n <= 0:
             result.append(None)
             continue
         counts = np.bincount(blend_indices(weights, n)[0], minlength=len(blend)) if len(blend) > 1 else [n]
-        parts = [
-            GPTDataset(ds, seq_len, int(c), seed, ranges[k][s], cache_dir, name)
-            for k, (ds, c) in enumerate(zip(indexed, counts))
-        ]
+        parts = [make_part(ds, int(c), ranges[k][s], name)
+                 for k, (ds, c) in enumerate(zip(indexed, counts))]
         if len(parts) == 1:
             result.append(parts[0])
         else:

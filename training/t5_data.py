@@ -38,12 +38,8 @@ from torch.utils.data import Dataset
 
 from tessera.core.t5_tokens import SentinelError, SentinelTokenizer
 from tessera.training.gpt_dataset import (
-    SPLIT_NAMES,
-    BlendedDataset,
     GPTDataset,
-    blend_indices,
-    parse_data_args,
-    split_ranges,
+    build_split_datasets,
 )
 from tessera.training.indexed_dataset import IndexedDataset
 
@@ -244,27 +240,12 @@ def build_t5_datasets(
     model_vocab_size: int | None = None,
 ) -> tuple[Dataset[Sample] | None, Dataset[Sample] | None, Dataset[Sample] | None]:
     """Train, valid and test span-corruption datasets (None where 0 samples are asked) from
-    `--data` arguments, split by documents and blended exactly as `gpt_dataset.build_datasets`
-    does for GPT (same split ratios, same blend); the other arguments as `T5SpanDataset`'s."""
-    if len(num_samples) != 3:
-        raise ValueError(f"num_samples must give train, valid, test counts, got {num_samples}")
-    blend = parse_data_args(data_args)
-    indexed = [IndexedDataset(prefix) for _, prefix in blend]
-    ranges = [split_ranges(split, len(ds)) for ds in indexed]
-    weights = tuple(w for w, _ in blend)
-    result: list[Dataset[Sample] | None] = []
-    for s, (name, n) in enumerate(zip(SPLIT_NAMES, num_samples)):
-        if n <= 0:
-            result.append(None)
-            continue
-        counts = (np.bincount(blend_indices(weights, n)[0], minlength=len(blend))
-                  if len(blend) > 1 else [n])
-        parts = [T5SpanDataset(ds, tokenizer, encoder_length, int(c), seed, ranges[k][s],
-                               cache_dir, f"t5-{name}", model_vocab_size=model_vocab_size)
-                 for k, (ds, c) in enumerate(zip(indexed, counts))]
-        if len(parts) == 1:
-            result.append(parts[0])
-        else:
-            blend_cache = cache_dir if cache_dir is not None else indexed[0].prefix + "_cache"
-            result.append(BlendedDataset(parts, weights, n, blend_cache))
-    return result[0], result[1], result[2]
+    `--data` arguments, split by documents and blended as GPT's are (`gpt_dataset.
+    build_split_datasets`: same split ratios, same blend); the other arguments as
+    `T5SpanDataset`'s."""
+
+    def part(ds: IndexedDataset, n: int, docs: tuple[int, int], name: str) -> Dataset[Sample]:
+        return T5SpanDataset(ds, tokenizer, encoder_length, n, seed, docs, cache_dir, f"t5-{name}",
+                             model_vocab_size=model_vocab_size)
+
+    return build_split_datasets(data_args, split, num_samples, part, cache_dir)
