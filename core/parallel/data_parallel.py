@@ -47,7 +47,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tessera.core.config import TrainSchedule
@@ -55,6 +54,7 @@ from tessera.core.parallel.expert_data_parallel import (
     expert_parameters,
     reduce_expert_gradients,
 )
+from tessera.core.parallel.grad_buckets import average_gradients
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
 
@@ -132,17 +132,7 @@ def allreduce_gradients(modules: Sequence[nn.Module], groups: ParallelGroups) ->
     params = [p for m in modules for p in m.parameters()
               if p.requires_grad and not (dtensor and isinstance(p, dtensor.DTensor))
               and p not in experts]
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for bucket in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        flat.div_(groups.dp_cp_size)
-        dist.all_reduce(flat, group=groups.dp_cp_group)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
+    average_gradients(params, groups.dp_cp_group, groups.dp_cp_size)
 
 
 def build_zero_optimizer(

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.config import Layout, TrainSchedule
+from tessera.core.parallel.grad_buckets import average_gradients
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param
 
@@ -53,18 +54,7 @@ def reduce_expert_gradients(modules: Sequence[nn.Module], groups: ParallelGroups
     params = expert_parameters(modules, groups)
     if not params:
         return
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for bucket in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        if groups.edp_group is not None:
-            dist.all_reduce(flat, group=groups.edp_group)
-        flat.div_(groups.dp_cp_size)
-        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(g.view_as(p.grad))
+    average_gradients(params, groups.edp_group, groups.dp_cp_size)
 
 
 def expert_grad_norm_squared(grads: list[torch.Tensor], groups: ParallelGroups,
