@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from tessera.core.help import HelpFormatter
 
@@ -139,12 +140,7 @@ def main(argv: list[str]) -> int:
     if family_app is not None:
         import uvicorn
 
-        from tessera.serving.connections import server_config
-
-        uvicorn.Server(server_config(
-            family_app, host=args.host, port=args.port, log_level=args.log_level,
-            header_timeout_s=args.header_timeout, keep_alive_s=args.keep_alive_timeout,
-            max_connections=args.max_connections)).run()
+        uvicorn.Server(uvicorn_config(family_app, args)).run()
         return 0
     if engine is None:
         return 0  # a worker rank: rank 0 has stopped
@@ -183,6 +179,24 @@ def _start(args: argparse.Namespace):
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
                       model_name=served_names(args)[0])
+
+
+def app_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """`create_app`'s keyword arguments that the flags set: key, limits, aliases."""
+    return dict(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                max_prompt_tokens=args.max_prompt_tokens, max_concurrency=args.max_concurrency,
+                request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout,
+                model_aliases=tuple(served_names(args)[1:]))
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """The uvicorn config serving `app` with the flags' address and slow-client limits."""
+    from tessera.serving.connections import server_config
+
+    return server_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                         header_timeout_s=args.header_timeout,
+                         keep_alive_s=args.keep_alive_timeout,
+                         max_connections=args.max_connections)
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -241,20 +255,12 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     import uvicorn
 
     from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
-    from tessera.serving.connections import server_config
 
     template, origin = chat_template_of(args)
     print(f"tessera serve: chat template: {origin}", file=sys.stderr, flush=True)
-    app = create_app(engine, model_name=engine.model_name, api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                     max_concurrency=args.max_concurrency,
-                     request_timeout_s=args.request_timeout, chat_template=template,
-                     model_aliases=tuple(served_names(args)[1:]),
-                     body_timeout_s=args.body_timeout)
-    server = uvicorn.Server(server_config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        header_timeout_s=args.header_timeout, keep_alive_s=args.keep_alive_timeout,
-        max_connections=args.max_connections))
+    app = create_app(engine, model_name=engine.model_name, chat_template=template,
+                     **app_limits(args))
+    server = uvicorn.Server(uvicorn_config(app, args))
     engine.on_stop(lambda: setattr(server, "should_exit", True))
     failed = []
 

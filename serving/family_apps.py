@@ -57,6 +57,7 @@ def _t5_app(args: argparse.Namespace, served_names: list[str]) -> Any:
     from tessera.core.t5_tokens import SentinelTokenizer
     from tessera.core.tokenizer import load_tokenizer
     from tessera.serving.app import create_app
+    from tessera.serving.cli import app_limits
     from tessera.serving.t5_engine import T5Engine
 
     model = load_t5_checkpoint(str(args.checkpoint))
@@ -66,8 +67,4 @@ def _t5_app(args: argparse.Namespace, served_names: list[str]) -> Any:
         n = t5_sentinels(model.config.vocab_size, base.vocab_size, args.t5_sentinels)
         tok = SentinelTokenizer(base, n)
     engine = T5Engine(model, tok, model_name=served_names[0])
-    return create_app(engine, model_name=served_names[0], api_key=args.api_key,
-                      max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
-                      max_concurrency=args.max_concurrency,
-                      request_timeout_s=args.request_timeout,
-                      model_aliases=tuple(served_names[1:]), body_timeout_s=args.body_timeout)
+    return create_app(engine, model_name=served_names[0], **app_limits(args))
