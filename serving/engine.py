@@ -126,6 +126,7 @@ class _Sequence(SeqState):
     finished: bool = False
     aborted: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    adapter: int = -1  # per-request LoRA: the adapter's slot (serving.adapters), -1 for none
 
     @property
     def params(self) -> SamplingParams:
@@ -383,8 +384,9 @@ class LLMEngine:
         now = time.monotonic()
         hasher = None
         if self.blocks is not None and self.blocks.prefix_caching:
-            # The namespace keeps tasks and tenants apart: equal tokens, different KV.
-            hasher = BlockHasher(self.blocks.block_size, (request.task, request.cache_salt))
+            # The namespace keeps tasks, adapters and tenants apart: equal tokens, different KV.
+            hasher = BlockHasher(self.blocks.block_size,
+                                 (request.task, request.adapter, request.cache_salt))
         seq = _Sequence(
             request=request, sink=sink, tokens=tokens, n_input=len(tokens),
             priority=request.priority, hasher=hasher, reuse_prefix=not p.prompt_logprobs,

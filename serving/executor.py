@@ -46,10 +46,14 @@ class StepBatch:
     slots: torch.Tensor  # (B,) long, KV cache slot of each row; (B, W) block tables if paged
     tasks: torch.Tensor  # (B,) long, task index (see `task_names`) or -1 for none
     keep: torch.Tensor  # (N,) long, flat indices into B * T whose logits are wanted
+    # Per-request LoRA: (B,) long, each row's adapter slot (serving.adapters), -1 for none;
+    # None when no row of the batch uses an adapter.
+    adapters: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> StepBatch:
+        adapters = self.adapters.to(device) if self.adapters is not None else None
         return StepBatch(*(t.to(device) for t in (self.ids, self.positions, self.slots,
-                                                   self.tasks, self.keep)))
+                                                   self.tasks, self.keep)), adapters)
 
 
 def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:

@@ -55,6 +55,8 @@ class GenerationRequest:
     # Scheduling and prefix caching (serving.scheduler, serving.block_manager)
     priority: int = 0  # lower runs first; equal priorities: first come, first served
     cache_salt: str | None = None  # KV blocks are shared only between requests with equal salts
+    # Per-request LoRA (serving.adapters): a loaded adapter's name, or None for the base model.
+    adapter: str | None = None
 
 
 @dataclass
