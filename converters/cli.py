@@ -36,6 +36,7 @@ examples:
   tessera convert --to hf --fp8 block --input ckpt/llama --output ./llama-fp8
   tessera convert --to hf --fp8 tensor --calibration-data text.txt --input ckpt/a --output ./a-fp8
   tessera convert --input ckpt/a --output ckpt/a-bf16 --dtype bf16
+  tessera convert --input ckpt/mixtral --output ckpt/mixtral-ep4 --ep 4 --etp 2 --tp 2 --dp 4
   tessera convert --to peft --input runs/lora/adapter --checkpoint BASE --output peft-lora
   tessera convert --from peft --input peft-lora --checkpoint BASE --output adapters/imported
 
@@ -45,7 +46,7 @@ Face export of its base (`--to hf` of the same --checkpoint). Output directories
 atomically and an existing one is replaced only with --overwrite.
 """
 
-LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "placement", "fp8")
+LAYOUT_FLAGS = ("tp", "pp", "virtual_stages", "placement", "fp8", "ep", "etp", "dp")
 DEFAULT_FP8_BLOCK = 128  # converters.hf_fp8.DEFAULT_BLOCK, the DeepSeek-V3 / Qwen3-FP8 block
 DEFAULT_SHARD_SIZE = "5GB"  # transformers' own default (converters.hf_io.DEFAULT_SHARD_SIZE)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
@@ -105,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how stages sit on pipeline ranks: looped (1F1B, interleaved) or v "
                         "(two per rank, for the zbv / dualpipev schedules) (default: the "
                         "input's while pp is unchanged, else looped)")
+    # Mixture-of-Experts (issue 14): the expert grid (converters/expert_reshard.py).
+    layout.add_argument("--ep", type=int, metavar="N",
+                        help="expert-parallel size of a Mixture-of-Experts target: the expert "
+                        "banks are written in the ep x etp pieces a training run of that "
+                        "layout saves (default 1: whole banks, which load under any ep)")
+    layout.add_argument("--etp", type=int, metavar="N",
+                        help="expert-tensor-parallel size: each expert's FFN split over etp "
+                        "ranks (default 1)")
+    layout.add_argument("--dp", type=int, metavar="N",
+                        help="with --ep/--etp: data-parallel size of the run the target is "
+                        "for; ep x etp folds over tp x cp x dp and ep must divide dp x cp "
+                        "(default: the input's)")
     layout.add_argument("--fp8", nargs="?", const="tensor", choices=("tensor", "channel", "block"),
                         help="store linear weights as FP8 e4m3 with per-tensor (default) or "
                         "per-channel scales; with --to hf: block (quant_method fp8, 128x128 "
@@ -137,7 +150,7 @@ def _convert_layout(args: argparse.Namespace) -> int:
             args.input, args.output, tp=args.tp, pp=args.pp,
             virtual_stages=args.virtual_stages, placement=args.placement, dtype=args.dtype,
             fp8=args.fp8 is not None, fp8_per_channel=args.fp8 == "channel",
-            overwrite=args.overwrite)
+            overwrite=args.overwrite, ep=args.ep, etp=args.etp, dp=args.dp)
     except (OSError, ValueError) as exc:  # CheckpointError, ConfigError, ...
         print(f"tessera convert: error: {exc}", file=sys.stderr)
         return 1

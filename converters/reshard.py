@@ -22,6 +22,10 @@ from tp 1 to tp 2 x pp 2, tp 1 or tp 4 with a peak of 37-54 MB above the interpr
 3-4% of its size (`bench/bench_convert.py`), 63 MB casting to bf16 and 124 MB (10%) quantizing
 to FP8; the CPU time is a fraction of a second, the rest is file I/O.
 
+Mixture-of-Experts expert banks stream expert by expert instead, between whole banks and the
+expert-grid pieces of any ep x etp on either side (`converters.expert_reshard`), within the
+same few chunks.
+
 Exactness: slicing and concatenation never change a value, so every round trip between layouts
 gives identical tensors; casts and quantization are per element (per row for per-channel
 scales, whose rows a chunk holds whole), so chunks give the whole tensor's values. FP8 scales
@@ -31,6 +35,7 @@ weight share them and an FP8 checkpoint reshards bit-exactly too (it is never qu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import shutil
@@ -41,6 +46,14 @@ from pathlib import Path
 
 import torch
 
+from tessera.converters.expert_reshard import (
+    check_target,
+    expert_target_layout,
+    piece_coordinates,
+    piece_entries,
+    split_expert_files,
+    stream_expert_bank,
+)
 from tessera.converters.safetensors_stream import (
     SafetensorsFile,
     SafetensorsFormatError,
@@ -66,6 +79,7 @@ from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     expert_local_shape,
     global_param_shapes,
+    is_expert_param,
     num_parameters,
     shard_columns,
     shard_row_ranges,
@@ -75,7 +89,6 @@ from tessera.core.parallel.sharding import (
     stored_shape,
     stored_shard,
     unshard_scales,
-    unshard_tensors,
 )
 from tessera.core.parallel.weight_format import quantizable
 from tessera.core.progress import progress_iter
@@ -103,15 +116,20 @@ class ConvertSummary:
     bytes_written: int
     seconds: float
     peak_rss_bytes: int  # of this process, since it started
+    # Mixture-of-Experts: the target's expert grid (ep, etp) and the dp it is folded over.
+    expert_grid: tuple[int, int] = (1, 1)
+    dp: int = 1
 
     def __str__(self) -> str:
         lay = self.layout
         fp8 = f", FP8 e4m3 ({self.fp8['granularity']} scales)" if self.fp8 else ""
         files = f"{self.files} weight file{'s' if self.files != 1 else ''}"
         v = ", V placement" if self.placement == "v" else ""
+        ep, etp = self.expert_grid
+        grid = f", experts ep {ep} x etp {etp} (for dp {self.dp})" if ep * etp > 1 else ""
         return (
             f"wrote {self.destination}: tp {lay['tp']} x pp {lay['pp']} (virtual stages "
-            f"{lay['virtual_stages']}{v}), {files}, {self.dtype}{fp8}\n"
+            f"{lay['virtual_stages']}{v}){grid}, {files}, {self.dtype}{fp8}\n"
             f"{self.tensors} tensors, {human_count(self.parameters)} parameters; read "
             f"{human_bytes(self.bytes_read)}, wrote {human_bytes(self.bytes_written)} in "
             f"{self.seconds:.1f} s; peak memory (RSS) {human_bytes(self.peak_rss_bytes)}")
@@ -150,6 +168,17 @@ class StreamingReader(CheckpointReader):
         handle = self._open(file)
         try:
             handle.read_rows_into(key, row, out)
+        except (SafetensorsFormatError, OSError) as exc:
+            raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({exc})") from exc
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def read_flat_rows(self, file: str, key: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows `[row, row + len(out))` of tensor `key` of `file` viewed as 2-D (an expert
+        bank `(E, R, C)` as `(E * R, C)`), read into `out`."""
+        handle = self._open(file)
+        try:
+            handle.read_flat_rows_into(key, row, out)
         except (SafetensorsFormatError, OSError) as exc:
             raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({exc})") from exc
         self.bytes_read += out.numel() * out.element_size()
@@ -199,6 +228,9 @@ class _Plan:
     fp8: dict[str, str] | None  # the output's FP8 description
     quantize: bool  # quantize high-precision linear weights now
     files: dict[tuple[int, int], dict[str, tuple[int, ...]]]
+    # Under an expert grid: `{experts-ep{e}-etp{t}-pp{p}.safetensors: {bank: piece shape}}`.
+    expert_files: dict[str, dict[str, tuple[int, ...]]] = dataclasses.field(
+        default_factory=dict)
 
 
 def target_files(config: ModelConfig, layout: Layout
@@ -255,7 +287,9 @@ def _plan(man: Manifest, layout: Layout, dtype: torch.dtype | None, fp8: bool,
     else:
         out_fp8 = {"format": "e4m3", "granularity": granularity} if fp8 or per_channel else None
         fresh = fp8 or per_channel
-    return _Plan(layout, dtype, out_fp8, fresh, target_files(man.model, layout))
+    files = target_files(man.model, layout)
+    experts = split_expert_files(files, man.model, layout)  # expert grid: banks in pieces
+    return _Plan(layout, dtype, out_fp8, fresh, files, experts)
 
 
 def reshard_checkpoint(
@@ -271,6 +305,9 @@ def reshard_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     placement: str | None = None,
+    ep: int | None = None,
+    etp: int | None = None,
+    dp: int | None = None,
 ) -> ConvertSummary:
     """Write the checkpoint `src` to `dst` for the layout `tp` x `pp` (x `virtual_stages`).
 
@@ -280,6 +317,11 @@ def reshard_checkpoint(
     higher-precision tensors. `fp8` stores the linear-layer weights (`weight_format.quantizable`) as
     float8_e4m3fn with fp32 scales `NAME.scale` next to them in the same files, per tensor or,
     with `fp8_per_channel`, per output channel; an FP8 source stays FP8, bit-exactly.
+
+    Mixture-of-Experts: `ep` x `etp` > 1 writes the expert banks in the expert-grid pieces a
+    training run of that layout saves (`converters.expert_reshard`), the layout recording `dp`
+    (default: the source's), the source's cp and, with tp > 1, sequence parallelism; unset,
+    the banks are written whole (ep 1, etp 1), which every expert layout loads.
 
     Raises `ConfigError` for a layout the model cannot take, `CheckpointError` for a damaged or
     foreign source, `FileExistsError` if `dst` exists and not `overwrite`; in every case, and
@@ -294,6 +336,8 @@ def reshard_checkpoint(
     try:
         man = reader.manifest
         layout = target_layout(man.layout, tp, pp, virtual_stages, placement)
+        layout = expert_target_layout(man.layout, layout, ep, etp, dp)
+        check_target(layout, man.model, man.layout, dp is not None)
         plan = _plan(man, layout, dtype, fp8, fp8_per_channel)
         if dst.exists() and not overwrite:
             raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
@@ -316,10 +360,12 @@ def reshard_checkpoint(
     return ConvertSummary(
         source=str(src), destination=str(dst),
         layout={"tp": lay.tp, "pp": lay.pp, "virtual_stages": lay.virtual_stages},
-        placement=lay.placement, files=len(plan.files), tensors=len(weight_map),
+        placement=lay.placement, files=len(plan.files) + len(plan.expert_files),
+        tensors=len(weight_map),
         parameters=num_parameters(man.model),
         dtype=out_dtype, fp8=plan.fp8, bytes_read=reader.bytes_read, bytes_written=written,
-        seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes())
+        seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes(),
+        expert_grid=(lay.ep, lay.etp), dp=lay.dp)
 
 
 def _out_dtype(reader: StreamingReader, plan: _Plan, name: str) -> torch.dtype:
@@ -350,9 +396,22 @@ def _write_files(reader: StreamingReader, plan: _Plan, tmp: Path, progress: bool
                 holders.setdefault(name, []).append((t, p))
             writers[t, p] = SafetensorsWriter(tmp / shard_file_name(t, p), entries,
                                               metadata={"format": "pt"})
+        pieces: dict[str, list[str]] = {}  # expert bank -> its piece files (ep-major)
+        for file, banks in sorted(plan.expert_files.items()):
+            writers[file] = SafetensorsWriter(tmp / file, piece_entries(banks, dtypes),
+                                              metadata={"format": "pt"})
+            for name in banks:
+                pieces.setdefault(name, []).append(file)
         shapes, scratch = global_param_shapes(config), _Scratch()
-        order = [n for n in shapes if n in holders]  # as save_checkpoint
+        order = [n for n in shapes if n in holders or n in pieces]  # as save_checkpoint
         for name in progress_iter(order, "reshard", unit="tensor", enabled=progress):
+            if is_expert_param(name):  # expert by expert, into whole banks or grid pieces
+                grid = (plan.layout.ep, plan.layout.etp) if name in pieces else (1, 1)
+                targets = [(writers[f], *piece_coordinates(f)) for f in pieces[name]] if (
+                    name in pieces) else [(writers[f], 0, 0) for f in sorted(holders[name])]
+                stream_expert_bank(reader, name, dtypes[name], targets, grid, config,
+                                   scratch, CHUNK_BYTES)
+                continue
             targets = [(t, writers[t, p], plan.files[t, p][name]) for t, p in sorted(holders[name])]
             _stream_tensor(reader, name, shapes[name], dtypes[name], granularity, targets,
                            plan.layout.tp, config, scratch)
@@ -362,7 +421,8 @@ def _write_files(reader: StreamingReader, plan: _Plan, tmp: Path, progress: bool
         raise
     for w in writers.values():
         w.close()
-    weight_map = {n: [shard_file_name(t, p) for t, p in sorted(holders[n])] for n in order}
+    weight_map = {n: pieces[n] if n in pieces else
+                  [shard_file_name(t, p) for t, p in sorted(holders[n])] for n in order}
     return sum(w.size for w in writers.values()), weight_map
 
 
@@ -398,9 +458,6 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     fresh per-tensor FP8 scales take a first pass over the chunks for the global amax.
     """
     files = reader.manifest.weight_map[name]
-    # An expert bank of an expert-parallel source (ep x etp piece files): put together whole,
-    # one layer's bank at a time rather than in row chunks (`core.expert_checkpoint`).
-    whole = expert_bank(reader, name, config)
     if shard_spec(name, config).dim is None:
         files = files[:1]  # replicated: any copy is the whole tensor
     src_dtype, rows = reader.stored_dtype(name), shape[0]
@@ -419,8 +476,6 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     step = max(1, CHUNK_BYTES // max(1, row_bytes))
 
     def read(g0: int, g1: int) -> torch.Tensor:
-        if whole is not None:
-            return whole[g0:g1]
         chunk = scratch.get("chunk", (g1 - g0, *shape[1:]), src_dtype)
         for file, ranges, col in sources:
             for a, b, local in ranges:
@@ -473,16 +528,6 @@ def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
     for t, writer, *_ in outs:
         part = stored_shard(name, shard_scale(name, scale, config, t, tp), config, t, tp)
         writer.write(name + ".scale", part.contiguous())
-
-
-def expert_bank(reader: StreamingReader, name: str, config: ModelConfig) -> torch.Tensor | None:
-    """The whole expert bank `name` when the source stores it in expert-parallel pieces (None
-    otherwise: it streams like any tensor). The target is written without expert parallelism
-    (`target_layout` keeps ep and etp at 1); loading under any ep / etp slices it."""
-    files = reader.manifest.weight_map[name]
-    if not stored_in_pieces(name, files):
-        return None
-    return unshard_tensors(name, [reader.read(f, name) for f in files], config)
 
 
 def _write_piece(writer: SafetensorsWriter, name: str, row: int, kept: tuple[int, ...],

@@ -10,7 +10,9 @@ resharded file is known in advance (names, dtypes and shapes come from the layou
 large file never count against the process) and names the problem when a file is damaged.
 Both also work on row ranges (`write_rows`, `read_rows_into`): tensors are stored row-major, so
 rows `[a, b)` of a tensor are one contiguous byte range and a converter can stream a tensor of
-any size through a bounded buffer.
+any size through a bounded buffer. A 3-D expert bank `(E, R, C)` is addressed by *flat rows*
+(`write_flat_rows`, `read_flat_rows_into`: the tensor viewed as `(E * R, C)`), so a piece
+of one expert's matrix streams the same way.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class SafetensorsWriter:
         self._data_start = 8 + len(raw)
         self.size = self._data_start + offset
         self._pending = set(self._layout)
-        self._rows_left: dict[str, int] = {}  # tensors written by rows, not yet complete
+        self._rows_left: dict[str, int] = {}  # written by rows: bytes not yet written
         self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._fh.write(struct.pack("<Q", len(raw)) + raw)
         self._fh.truncate(self.size)
@@ -96,13 +98,31 @@ class SafetensorsWriter:
                 or not 0 <= row <= row + n <= shape[0]):
             raise ValueError(f"{self.path}: rows {row}.. of {name!r} as {tensor.dtype} "
                              f"{tuple(tensor.shape)} do not fit the declared {dtype} {shape}")
-        left = self._rows_left.get(name, shape[0]) - n
+        return self._put_rows(name, row * _nbytes(dtype, shape[1:]), tensor)
+
+    def write_flat_rows(self, name: str, row: int, tensor: torch.Tensor) -> int:
+        """Write the 2-D `tensor` as rows `[row, row + len(tensor))` of the declared tensor
+        `name` viewed as 2-D, `(numel / last dim, last dim)`: for an expert bank `(E, R, C)`,
+        row `e * R + r` is row r of expert e. Each row once, as with `write_rows`."""
+        dtype, shape, _ = self._entry(name)
+        width = shape[-1] if shape else 0
+        total = math.prod(shape) // width if width else 0
+        if (tensor.dtype != dtype or tensor.dim() != 2 or tensor.shape[1] != width
+                or not 0 <= row <= row + tensor.shape[0] <= total):
+            raise ValueError(f"{self.path}: flat rows {row}.. of {name!r} as {tensor.dtype} "
+                             f"{tuple(tensor.shape)} do not fit the declared {dtype} {shape}")
+        return self._put_rows(name, row * width * dtype.itemsize, tensor)
+
+    def _put_rows(self, name: str, byte_offset: int, tensor: torch.Tensor) -> int:
+        """Write part of `name` at `byte_offset`, counting down the bytes it still lacks."""
+        dtype, shape, _ = self._layout[name]
+        left = self._rows_left.get(name, _nbytes(dtype, shape)) - _nbytes(dtype, tensor.shape)
         if name not in self._pending or left < 0:
             raise ValueError(f"{self.path}: tensor {name!r} written twice")
         self._rows_left[name] = left
         if left == 0:
             self._pending.discard(name)
-        return self._put(name, row * _nbytes(dtype, shape[1:]), tensor)
+        return self._put(name, byte_offset, tensor)
 
     def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...], int]:
         if name not in self._layout:
@@ -214,6 +234,27 @@ class SafetensorsFile:
         size = _nbytes(dtype, out.shape)
         if size:
             self._fh.seek(self._data_start + begin + row * _nbytes(dtype, shape[1:]))
+            if self._fh.readinto(out.view(torch.uint8).reshape(-1).numpy()) != size:
+                raise SafetensorsFormatError(f"{self.path}: truncated while reading {name!r}")
+        return out
+
+    def read_flat_rows_into(self, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Read rows `[row, row + len(out))` of tensor `name` viewed as 2-D, `(numel / last
+        dim, last dim)`, into the contiguous 2-D `out` (one plain read): for an expert bank
+        `(E, R, C)`, row `e * R + r` is row r of expert e, so any rows of one expert, or whole
+        experts, are one contiguous byte range. Returns `out`."""
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        dtype, shape, begin, _ = self._entries[name]
+        width = shape[-1] if shape else 0
+        total = math.prod(shape) // width if width else 0
+        if (out.dtype != dtype or out.dim() != 2 or out.shape[1] != width
+                or not 0 <= row <= row + out.shape[0] <= total or not out.is_contiguous()):
+            raise ValueError(f"{self.path}: cannot read flat rows {row}.. of {name!r} ({dtype} "
+                             f"{shape}) into {out.dtype} {tuple(out.shape)}")
+        size = _nbytes(dtype, out.shape)
+        if size:
+            self._fh.seek(self._data_start + begin + row * width * dtype.itemsize)
             if self._fh.readinto(out.view(torch.uint8).reshape(-1).numpy()) != size:
                 raise SafetensorsFormatError(f"{self.path}: truncated while reading {name!r}")
         return out

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -515,9 +516,12 @@ def shard_expert_tensor(name: str, full: torch.Tensor, config: ModelConfig, ep_r
 def expert_local_shape(name: str, config: ModelConfig, ep_size: int, etp_size: int
                        ) -> tuple[int, ...]:
     """The shape each expert-grid rank holds of expert bank `name` (the MoE layer builds its
-    parameters with it): `(E / ep, rows / etp, h)` for w1, `(E / ep, h, F / etp)` for w2."""
-    meta = torch.empty(expert_global_shape(name, config), device="meta")
-    return tuple(shard_expert_tensor(name, meta, config, 0, ep_size, 0, etp_size).shape)
+    parameters with it): `(E / ep, rows / etp, h)` for w1, `(E / ep, h, F / etp)` for w2.
+    Counted from `expert_piece` (a first `torch.cat` on the meta device costs seconds)."""
+    piece = expert_piece(name, config, 0, ep_size, 0, etp_size)
+    _, _, cols = expert_global_shape(name, config)
+    return (piece.experts[1] - piece.experts[0], sum(b - a for a, b, _ in piece.rows),
+            cols if piece.cols is None else piece.cols[1] - piece.cols[0])
 
 
 def unshard_expert_tensors(name: str, shards: list[torch.Tensor], config: ModelConfig
@@ -545,3 +549,38 @@ def unshard_expert_tensors(name: str, shards: list[torch.Tensor], config: ModelC
         blocks.append(torch.cat([h[i] for i in range(len(spec.parts)) for h in halves],
                                 dim=spec.dim))
     return torch.cat(blocks, dim=0)
+
+
+class ExpertPiece(NamedTuple):
+    """Where expert-grid rank `(ep_rank, etp_rank)`'s piece of an expert bank sits in the
+    global bank `(E, R, C)`: the row-range form of `shard_expert_tensor`, for streaming.
+
+    The piece `(experts[1] - experts[0], R_local, C_local)` holds global experts
+    `[experts[0], experts[1])`, in order; of each expert's `(R, C)` matrix, local rows
+    `[local, local + stop - start)` are global rows `[start, stop)` for each `(start, stop,
+    local)` in `rows`, restricted to the global columns `[cols[0], cols[1])` (None: all)."""
+
+    experts: tuple[int, int]
+    rows: list[tuple[int, int, int]]
+    cols: tuple[int, int] | None
+
+
+def expert_piece(name: str, config: ModelConfig, ep_rank: int, ep_size: int, etp_rank: int,
+                 etp_size: int) -> ExpertPiece:
+    """`ExpertPiece` of expert bank `name` for expert-grid rank `(ep_rank, etp_rank)` of an
+    `ep_size x etp_size` grid (tested against `shard_expert_tensor`)."""
+    e, r, c = expert_global_shape(name, config)
+    experts = _chunk_bounds(e, ep_rank, ep_size)
+    spec = expert_spec(name, config)
+    if etp_size == 1:
+        return ExpertPiece(experts, [(0, r, 0)], None)
+    if spec.dim == 2:  # w2: each expert's columns
+        return ExpertPiece(experts, [(0, r, 0)], _chunk_bounds(c, etp_rank, etp_size))
+    # w1 (dim 1 of the bank is the expert matrix's rows): each fused part split on its own.
+    rows, local = [], 0
+    bounds = [(lo, hi) for lo, hi, _ in _pieces(spec, etp_rank, etp_size)] if spec.parts else [
+        _chunk_bounds(r, etp_rank, etp_size)]
+    for lo, hi in bounds:
+        rows.append((lo, hi, local))
+        local += hi - lo
+    return ExpertPiece(experts, rows, None)
