@@ -21,6 +21,7 @@ from tessera.core.checkpoint import read_manifest
 from tessera.training.config import load_config
 from tessera.training.loop import pretrain
 from tessera.training.state import latest_checkpoint
+from tests.distributed._expert_convert import check_run_converts
 from tests.distributed_helper import run_ranks
 from tests.pretrain_helper import TinyData, pretrain_argv, read_losses, rewind_run, tessera_command
 
@@ -84,6 +85,7 @@ def test_ep2_pretraining_follows_one_process_and_resumes_exactly(tiny, single, t
     run_ranks(_run_and_resume, 2, _argv(tiny, run, "--ep", "2"),
               _argv(tiny, resumed, "--ep", "2", "--resume"), str(run), str(resumed), timeout=400)
     print(f"ep2: worst relative loss difference {_check(single, run, resumed):.1e}")
+    check_run_converts(latest_checkpoint(run), tmp_path / "converted")  # tessera convert
 
 
 @pytest.mark.slow  # two launches of two fresh processes

@@ -6,7 +6,7 @@ rank of a layout holds), the checkpoint writer of a training run (`core.expert_c
 write_expert_weights` with `safetensors.save_file`, called per simulated rank of the target
 layout in one process), and `load_checkpoint` / `load_weights` (how training and serving read).
 A real two-rank ep2 training run's checkpoint is converted in `test_moe_pretrain_ep.py`
-(`check_ep2_run_converts`, below)."""
+(`tests/distributed/_expert_convert.py`)."""
 
 from __future__ import annotations
 
@@ -239,26 +239,6 @@ def test_memory_stays_a_few_chunks_with_large_banks(tmp_path, monkeypatch):
     for name in ("ep1 -> ep2", "ep2 -> ep4 x etp2", "ep4 x etp2 -> ep1"):
         assert grown[name] < bank // 4, (name, grown)
     assert _global_bytes(tmp_path / "ep4 x etp2 -> ep1") == _global_bytes(src)
-
-
-def check_ep2_run_converts(run_checkpoint: Path, tmp: Path) -> None:
-    """For `test_moe_pretrain_ep`: a checkpoint saved by a real ep2 training run, converted to
-    ep1, loads the same model the run's checkpoint loads, and converted back to ep2 for the
-    run's dp it is the run's own expert files, byte for byte."""
-    ep1 = reshard_checkpoint(run_checkpoint, tmp / "ep1", ep=1, progress=False).destination
-    assert read_manifest(ep1).layout.ep == 1 and not list(Path(ep1).glob("experts-*"))
-    want = load_checkpoint(run_checkpoint).state_dict()
-    got = load_checkpoint(ep1).state_dict()
-    assert want.keys() == got.keys()
-    assert all(_bytes(got[k]) == _bytes(v) for k, v in want.items())
-    run = read_manifest(run_checkpoint).layout
-    again = reshard_checkpoint(ep1, tmp / "ep2", ep=run.ep, etp=run.etp, dp=run.dp,
-                               progress=False).destination
-    pieces = sorted(f.name for f in Path(run_checkpoint).glob("experts-*"))
-    assert pieces and pieces == sorted(f.name for f in Path(again).glob("experts-*"))
-    for file in pieces:
-        assert (Path(again) / file).read_bytes() == (Path(run_checkpoint) / file).read_bytes()
-    assert read_manifest(again).layout == run
 
 
 def test_cli_writes_an_expert_grid_and_explains_a_bad_one(mixtral, tmp_path, capsys):
