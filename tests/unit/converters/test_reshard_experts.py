@@ -76,10 +76,12 @@ def test_expert_piece_is_the_row_range_form_of_shard_expert_tensor(config):
                         sum(b - a for a, b, _ in piece.rows[:i]) for i in range(len(piece.rows))]
 
 
-def _trained_pieces(src: Path, layout: Layout, out: Path) -> dict[str, bytes]:
+def _trained_pieces(src: Path, dst: Path, layout: Layout, out: Path) -> dict[str, bytes]:
     """What each expert-grid rank of a training run of `layout` writes, simulated rank by rank
     in this process: build its chunks, load `src` into them (`load_weights`, as a resume), and
-    write its pieces (`write_expert_weights`, as `save_checkpoint`); file -> bytes."""
+    write its pieces (`write_expert_weights`, as `save_checkpoint`); file -> bytes. Each rank
+    also loads the converted `dst` (its own piece file: same ep and etp) and must get the
+    same parameters, bit for bit."""
     out.mkdir()
     config = read_manifest(src).model
     for p in range(layout.pp):
@@ -87,20 +89,25 @@ def _trained_pieces(src: Path, layout: Layout, out: Path) -> dict[str, bytes]:
             for t in range(layout.etp):
                 g = ParallelGroups(pp_rank=p, pp_size=layout.pp, ep_rank=e,
                                    ep_size=layout.ep, etp_rank=t, etp_size=layout.etp)
-                chunks = [build_model(config, layout, g, stage_id=s,
-                                      num_stages=layout.num_stages, init=False)
-                          for s in stage_ids(layout, p)]
+                chunks, again = ([build_model(config, layout, g, stage_id=s,
+                                              num_stages=layout.num_stages, init=False)
+                                  for s in stage_ids(layout, p)] for _ in range(2))
                 load_weights(chunks, src)
+                load_weights(again, dst)
+                for a, b in zip(chunks, again, strict=True):
+                    want, got = a.state_dict(), b.state_dict()
+                    assert all(_bytes(got[k]) == _bytes(v) for k, v in want.items()), (e, t, p)
                 write_expert_weights(out, chunks)
     return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
 
 
 def _check_pieces_like_training(dst: Path, src: Path, tmp: Path) -> None:
     """Every expert piece file of `dst` is byte for byte what training under its layout
-    writes, and the weight map lists them as `save_checkpoint` does (sorted, ep-major)."""
+    writes, each rank of that layout loads it, and the weight map lists the pieces as
+    `save_checkpoint` does (sorted, ep-major)."""
     man = read_manifest(dst)
     lay = man.layout
-    trained = _trained_pieces(src, lay, tmp)
+    trained = _trained_pieces(src, dst, lay, tmp)
     converted = {f.name: f.read_bytes() for f in sorted(dst.glob("experts-*"))}
     assert converted.keys() == trained.keys() and converted, (sorted(converted), sorted(trained))
     for file, data in trained.items():
