@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,7 +46,10 @@ from tessera.core.parallel.sharding import (
     is_expert_param,
 )
 
-# (writer, ep rank, etp rank) of one target file holding a piece of a bank, and the grid size.
+if TYPE_CHECKING:
+    from tessera.converters.reshard import StreamingReader, _Scratch
+
+# (writer, ep rank, etp rank) of one target file holding a piece of a bank.
 Target = tuple[SafetensorsWriter, int, int]
 
 
@@ -114,9 +118,9 @@ def piece_coordinates(file: str) -> tuple[int, int]:
     return int(parts[1].removeprefix("ep")), int(parts[2].removeprefix("etp"))
 
 
-def stream_expert_bank(reader, name: str, out_dtype: torch.dtype,
+def stream_expert_bank(reader: StreamingReader, name: str, out_dtype: torch.dtype,
                        targets: list[Target], grid: tuple[int, int], config: ModelConfig,
-                       scratch, chunk_bytes: int) -> None:
+                       scratch: _Scratch, chunk_bytes: int) -> None:
     """Write expert bank `name` into every target file holding it, walking the global bank
     `(E, R, C)` expert by expert in row chunks (see the module docstring).
 
@@ -174,8 +178,8 @@ def _overlaps(piece: ExpertPiece, g0: int, g1: int):
             yield lo, hi, local + lo - a
 
 
-def _read_rows(reader, name: str, expert: int, g0: int, g1: int, cols: int,
-               dtype: torch.dtype, sources, scratch) -> torch.Tensor:
+def _read_rows(reader: StreamingReader, name: str, expert: int, g0: int, g1: int, cols: int,
+               dtype: torch.dtype, sources: list, scratch: _Scratch) -> torch.Tensor:
     """Rows `[g0, g1)` of expert `expert`'s matrix, gathered from the source pieces."""
     chunk = scratch.get("chunk", (g1 - g0, cols), dtype)
     for file, piece, rows_local in sources:
@@ -191,8 +195,8 @@ def _read_rows(reader, name: str, expert: int, g0: int, g1: int, cols: int,
     return chunk
 
 
-def _write_rows(name: str, expert: int, g0: int, g1: int, chunk: torch.Tensor, outs,
-                scratch) -> None:
+def _write_rows(name: str, expert: int, g0: int, g1: int, chunk: torch.Tensor, outs: list,
+                scratch: _Scratch) -> None:
     """Write rows `[g0, g1)` of expert `expert`'s matrix into every target piece holding it."""
     for writer, piece, rows_local in outs:
         base = (expert - piece.experts[0]) * rows_local

@@ -173,6 +173,13 @@ def test_qwen_moe_with_shared_expert_round_trips(tmp_path):
         assert torch.equal(cast.global_tensor(name),
                            src_reader.global_tensor(name).to(torch.bfloat16)), name
     _check_pieces_like_training(Path(a), src, tmp_path / "trained")
+    # FP8 quantizes the dense linear layers; expert banks keep their dtype, bit for bit.
+    fp8 = reshard_checkpoint(src, tmp_path / "fp8", ep=2, dp=2, fp8=True, progress=False)
+    fp8_reader = CheckpointReader(fp8.destination)
+    for name in fp8_reader.names():
+        if is_expert_param(name):
+            assert _bytes(fp8_reader.global_tensor(name)) == original[name], name
+    assert fp8_reader.raw_shards("layers.0.attention.wqkv.weight")[0].dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
