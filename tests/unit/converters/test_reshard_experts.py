@@ -76,6 +76,36 @@ def test_expert_piece_is_the_row_range_form_of_shard_expert_tensor(config):
                         sum(b - a for a, b, _ in piece.rows[:i]) for i in range(len(piece.rows))]
 
 
+
+def test_flat_rows_address_an_expert_bank_row_by_row(tmp_path):
+    """`(E, R, C)` viewed as `(E * R, C)`: rows of one expert, or across experts, in any order,
+    read back by the safetensors library; overlaps, overruns and missing rows are refused."""
+    from safetensors.torch import load_file
+
+    from tessera.converters.safetensors_stream import SafetensorsFile, SafetensorsWriter
+
+    path = tmp_path / "bank.safetensors"
+    bank = torch.arange(3 * 4 * 5, dtype=torch.float32).reshape(3, 4, 5)
+    flat = bank.reshape(12, 5)
+    with SafetensorsWriter(path, [("w", torch.float32, (3, 4, 5))]) as w:
+        w.write_flat_rows("w", 6, flat[6:])  # expert 1's last two rows and expert 2
+        w.write_flat_rows("w", 0, flat[:6])
+        with pytest.raises(ValueError, match="twice"):
+            w.write_flat_rows("w", 5, flat[5:6])
+    assert torch.equal(load_file(str(path))["w"], bank)
+    reader = SafetensorsFile(path)
+    assert torch.equal(reader.read_flat_rows_into("w", 3, torch.empty(4, 5)), flat[3:7])
+    for bad in (torch.empty(4, 5), torch.empty(1, 4)):
+        with pytest.raises(ValueError, match="cannot read flat rows"):
+            reader.read_flat_rows_into("w", 10 if bad.shape[1] == 5 else 0, bad)
+    reader.close()
+    w = SafetensorsWriter(path, [("w", torch.float32, (3, 4, 5))])
+    with pytest.raises(ValueError, match="do not fit"):
+        w.write_flat_rows("w", 11, flat[:2])
+    w.write_flat_rows("w", 0, flat[:11])
+    with pytest.raises(ValueError, match="never written"):
+        w.close()
+
 def _trained_pieces(src: Path, dst: Path, layout: Layout, out: Path) -> dict[str, bytes]:
     """What each expert-grid rank of a training run of `layout` writes, simulated rank by rank
     in this process: build its chunks, load `src` into them (`load_weights`, as a resume), and
