@@ -11,6 +11,9 @@ One rank of `tessera pretrain --nproc-per-node N` on a CPU is one process runnin
 - the instruction set the kernels can use (AVX2 / AVX512 / AMX, from /proc/cpuinfo), the core
   count and the memory size;
 - the bandwidth of a one-thread memory copy (what the memory-bound ops see);
+- the rate of a causal attention kernel (`scaled_dot_product_attention`, forward + backward),
+  which on this AVX2 CPU runs at 38-62 GFLOP/s against the GEMMs' 78 (the profile's
+  `attention_efficiency` is their ratio; it was taken as 1);
 - the fixed cost of a layer and of a micro-batch (eager PyTorch's per-op dispatch, which
   dominates the step of a small model): forward + backward of a tiny model at two depths.
 
@@ -47,6 +50,9 @@ GEMM_SHAPES = ((256, 256, 1024), (512, 512, 512), (1024, 1024, 1024), (512, 1024
 QUICK_GEMM_SHAPES = ((64, 64, 64), (128, 128, 256))
 ALLREDUCE_BYTES = (4 * 2**10, 4 * 2**20, 32 * 2**20)  # latency, middle, bandwidth
 QUICK_ALLREDUCE_BYTES = (4 * 2**10, 256 * 2**10)
+# (batch, heads, sequence, head dim) of the attention measured: a small model's layer.
+ATTENTION_SHAPE = (2, 8, 512, 64)
+QUICK_ATTENTION_SHAPE = (1, 2, 64, 16)
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str:
@@ -144,6 +150,36 @@ def copy_gbps(nbytes: int, seconds: float) -> float:
     finally:
         torch.set_num_threads(threads)
     return 2 * nbytes / best / 1e9
+
+
+def attention_tflops(batch: int, heads: int, seq: int, head_dim: int, seconds: float) -> float:
+    """Best TFLOP/s of a causal `scaled_dot_product_attention` forward + backward on one
+    thread within `seconds` of CPU time, in the FLOPs the planner counts for it
+    (`estimate._layer_times`: 4 b s^2 a d forward over the whole score matrix, the backward
+    twice that), so that its ratio to the GEMM rate is the profile's attention efficiency."""
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True)
+                   for _ in range(3))
+
+        def run() -> None:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        run()  # warm-up
+        best, deadline = float("inf"), cpu_clock() + seconds
+        while True:
+            tic = cpu_clock()
+            run()
+            best = min(best, cpu_clock() - tic)
+            if cpu_clock() >= deadline:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return 3 * 4 * batch * seq * seq * heads * head_dim / best / 1e12
 
 
 # The model whose forward + backward times the fixed per-op costs: tiny, so that its FLOPs
@@ -263,6 +299,10 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         gemms[dtype_name] = rows
     memory_gbps = copy_gbps(2**20 if quick else 64 * 2**20, budget)
     say(f"  memory copy (1 thread): {memory_gbps:.1f} GB/s")
+    shape = QUICK_ATTENTION_SHAPE if quick else ATTENTION_SHAPE
+    attention = attention_tflops(*shape, budget)
+    say(f"  causal attention {'x'.join(map(str, shape))} forward + backward (1 thread): "
+        f"{attention * 1e3:.1f} GFLOP/s")
     layer_us, microbatch_us = framework_overheads(budget)
     say(f"  fixed costs (1 thread, tiny model): {layer_us:,.0f} us per layer forward, "
         f"{microbatch_us:,.0f} us per micro-batch")
@@ -282,6 +322,7 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         "allreduce_gbps": allreduce[-1]["bus_gbps"],
         "memory_gib": memory_gib(),
         "memory_gbps": memory_gbps,
+        "attention_tflops": attention,
         # A small all-reduce is latency only: 2 (n - 1) ring steps, as the time model counts.
         "link_latency_us": allreduce[0]["seconds"] / (2 * (world - 1)) * 1e6,
         "layer_overhead_us": layer_us,

@@ -173,7 +173,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 def _cpu_profile(path: Path) -> Hardware:
     """A `Hardware` for this CPU from its calibration file: measured rates are achieved rates,
-    so efficiencies are 1 and no shape penalty applies."""
+    so efficiencies are 1 and no shape penalty applies, except attention's, the ratio of its
+    measured rate (`attention_tflops`, optional) to the GEMMs'."""
     if not path.exists():
         raise PlanError(f"no cpu calibration at {path}: run `tessera plan --calibrate` first "
                         "(it measures this machine's GEMM throughput and gloo bandwidth)")
@@ -183,14 +184,16 @@ def _cpu_profile(path: Path) -> Hardware:
         raise PlanError(f"cpu calibration {path} lacks numbers for {missing}; run "
                         "`tessera plan --calibrate` again")
     gemm, link = float(data["gemm_tflops"]), float(data["allreduce_gbps"])
+    # The attention kernel's measured rate relative to the GEMMs' (1 when not measured).
+    attention = min(1.0, float(data.get("attention_tflops", gemm)) / gemm)
     return Hardware(
         name="cpu",
         peak_tflops={"fp32": gemm, "bf16": float(data.get("gemm_tflops_bf16", gemm))},
         memory_gib=float(data["memory_gib"]),
         memory_gbps=float(data.get("memory_gbps", 20.0)),
         intra_node_gbps=link, inter_node_gbps=link,
-        gemm_efficiency=1.0, gemm_half_size=0, attention_efficiency=1.0,
-        unfused_attention_efficiency=1.0, comm_efficiency=1.0, p2p_efficiency=1.0,
+        gemm_efficiency=1.0, gemm_half_size=0, attention_efficiency=attention,
+        unfused_attention_efficiency=attention, comm_efficiency=1.0, p2p_efficiency=1.0,
         framework_overhead_gib=float(data.get("framework_overhead_gib", 0.5)),
         link_latency_us=float(data.get("link_latency_us", 50.0)),
         layer_overhead_us=float(data.get("layer_overhead_us", 0.0)),

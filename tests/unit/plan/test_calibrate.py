@@ -70,6 +70,10 @@ def _check_calibration(path):
     assert hw.intra_node_gbps == result["allreduce_gbps"]
     assert hw.link_latency_us == result["link_latency_us"] > 0
     assert hw.memory_gbps == result["memory_gbps"] > 0
+    # The attention kernel's rate, relative to the GEMMs', is the profile's efficiency.
+    assert 0 < result["attention_tflops"] < 10
+    assert hw.attention_efficiency == pytest.approx(
+        min(1.0, result["attention_tflops"] / result["gemm_tflops"]))
     # Progress names the ISA and what was measured, one line each.
     assert result["isa"] in lines[0] and any("all-reduce 256 KiB" in line for line in lines)
     assert str(path) in lines[-1]
