@@ -11,8 +11,21 @@ One rank of `tessera pretrain --nproc-per-node N` on a CPU is one process runnin
 - the instruction set the kernels can use (AVX2 / AVX512 / AMX, from /proc/cpuinfo), the core
   count and the memory size;
 - the bandwidth of a one-thread memory copy (what the memory-bound ops see);
+- the rate of a causal attention kernel (`scaled_dot_product_attention`, forward + backward),
+  which on this AVX2 CPU runs at 38-62 GFLOP/s against the GEMMs' 78 (the profile's
+  `attention_efficiency` is their ratio; it was taken as 1);
 - the fixed cost of a layer and of a micro-batch (eager PyTorch's per-op dispatch, which
   dominates the step of a small model): forward + backward of a tiny model at two depths.
+
+The one-thread measurements are timed on the process's CPU clock (`cpu_clock`), not the wall
+clock: they are the rate of the core while the rank runs, which is what the profile means. On
+a shared machine the best wall time of a short op is the core's rate but a long op is cut by
+the scheduler: at a load average of ~9 on this 2-core AMD EPYC (AVX2), one thread measured
+1024x1024x1024 at 23.5 GFLOP/s on the wall clock against 76 on its CPU clock, and 81 for a
+short 256x256x1024 either way, so the calibration mixed two machines (and it measured a tiny
+model's per-layer cost at 3.3-4.3 ms on the wall clock against 1.2 ms on the CPU clock). How
+much of a core each rank then gets is the run's business: `tessera plan` shares the cores
+among its own ranks, and `--measure` reports the CPU share its ranks got (`Measurement`).
 
 The result is a flat JSON object (`hardware.CALIBRATION_KEYS` at least) that
 `tessera.plan.hardware.load_hardware("cpu", path)` reads; `default_path()` (that is,
@@ -37,6 +50,9 @@ GEMM_SHAPES = ((256, 256, 1024), (512, 512, 512), (1024, 1024, 1024), (512, 1024
 QUICK_GEMM_SHAPES = ((64, 64, 64), (128, 128, 256))
 ALLREDUCE_BYTES = (4 * 2**10, 4 * 2**20, 32 * 2**20)  # latency, middle, bandwidth
 QUICK_ALLREDUCE_BYTES = (4 * 2**10, 256 * 2**10)
+# (batch, heads, sequence, head dim) of the attention measured: a small model's layer.
+ATTENTION_SHAPE = (2, 8, 512, 64)
+QUICK_ATTENTION_SHAPE = (1, 2, 64, 16)
 
 
 def cpu_isa(cpuinfo: str | None = None) -> str:
@@ -85,8 +101,15 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_clock() -> float:
+    """Seconds of CPU this process has run (all its threads; one here), the clock the
+    one-thread measurements use (see the module doc)."""
+    return time.process_time()
+
+
 def gemm_tflops(m: int, k: int, n: int, dtype_name: str, seconds: float) -> float:
-    """Best TFLOP/s of an (m x k) @ (k x n) matmul on one thread within `seconds`."""
+    """Best TFLOP/s of an (m x k) @ (k x n) matmul on one thread within `seconds` of its CPU
+    time (`cpu_clock`)."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -95,12 +118,12 @@ def gemm_tflops(m: int, k: int, n: int, dtype_name: str, seconds: float) -> floa
     try:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         a @ b  # warm-up: first-call dispatch and packing
-        best, deadline = float("inf"), time.perf_counter() + seconds
+        best, deadline = float("inf"), cpu_clock() + seconds
         while True:
-            tic = time.perf_counter()
+            tic = cpu_clock()
             a @ b
-            best = min(best, time.perf_counter() - tic)
-            if time.perf_counter() >= deadline:
+            best = min(best, cpu_clock() - tic)
+            if cpu_clock() >= deadline:
                 break
     finally:
         torch.set_num_threads(threads)
@@ -117,16 +140,46 @@ def copy_gbps(nbytes: int, seconds: float) -> float:
     try:
         src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
         dst.copy_(src)
-        best, deadline = float("inf"), time.perf_counter() + seconds
+        best, deadline = float("inf"), cpu_clock() + seconds
         while True:
-            tic = time.perf_counter()
+            tic = cpu_clock()
             dst.copy_(src)
-            best = min(best, time.perf_counter() - tic)
-            if time.perf_counter() >= deadline:
+            best = min(best, cpu_clock() - tic)
+            if cpu_clock() >= deadline:
                 break
     finally:
         torch.set_num_threads(threads)
     return 2 * nbytes / best / 1e9
+
+
+def attention_tflops(batch: int, heads: int, seq: int, head_dim: int, seconds: float) -> float:
+    """Best TFLOP/s of a causal `scaled_dot_product_attention` forward + backward on one
+    thread within `seconds` of CPU time, in the FLOPs the planner counts for it
+    (`estimate._layer_times`: 4 b s^2 a d forward over the whole score matrix, the backward
+    twice that), so that its ratio to the GEMM rate is the profile's attention efficiency."""
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True)
+                   for _ in range(3))
+
+        def run() -> None:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        run()  # warm-up
+        best, deadline = float("inf"), cpu_clock() + seconds
+        while True:
+            tic = cpu_clock()
+            run()
+            best = min(best, cpu_clock() - tic)
+            if cpu_clock() >= deadline:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    return 3 * 4 * batch * seq * seq * heads * head_dim / best / 1e12
 
 
 # The model whose forward + backward times the fixed per-op costs: tiny, so that its FLOPs
@@ -168,12 +221,12 @@ def framework_overheads(seconds: float) -> tuple[float, float]:
 
             step()  # warm-up (and compilation, with fused kernels)
             step()
-            best, deadline = float("inf"), time.perf_counter() + seconds
+            best, deadline = float("inf"), cpu_clock() + seconds
             while True:
-                tic = time.perf_counter()
+                tic = cpu_clock()
                 step()
-                best = min(best, time.perf_counter() - tic)
-                if time.perf_counter() >= deadline:
+                best = min(best, cpu_clock() - tic)
+                if cpu_clock() >= deadline:
                     break
             times.append(best)
     finally:
@@ -246,6 +299,10 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         gemms[dtype_name] = rows
     memory_gbps = copy_gbps(2**20 if quick else 64 * 2**20, budget)
     say(f"  memory copy (1 thread): {memory_gbps:.1f} GB/s")
+    shape = QUICK_ATTENTION_SHAPE if quick else ATTENTION_SHAPE
+    attention = attention_tflops(*shape, budget)
+    say(f"  causal attention {'x'.join(map(str, shape))} forward + backward (1 thread): "
+        f"{attention * 1e3:.1f} GFLOP/s")
     layer_us, microbatch_us = framework_overheads(budget)
     say(f"  fixed costs (1 thread, tiny model): {layer_us:,.0f} us per layer forward, "
         f"{microbatch_us:,.0f} us per micro-batch")
@@ -265,12 +322,14 @@ def calibrate(path: Path | None = None, *, quick: bool = False,
         "allreduce_gbps": allreduce[-1]["bus_gbps"],
         "memory_gib": memory_gib(),
         "memory_gbps": memory_gbps,
+        "attention_tflops": attention,
         # A small all-reduce is latency only: 2 (n - 1) ring steps, as the time model counts.
         "link_latency_us": allreduce[0]["seconds"] / (2 * (world - 1)) * 1e6,
         "layer_overhead_us": layer_us,
         "microbatch_overhead_us": microbatch_us,
         # For people, and for a planner that wants the detail.
         "isa": isa, "cpu": cpu_name(), "cores": cores, "threads_per_rank": 1,
+        "clock": "process cpu time", "load_average": os.getloadavg()[0],
         "gemm": gemms, "allreduce": allreduce, "quick": quick,
         "torch": _torch_version(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                 time.gmtime()),

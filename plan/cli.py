@@ -50,7 +50,8 @@ examples:
 first, each with tp, pp, virtual_stages, dp, cp, ep, micro_batch, sequence_parallel, \
 recompute, recompute_layers, memory_gib (peak per GPU), step_time_s, tflops_per_gpu, mfu \
 (and more). With --measure each candidate also has "measured": {ok, step_time_s, \
-tokens_per_s, peak_memory_gib, step_times_s, error}, and the object has "spearman".
+tokens_per_s, peak_memory_gib, step_times_s, error, cpu_share}, and the object has \
+"spearman".
 
 Exit codes: 0 done; 2 bad input or nothing fits (the message says what would)."""
 

@@ -45,8 +45,9 @@ def _model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
     """The `--gpu` profile. For `cpu`: this machine's calibration (made now if there is none),
-    its memory shared by the ranks on it, and its GEMM rate and fixed per-op costs shared
-    when there are more ranks than cores (the calibration is one rank on one core)."""
+    its memory shared by the ranks on it, and its GEMM rate, memory bandwidth (the
+    memory-bound ops run on the same cores) and fixed per-op costs shared when there are more
+    ranks than cores (the calibration is one rank on one core)."""
     if args.gpu != "cpu":
         return load_hardware(args.gpu)
     path = _calibration_path(args)
@@ -62,6 +63,7 @@ def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
     return dataclasses.replace(
         hw, memory_gib=hw.memory_gib / ranks_per_node,
         peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
+        memory_gbps=hw.memory_gbps * share,
         layer_overhead_us=hw.layer_overhead_us / share,
         microbatch_overhead_us=hw.microbatch_overhead_us / share)
 
@@ -85,9 +87,11 @@ def _train(args: argparse.Namespace) -> int:
     model, model_fields = _model(args)
     hw = _hardware(args, min(gpus, per_node))
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
+    # CPU ranks run Tessera's own loop, which averages the gradients after the backward
+    # (`core.parallel.grad_buckets.average_gradients`), and on the cores the backward runs on.
     job = TrainingJob(model, gpus=gpus, hardware=hw, global_batch=args.global_batch,
                       seq_len=args.seq_len, gpus_per_node=per_node, tokens=args.tokens,
-                      precision=precision)
+                      precision=precision, overlap_grad_reduce=args.gpu != "cpu")
     fixed = Fixed(tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages, cp=args.cp,
                   ep=args.ep, micro_batch=args.micro_batch,
                   sequence_parallel=args.sequence_parallel, recompute=args.recompute,

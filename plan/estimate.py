@@ -216,6 +216,12 @@ def _bandwidth(hw: Hardware, intra: bool) -> float:
     return (hw.intra_node_gbps if intra else hw.inter_node_gbps) * 1e9 * hw.comm_efficiency
 
 
+def _p2p_bandwidth(hw: Hardware, intra: bool) -> float:
+    """Achievable bytes/s of one point-to-point send between two ranks (`Hardware.p2p_efficiency`
+    of the link: NCCL drives a lone send/receive below a ring collective's rate)."""
+    return (hw.intra_node_gbps if intra else hw.inter_node_gbps) * 1e9 * hw.p2p_efficiency
+
+
 def _collective_time(bytes_: float, n: int, hw: Hardware, bw: float, ops: int) -> float:
     """`ops` collectives over n ranks moving `bytes_` per rank in all: bandwidth plus a fixed
     start-up latency per operation."""
@@ -310,7 +316,7 @@ def _p2p_time(job: Job, c: Config) -> float:
     sl, b = job.seq_len // c.cp, c.micro_batch
     send = F.pp_p2p_bytes(sl, b, h, c.tp, True, job.act_bytes)
     gather = F.pp_gather_bytes(sl, b, h, c.tp, c.sequence_parallel, job.act_bytes)
-    return (send / _bandwidth(hw, _pp_intra(job, c)) + hw.link_latency_us * 1e-6
+    return (send / _p2p_bandwidth(hw, _pp_intra(job, c)) + hw.link_latency_us * 1e-6
             + _collective_time(gather, c.tp, hw, _bandwidth(hw, True), ops=1))
 
 

@@ -13,7 +13,16 @@ into achievable rates, the same for every row of every table the planner is chec
   unfused per-head batched GEMMs (Q K^T with an inner dimension of one head, 64-128, does about
   d FLOP per byte of scores it writes, below the A100's 153 FLOP/byte ridge: memory bound);
 - `comm_efficiency`: the fraction of the link bandwidth a ring collective reaches (NCCL "bus
-  bandwidth" over the link rate).
+  bandwidth" over the link rate);
+- `p2p_efficiency`: the same for one point-to-point send between two GPUs (a pipeline stage
+  boundary), which NCCL does not drive as hard as a ring: its maintainers say send/receive is
+  "mostly optimized for alltoall", so "individual send/recv might not achieve peak bandwidth"
+  (NVIDIA/nccl issue #464, 2021). Fitted on PTD-P Fig. 18 (GPT-3 175B, tp8 pp12, 2 layers per
+  virtual stage, 96 A100s; Megatron-LM examples/sc21/run_figure_18.sh): switching the
+  scatter/gather optimisation off adds (1 - 1/t) s b h x 2 bytes to each of the
+  `formulas.pipeline_critical_transfers` sends and costs 11-12% at every batch size (about
+  107/120/127/130/131 against 119/134/142/144/147 TFLOP/s for batch 12 to 60), which is
+  13.5-15 GB/s per HDR port (25 GB/s), 0.56 of the link.
 
 The `cpu` profile is measured on this machine by `tessera plan --calibrate`, which writes a JSON
 file (`load_hardware("cpu", calibration=path)`); a JSON file with every `Hardware` field can also
@@ -57,6 +66,7 @@ class Hardware:
     attention_efficiency: float = 0.6  # fraction of peak a fused (flash) attention kernel reaches
     unfused_attention_efficiency: float = 0.2  # same for per-head batched GEMMs + softmax
     comm_efficiency: float = 0.8  # fraction of link bandwidth a ring collective reaches
+    p2p_efficiency: float = 0.56  # same for one point-to-point send (PTD-P Fig. 18 fit)
     framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, allocator slack
     link_latency_us: float = 20.0  # start-up of one collective or p2p operation
     # Fixed costs that do not grow with the work: one layer's forward on one micro-batch
@@ -163,7 +173,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 def _cpu_profile(path: Path) -> Hardware:
     """A `Hardware` for this CPU from its calibration file: measured rates are achieved rates,
-    so efficiencies are 1 and no shape penalty applies."""
+    so efficiencies are 1 and no shape penalty applies, except attention's, the ratio of its
+    measured rate (`attention_tflops`, optional) to the GEMMs'."""
     if not path.exists():
         raise PlanError(f"no cpu calibration at {path}: run `tessera plan --calibrate` first "
                         "(it measures this machine's GEMM throughput and gloo bandwidth)")
@@ -173,14 +184,16 @@ def _cpu_profile(path: Path) -> Hardware:
         raise PlanError(f"cpu calibration {path} lacks numbers for {missing}; run "
                         "`tessera plan --calibrate` again")
     gemm, link = float(data["gemm_tflops"]), float(data["allreduce_gbps"])
+    # The attention kernel's measured rate relative to the GEMMs' (1 when not measured).
+    attention = min(1.0, float(data.get("attention_tflops", gemm)) / gemm)
     return Hardware(
         name="cpu",
         peak_tflops={"fp32": gemm, "bf16": float(data.get("gemm_tflops_bf16", gemm))},
         memory_gib=float(data["memory_gib"]),
         memory_gbps=float(data.get("memory_gbps", 20.0)),
         intra_node_gbps=link, inter_node_gbps=link,
-        gemm_efficiency=1.0, gemm_half_size=0, attention_efficiency=1.0,
-        unfused_attention_efficiency=1.0, comm_efficiency=1.0,
+        gemm_efficiency=1.0, gemm_half_size=0, attention_efficiency=attention,
+        unfused_attention_efficiency=attention, comm_efficiency=1.0, p2p_efficiency=1.0,
         framework_overhead_gib=float(data.get("framework_overhead_gib", 0.5)),
         link_latency_us=float(data.get("link_latency_us", 50.0)),
         layer_overhead_us=float(data.get("layer_overhead_us", 0.0)),

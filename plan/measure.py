@@ -15,6 +15,12 @@ Each step is timed between two barriers, so it lasts as long as the slowest rank
 median of the rest is the candidate's measured step time. Peak memory is the largest over the
 ranks of the peak resident set (CPU; reset per candidate through /proc/self/clear_refs) or of
 the peak allocated (CUDA).
+
+On a CPU each rank also reports the CPU time it ran in its timed steps; their sum over the
+ranks' wall time is the candidate's `cpu_share`, how much of a core a rank had on average
+(1.0: a core each, never waiting). The planner predicts a core per rank (shared only among its
+own ranks, `commands._hardware`); on a machine other people load, the measured step is about
+the predicted one over this share (a rank waiting for its peers in a collective lowers it too).
 """
 
 from __future__ import annotations
@@ -41,11 +47,12 @@ class Measurement:
     peak_memory_gib: float | None = None  # rank 0: peak RSS on CPU, peak allocated on GPU
     step_times_s: list[float] = field(default_factory=list)  # every timed step
     error: str | None = None
+    cpu_share: float | None = None  # CPU: a rank's CPU time over wall time, mean of the ranks
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "peak_memory_gib": self.peak_memory_gib, "step_times_s": self.step_times_s,
-                "error": self.error}
+                "error": self.error, "cpu_share": self.cpu_share}
 
 
 def synthetic_data(directory: Path, vocab_size: int, tokens: int, seed: int = 0) -> Path:
@@ -123,10 +130,11 @@ def measure_worker(workdir: Path) -> int:
         if rank0:
             print(f"measure {i + 1}/{len(spec['configs'])}: {label}", file=sys.stderr,
                   flush=True)
-        times, peak, error, tokens_per_step = _run_candidate(config_file, spec)
-        m = _agree(times, peak, error, spec["warmup"], tokens_per_step)
+        times, cpu, peak, error, tokens_per_step = _run_candidate(config_file, spec)
+        m = _agree(times, cpu, peak, error, spec["warmup"], tokens_per_step, spec["device"])
         if rank0:
-            print(f"  {m.step_time_s:.3f} s/step (median of {len(m.step_times_s)} steps)"
+            share = f", {m.cpu_share:.0%} of a core per rank" if m.cpu_share else ""
+            print(f"  {m.step_time_s:.3f} s/step (median of {len(m.step_times_s)} steps{share})"
                   if m.ok else f"  failed: {m.error}", file=sys.stderr, flush=True)
             results.append(m.to_dict())
             from tessera.core.files import atomic_file
@@ -137,9 +145,9 @@ def measure_worker(workdir: Path) -> int:
 
 
 def _run_candidate(config_file: str, spec: dict[str, Any]
-                   ) -> tuple[list[float], float | None, str | None, int]:
-    """This rank's step times, peak memory (GiB), error (None when it ran) and tokens per step
-    for one config."""
+                   ) -> tuple[list[float], list[float], float | None, str | None, int]:
+    """This rank's step times, CPU seconds per step, peak memory (GiB), error (None when it
+    ran) and tokens per step for one config."""
     import gc
     import time
 
@@ -147,7 +155,7 @@ def _run_candidate(config_file: str, spec: dict[str, Any]
     from tessera.training.gpt_dataset import build_datasets
     from tessera.training.loop import build_rank_model, local_batch, make_job, train_step
 
-    steps, times, job, tokens_per_step = spec["steps"], [], None, 0
+    steps, times, cpu, job, tokens_per_step = spec["steps"], [], [], None, 0
     try:
         cfg, _ = load_config(["--config", config_file, "--data", spec["data"], "--steps",
                               str(steps), "--device", spec["device"]])
@@ -162,38 +170,49 @@ def _run_candidate(config_file: str, spec: dict[str, Any]
         _reset_peak_memory(device)
         for step in range(steps):
             _barrier()
-            tic = time.perf_counter()
+            tic, cpu_tic = time.perf_counter(), time.process_time()
             tokens, labels = local_batch(train_ds, step, cfg, job.groups, job.device)
             train_step(job, step, tokens, labels)
             _barrier()  # the step ends when the slowest rank's does
             times.append(time.perf_counter() - tic)
-        return times, _peak_memory_gib(device), None, tokens_per_step
+            cpu.append(time.process_time() - cpu_tic)
+        return times, cpu, _peak_memory_gib(device), None, tokens_per_step
     except Exception as exc:  # reported per candidate; the next one still runs
         text = [line.strip(" -") for line in str(exc).strip().splitlines() if line.strip()]
         reason = f"{type(exc).__name__}: {' '.join(text[:2])}"[:300]
-        return times, None, reason, tokens_per_step
+        return times, cpu, None, reason, tokens_per_step
     finally:
         del job  # the next candidate's model starts from a clean heap
         gc.collect()
 
 
-def _agree(times: list[float], peak: float | None, error: str | None, warmup: int,
-           tokens_per_step: int) -> Measurement:
+def _agree(times: list[float], cpu: list[float], peak: float | None, error: str | None,
+           warmup: int, tokens_per_step: int, device: str = "cpu") -> Measurement:
     """One `Measurement` from every rank's results (all ranks get the same one)."""
     import torch.distributed as dist
 
-    reports = [(times, peak, error)]
+    reports = [(times, cpu, peak, error)]
     if dist.is_initialized():
         reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, (times, peak, error))
-    errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(reports) if e]
+        dist.all_gather_object(reports, (times, cpu, peak, error))
+    errors = [f"rank {r}: {e}" for r, (_, _, _, e) in enumerate(reports) if e]
     if errors:
         return Measurement(False, error=errors[0])
     timed = times[warmup:] or times[-1:]
     median = statistics.median(timed)
-    peaks = [p for _, p, _ in reports if p is not None]
+    peaks = [p for _, _, p, _ in reports if p is not None]
     return Measurement(True, median, tokens_per_step / median, max(peaks) if peaks else None,
-                       timed)
+                       timed, cpu_share=cpu_share(reports, warmup) if device == "cpu" else None)
+
+
+def cpu_share(reports: Sequence[tuple[list[float], list[float], Any, Any]], warmup: int
+              ) -> float | None:
+    """Mean over the ranks of CPU seconds over wall seconds in the timed steps (the first
+    `warmup` left out): how much of a core a rank had. `reports`: each rank's (step wall
+    times, step CPU times, ...). None when nothing was timed."""
+    shares = [sum(c[warmup:] or c[-1:]) / sum(t[warmup:] or t[-1:])
+              for t, c, *_ in reports if t and sum(t[warmup:] or t[-1:]) > 0]
+    return sum(shares) / len(shares) if shares else None
 
 
 def _barrier() -> None:

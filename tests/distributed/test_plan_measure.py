@@ -59,6 +59,7 @@ def test_measure_two_candidates_on_two_ranks(tmp_path):
         assert m["step_time_s"] == pytest.approx(sum(m["step_times_s"]) / 2)  # median of 2
         assert m["tokens_per_s"] == pytest.approx(8 * 32 / m["step_time_s"])
         assert 0 < m["peak_memory_gib"] < 16
+        assert m["cpu_share"] > 0  # CPU seconds over wall seconds of the timed steps
     assert data["spearman"] == spearman([c["step_time_s"] for c in cands],
                                         [c["measured"]["step_time_s"] for c in cands])
     assert "measure 1/2: tp1 pp1 dp2, micro-batch 4, recompute none" in done.stderr

@@ -70,7 +70,25 @@ def _check_calibration(path):
     assert hw.intra_node_gbps == result["allreduce_gbps"]
     assert hw.link_latency_us == result["link_latency_us"] > 0
     assert hw.memory_gbps == result["memory_gbps"] > 0
+    # The attention kernel's rate, relative to the GEMMs', is the profile's efficiency.
+    assert 0 < result["attention_tflops"] < 10
+    assert hw.attention_efficiency == pytest.approx(
+        min(1.0, result["attention_tflops"] / result["gemm_tflops"]))
     # Progress names the ISA and what was measured, one line each.
     assert result["isa"] in lines[0] and any("all-reduce 256 KiB" in line for line in lines)
     assert str(path) in lines[-1]
     return result
+
+
+def test_one_thread_rates_are_timed_on_the_cpu_clock(monkeypatch):
+    # The rank's core, not the wall: time that passes while this process does not run (here a
+    # sleep, on a shared machine the other processes' turns) does not count.
+    import time
+
+    start = calibration.cpu_clock()
+    time.sleep(0.05)
+    assert calibration.cpu_clock() - start < 0.02
+    # gemm_tflops reads that clock: 2 m k n FLOPs over the best CPU interval.
+    ticks = iter([0.0, 1.0, 1.5, 2.0])  # the deadline at 1.0, one run of 0.5 s, past it
+    monkeypatch.setattr(calibration, "cpu_clock", lambda: next(ticks))
+    assert calibration.gemm_tflops(8, 8, 8, "fp32", 1.0) == pytest.approx(2 * 8**3 / 0.5 / 1e12)

@@ -58,6 +58,11 @@ def test_cpu_profile_from_calibration(tmp_path):
                                 "layer_overhead_us": 900, "microbatch_overhead_us": 300}))
     hw = load_hardware("cpu", calibration=path)
     assert (hw.layer_overhead_us, hw.microbatch_overhead_us) == (900, 300)
+    assert hw.attention_efficiency == hw.unfused_attention_efficiency == 1.0  # not measured
+    path.write_text(json.dumps({"gemm_tflops": 0.4, "allreduce_gbps": 2.5, "memory_gib": 16,
+                                "attention_tflops": 0.22}))
+    hw = load_hardware("cpu", calibration=path)
+    assert hw.attention_efficiency == hw.unfused_attention_efficiency == pytest.approx(0.55)
     assert PROFILES["a100-80gb"].layer_overhead_us == 0.0  # GPUs: launches run ahead
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tessera.plan.measure import ranks, spearman, synthetic_data
+from tessera.plan.measure import cpu_share, ranks, spearman, synthetic_data
 from tessera.training.indexed_dataset import IndexedDataset
 
 
@@ -35,3 +35,13 @@ def test_synthetic_data_has_the_vocabulary_and_size_asked(tmp_path):
     tokens = np.concatenate([ds[i] for i in range(len(ds))])
     assert ds.vocab_size == 300 and 10_000 <= tokens.size <= 10_000 + 512
     assert tokens.min() >= 0 and tokens.max() < 300
+
+
+def test_cpu_share_is_cpu_over_wall_time_of_the_timed_steps():
+    # Two ranks, three steps, the first (warm-up) left out. Rank 0 ran 1.0 of 2.0 s, rank 1
+    # 0.5 of 2.0 s: a quarter and a half of a core on average -> (0.5 + 0.25) / 2.
+    reports = [([9.0, 1.0, 1.0], [9.0, 0.5, 0.5], None, None),
+               ([9.0, 1.0, 1.0], [0.0, 0.25, 0.25], None, None)]
+    assert cpu_share(reports, warmup=1) == pytest.approx(0.375)
+    assert cpu_share(reports, warmup=5) == pytest.approx((0.5 + 0.25) / 2)  # the last step
+    assert cpu_share([([], [], None, "failed")], warmup=1) is None

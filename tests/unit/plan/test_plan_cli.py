@@ -5,13 +5,14 @@ where `--output` is checked against the pretraining config loader."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from tessera.__main__ import main
 from tessera.core.config import ModelConfig
-from tessera.plan import Fixed, TrainingJob, load_hardware, plan_training
+from tessera.plan import Fixed, TrainingJob, evaluate, load_hardware, plan_training
 from tessera.plan.measure import Measurement
 from tessera.plan.report import measured_text
 
@@ -213,6 +214,23 @@ def test_cpu_profile_shares_the_machine_between_its_ranks(capsys, tmp_path):
                                        "layer_overhead_us": 1000, "microbatch_overhead_us": 500}))
     code, out, _ = _plan(capsys, *one)
     assert json.loads(out)["candidates"][0]["step_time_s"] - base == pytest.approx(0.013)
+    # As are the cores' GEMM rate and memory bandwidth (memory-bound ops run on them too).
+    from tessera.plan.commands import _hardware
+
+    args = argparse.Namespace(gpu="cpu", calibration_file=str(calibration))
+    alone, shared = _hardware(args, 2), _hardware(args, 4)
+    assert shared.peak("fp32") == pytest.approx(alone.peak("fp32") / 2)
+    assert shared.memory_gbps == pytest.approx(alone.memory_gbps / 2)
+    # CPU ranks run Tessera's loop, which averages gradients after the backward: the dp
+    # reduction is on the step, as the API computes it with overlap_grad_reduce=False.
+    cand = json.loads(out)["candidates"][0]
+    job = TrainingJob(ModelConfig.from_name("llama-tiny"), gpus=4, hardware=shared,
+                      global_batch=16, seq_len=64, gpus_per_node=4, precision="fp32",
+                      overlap_grad_reduce=False)
+    by_api = evaluate(job, {k: cand[k] for k in ("tp", "pp", "micro_batch", "recompute",
+                                                 "sequence_parallel")})
+    assert cand["dp"] == 4 and by_api.time.dp > 0
+    assert cand["time"]["dp"] == pytest.approx(by_api.time.dp)
 
 
 def test_measured_table_puts_the_rankings_side_by_side():

@@ -72,8 +72,8 @@ def paper_and_best(billions: float):
 @pytest.mark.parametrize("billions", list(ROWS))
 def test_ptdp_table1_published_configurations(billions):
     # Each row exactly as launched (layout, micro-batch, virtual stages, DDP): the predicted
-    # TFLOP/s per GPU against the measured one. All within 7% (1T: -6.7%, 76.1B: +4.6%, the
-    # rest within 3.1%); the brief's bar is 15%.
+    # TFLOP/s per GPU against the measured one. All within 7% (1T: -6.4%, 76.1B: +4.4%, the
+    # rest within 3.3%); the brief's bar is 15%.
     _, _, _, L, tp, pp, _, _, measured = ROWS[billions]
     mb, layers_per_virtual = SC21_RUNS[billions]
     v = 1 if layers_per_virtual is None else L // pp // layers_per_virtual
@@ -102,16 +102,18 @@ def test_ptdp_table1_throughput_within_15_percent(billions):
 # sequence parallelism in 2021), after the pipeline's own costs (bubble, blocking p2p with
 # scatter/gather, fill and drain, tied-embedding all-reduce, the heavier last stage, and a
 # gradient reduction that cannot overlap the backward in a 2021 pipeline): 18.4B (tp2 pp4 v5
-# predicted 7.8% faster), and by less 3.6B, 7.5B, 39.1B. Table 1's runs did not measure those
+# predicted 6.6% faster), and by less 3.6B, 7.5B, 39.1B. Table 1's runs did not measure those
 # layouts; where the paper measured the trade-off itself (Fig. 13 to 15) the model agrees with
 # it (below). API_NOTES.md "PTD-P Table 1, 18.4B" has the analysis.
 _18B_REASON = (
-    "tp2 pp4 v5 mb2 predicted 7.8% faster than the paper's tp8 pp1 (8.45 vs 9.10 s a step; "
-    "150.2 vs 139.4 TFLOP/s, the paper measured 135): tp8 spends 1.42 s in NVLink "
+    "tp2 pp4 v5 mb2 predicted 6.6% faster than the paper's tp8 pp1 (8.54 vs 9.10 s a step; "
+    "148.6 vs 139.4 TFLOP/s, the paper measured 135): tp8 spends 1.42 s in NVLink "
     "all-reduces (0.95 s + 0.47 s in the recompute: 6 a layer per micro-batch, each "
     "2 x 7/8 x s b h x 2 bytes at 240 GB/s; nccl-tests users measure ~205 GB/s, which would cost more) "
-    "against tp2's 0.22 s; tp2 pp4 v5 pays 0.28 s bubble, 0.25 s p2p and 0.12 s of "
-    "data-parallel reduction that tp8 hides behind its backward (torch DDP, pp = 1)")
+    "against tp2's 0.22 s; tp2 pp4 v5 pays 0.28 s bubble, 0.34 s p2p (at PTD-P Fig. 18's "
+    "14 GB/s per send) and 0.12 s of data-parallel reduction that tp8 hides behind its "
+    "backward (torch DDP, pp = 1). PTD-P Fig. 12 shows the model over-predicting the "
+    "interleaved schedule by ~0.2 s a step, cause not found (test_ptdp_figure_12_schedules)")
 LAYOUT_CHOICE = [
     pytest.param(1.7, 0.03, id="1.7B"),
     pytest.param(18.4, 0.03, id="18.4B", marks=pytest.mark.xfail(strict=True,
@@ -124,8 +126,8 @@ LAYOUT_CHOICE = [
     # Known deviations, bounded so that the model cannot drift further unnoticed.
     pytest.param(3.6, 0.05, id="3.6B-deviation"),
     pytest.param(7.5, 0.08, id="7.5B-deviation"),
-    pytest.param(39.1, 0.085, id="39.1B-deviation"),
-    pytest.param(18.4, 0.08, id="18.4B-deviation"),
+    pytest.param(39.1, 0.085, id="39.1B-deviation"),  # 7.4%
+    pytest.param(18.4, 0.07, id="18.4B-deviation"),  # 6.6%
 ]
 
 
@@ -169,6 +171,47 @@ def test_ptdp_section_5_4_trade_offs():
         assert p2 > p4 > p8, (batch, p2, p4, p8)
         t2, t4, t8 = (_tflops(small, batch, tp, 1) for tp in (2, 4, 8))
         assert t2 > t4 > t8, (batch, t2, t4, t8)
+
+
+# PTD-P Fig. 12 (and Fig. 18's scatter/gather curve, the same runs): GPT-3 175B on 96 A100s,
+# tp8 pp12, micro-batch 1, full recomputation, local DDP, 2 layers per virtual stage when
+# interleaved (Megatron-LM examples/sc21/run_figure_12.sh). TFLOP/s per GPU read off the
+# figure (about +-2): batch -> (non-interleaved, interleaved).
+FIG12 = {12: (82, 119), 24: (109, 134), 36: (122, 141), 48: (130, 143), 60: (135, 146)}
+
+
+@pytest.mark.parametrize("batch", list(FIG12))
+def test_ptdp_figure_12_schedules(batch):
+    # The non-interleaved schedule within 2% at every batch size; the interleaved one is
+    # over-predicted by 1.6-5.4% (about 0.2 s a step, flat in the batch size: a cost of the
+    # interleaved schedule the model lacks, not found; API_NOTES.md "PTD-P Table 1, 18.4B"),
+    # bounded here so that it cannot grow unnoticed.
+    job = TrainingJob(gpt_2021(12288, 96, 96), 96, A100, batch, 2048, flash_attention=False,
+                      overlap_grad_reduce=True, overlap_grad_reduce_in_pipeline=False,
+                      grad_reduce_bytes=2)
+    non, inter = (evaluate(job, dict(tp=8, pp=12, virtual_stages=v, micro_batch=1,
+                                     **{f: getattr(PAPER_FIXED, f) for f in
+                                        ("recompute", "sequence_parallel",
+                                         "sharded_optimizer", "cp")})).tflops_per_gpu
+                  for v in (1, 4))
+    paper_non, paper_inter = FIG12[batch]
+    assert non == pytest.approx(paper_non, rel=0.02)
+    assert paper_inter <= inter <= paper_inter * 1.06
+
+
+def test_pipeline_transfers_by_hand():
+    # 18.4B, tp2 pp4 v5 micro-batch 2, 256 GPUs: m = 1024 / (32 x 2) = 16 micro-batches.
+    # Each of the 2 v m + 2 (p - 1) = 166 transfers: a tp rank's half of s b h in 16 bits over
+    # its HDR port at PTD-P Fig. 18's 0.56 x 25 GB/s plus 20 us, then the NVLink all-gather of
+    # the other half (240 GB/s, 20 us). Then the tied embedding's gradient all-reduce between
+    # the first and last stage (two ranks: V h / 2 x 2 bytes once, over 0.8 x 25 GB/s).
+    c = evaluate(ptdp_job(18.4), dict(tp=2, pp=4, virtual_stages=5, micro_batch=2,
+                                      recompute="full", sequence_parallel=False,
+                                      sharded_optimizer=False))
+    sbh = 2048 * 2 * 6144 * 2
+    one = sbh / 2 / (0.56 * 25e9) + 20e-6 + sbh / 2 / 240e9 + 20e-6
+    embedding = 51200 / 2 * 6144 * 2 / (0.8 * 25e9) + 20e-6
+    assert c.time.pp == pytest.approx(166 * one + embedding, rel=1e-9)
 
 
 def gpt3_job() -> TrainingJob:
