@@ -18,10 +18,15 @@ is per micro-batch):
 - each rank's optimizer state holds only its rows: dense ones of dp 4, expert pieces of edp 2;
 - the resumed run repeats steps 3-6 bit for bit;
 - the moments and weights of each re-saved checkpoint equal the source's exactly.
+
+Slow: the same run launched by `tessera pretrain --nproc-per-node 4` follows one process.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,13 @@ from tessera.training.state import (
     save_training_checkpoint,
 )
 from tests.distributed_helper import run_ranks
-from tests.pretrain_helper import TinyData, pretrain_argv, read_losses, rewind_run
+from tests.pretrain_helper import (
+    TinyData,
+    pretrain_argv,
+    read_losses,
+    rewind_run,
+    tessera_command,
+)
 
 STEPS = 6
 RTOL = 1e-5
@@ -132,8 +143,6 @@ def spawned(tiny: TinyData, tmp_path_factory, one_thread) -> tuple[dict[str, Pat
 
 
 def _metric(run: Path, key: str) -> dict[int, float]:
-    import json
-
     with open(run / "metrics.jsonl", encoding="utf-8") as fh:
         return {r["step"]: r[key] for r in map(json.loads, fh) if "step" in r}
 
@@ -207,3 +216,17 @@ def test_zero1_ep2_checkpoints_move_exactly_to_other_layouts(spawned):
         ra, rb = CheckpointReader(a), CheckpointReader(b)
         for tensor in ra.names():
             assert torch.equal(ra.global_tensor(tensor), rb.global_tensor(tensor)), (name, tensor)
+
+
+@pytest.mark.slow  # a launch of four fresh processes
+def test_zero1_ep2_launched_by_nproc_per_node(tiny, single, tmp_path):
+    """`tessera pretrain --ep 2 --data-parallel zero1 --nproc-per-node 4` (edp 2) follows the
+    single-process curve."""
+    run = tmp_path / "launched"
+    argv = _argv(tiny, run, *EP2_ZERO1, "--nproc-per-node", "4")
+    done = subprocess.run(tessera_command("pretrain", *argv), capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    worst = _relative(read_losses(run), read_losses(single))
+    assert worst <= RTOL, worst
+    print(f"launched zero1 ep2: worst relative loss difference {worst:.1e}")
