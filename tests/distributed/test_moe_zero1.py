@@ -19,7 +19,8 @@ is per micro-batch):
 - the resumed run repeats steps 3-6 bit for bit;
 - the moments and weights of each re-saved checkpoint equal the source's exactly.
 
-Slow: the same run launched by `tessera pretrain --nproc-per-node 4` follows one process.
+Slow: the same run launched by `tessera pretrain --nproc-per-node 4` follows one process, and
+so do zero1 runs under tp2 x ep2 (sequence parallel, edp 2), pp2 x ep2 and ep2 x etp2.
 """
 
 from __future__ import annotations
@@ -230,3 +231,28 @@ def test_zero1_ep2_launched_by_nproc_per_node(tiny, single, tmp_path):
     worst = _relative(read_losses(run), read_losses(single))
     assert worst <= RTOL, worst
     print(f"launched zero1 ep2: worst relative loss difference {worst:.1e}")
+
+
+OTHER_LAYOUTS = {
+    "tp2-ep2": ("--tp", "2", "--dp", "2", "--ep", "2", "--sequence-parallel",
+                "--micro-batches", "2"),
+    "pp2-ep2": ("--pp", "2", "--dp", "2", "--ep", "2", "--micro-batches", "2"),
+    "ep2-etp2": ("--dp", "4", "--ep", "2", "--etp", "2", "--micro-batches", "1"),
+}
+
+
+def _train_all(rank: int, world_size: int, tiny: TinyData, runs: dict[str, str]) -> None:
+    for name, flags in OTHER_LAYOUTS.items():
+        pretrain(load_config(_argv(tiny, Path(runs[name]), *flags, "--data-parallel",
+                                   "zero1"))[0])
+
+
+@pytest.mark.slow  # another 4-rank spawn of three runs
+def test_zero1_under_other_expert_layouts_follows_one_process(tiny, single, tmp_path):
+    """Each dp rank's micro-batches hold 2 rows, as the single run's 4 micro-batches do."""
+    runs = {name: tmp_path / name for name in OTHER_LAYOUTS}
+    run_ranks(_train_all, 4, tiny, {k: str(v) for k, v in runs.items()}, timeout=900)
+    for name, run in runs.items():
+        worst = _relative(read_losses(run), read_losses(single))
+        assert worst <= RTOL, (name, worst)
+        print(f"zero1 {name}: worst relative loss difference {worst:.1e}")
