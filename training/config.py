@@ -169,7 +169,9 @@ _PARALLEL_HELP = {
     "recompute_layers": "with recompute full: the first N layers of each stage",
     "schedule": "pipeline schedule: 1f1b | interleaved-1f1b | zero-bubble | zbv | gpipe | ...",
     "micro_batches": "micro-batches per step (pipeline fill / gradient accumulation)",
-    "data_parallel": "ddp | zero1 (optimizer state sharded over dp) | fsdp (FSDP2: parameters too)",
+    "data_parallel": "ddp | zero1 (optimizer state sharded over dp; with --ep / --etp, expert "
+                     "state over the expert-data-parallel ranks) | fsdp (FSDP2: parameters too; "
+                     "not with --ep / --etp)",
     "ep": "expert-parallel size (MoE models): the experts split over ep of the dp x cp ranks; "
           "adds no ranks",
     "etp": "expert-tensor-parallel size (MoE models): each expert's FFN split over etp ranks, "

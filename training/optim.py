@@ -21,7 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from tessera.core.model import GPTModel
 from tessera.core.parallel.data_parallel import build_zero_optimizer
-from tessera.core.parallel.expert_data_parallel import expert_grad_norm_squared, expert_parallel
+from tessera.core.parallel.expert_data_parallel import (
+    expert_grad_norm_squared,
+    expert_parallel,
+    expert_parameters,
+)
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_spec, stored_shard
 from tessera.training.config import TrainConfig
@@ -44,7 +48,8 @@ def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
     """AdamW over `param_groups`, fused (one kernel per tensor) where torch has the kernel.
 
     `shard_over` given (data-parallel `zero1` or `fsdp`): each dp rank keeps the state of its
-    rows only (`core.parallel.zero.ShardedOptimizer`, AdamW inside).
+    rows only (`core.parallel.zero.ShardedOptimizer`, AdamW inside); under expert parallelism
+    each expert-data-parallel rank keeps the state of its rows of the expert-bank pieces.
 
     The fused kernel reads and writes each parameter and moment once per step; the `foreach`
     path makes one pass per arithmetic op, which on CPU made the update 4-6x slower (a third of
@@ -56,8 +61,11 @@ def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps,
               "fused": fused, "foreach": None if fused else True}
     groups = param_groups(models, cfg.weight_decay)
-    if shard_over is not None and shard_over.dp_cp_size > 1:
-        return build_zero_optimizer(groups, shard_over, torch.optim.AdamW, **kwargs)
+    experts = expert_parameters(models, shard_over) if shard_over is not None else []
+    if shard_over is not None and (shard_over.dp_cp_size > 1 or
+                                   (experts and shard_over.edp_size > 1)):
+        return build_zero_optimizer(groups, shard_over, torch.optim.AdamW, experts=experts,
+                                    **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 

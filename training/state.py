@@ -92,7 +92,8 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
             file, tensors, meta = moments
             save_file(tensors, str(tmp / "training" / file), metadata=meta)
         if expert_moments is not None:
-            save_file(expert_moments[1], str(tmp / "training" / expert_moments[0]))
+            file, tensors, meta = expert_moments
+            save_file(tensors, str(tmp / "training" / file), metadata=meta)
         rng = {"cpu": torch.get_rng_state()}
         rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
         if torch.cuda.is_available():

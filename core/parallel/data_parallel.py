@@ -7,7 +7,9 @@ loss (the mean over all dp ranks' batches), as if one process had run the whole 
   bucketed all-reduce, overlapped with backward.
 - `zero1`: the same DDP gradient averaging, plus `build_zero_optimizer`, a
   `zero.ShardedOptimizer` that keeps the optimizer state of rows `row_range(n, dp_rank, dp)`
-  of every parameter on each dp rank and all-gathers the updated rows after the step.
+  of every parameter on each dp rank and all-gathers the updated rows after the step; under
+  expert parallelism the expert-bank pieces' rows are split over the expert-data-parallel
+  group (where their gradients are reduced) and gathered there.
 - `fsdp`: FSDP2 `fully_shard` over a 1-D mesh of the dp group, each transformer layer and then
   the whole stage; parameters and gradients become `DTensor` shards over dp (dim 0, the same
   rows as `zero1`), and `build_zero_optimizer` steps those local shards. The embedding hook
@@ -81,7 +83,7 @@ def wrap_data_parallel(
         raise ValueError(f"data_parallel {kind!r} wrapping does not know expert banks (ep "
                          f"{groups.ep_size} x etp {groups.etp_size}); leave the modules "
                          "unwrapped and call allreduce_gradients after backward, with "
-                         "data_parallel 'ddp'")
+                         "data_parallel 'ddp' or 'zero1'")
     if kind == "fsdp":
         split = groups.pp_size > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES
         per_layer = not split or SHARD_LAYERS_UNDER_SPLIT_BACKWARD
@@ -139,16 +141,24 @@ def build_zero_optimizer(
     params: Iterable[Any],
     groups: ParallelGroups,
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    *,
+    experts: Iterable[nn.Parameter] = (),
     **defaults: Any,
 ) -> Any:
     """ZeRO-1: `optimizer_class` over this dp rank's rows of every parameter (`zero.py`).
 
     With dp 1 this is simply `optimizer_class(params, **defaults)`. Plain parameters need
     dp-averaged gradients (`allreduce_gradients`); FSDP2 ones are stepped on their local shard.
+    `experts` (`expert_data_parallel.expert_parameters`: the expert-bank pieces under expert
+    parallelism) are sharded over the expert-data-parallel group instead of dp x cp, as their
+    gradients are reduced there; with neither group larger than 1 nothing is sharded.
     """
-    if groups.dp_cp_group is None:
-        return optimizer_class(params, **defaults)
-    from tessera.core.parallel.zero import ShardedOptimizer
+    from tessera.core.parallel.zero import ShardedOptimizer, ShardGroup
 
+    expert_ids = {id(p) for p in experts}
+    edp = ShardGroup(groups.edp_group, groups.edp_rank, groups.edp_size)
+    if groups.dp_cp_group is None and not (expert_ids and edp.size > 1):
+        return optimizer_class(params, **defaults)
     return ShardedOptimizer(params, groups.dp_cp_group, groups.dp_cp_rank, groups.dp_cp_size,
-                            optimizer_class, **defaults)
+                            optimizer_class, group_of=lambda p: edp if id(p) in expert_ids
+                            else None, **defaults)

@@ -16,9 +16,11 @@ and etp groups and the pipeline, never over edp (identical copies) nor over tp (
 of a rank are ep or edp peers here, not holders of other slices of the same piece)
 (`expert_grad_norm_squared`).
 
-ZeRO-1 and FSDP shard every parameter's rows over dp x cp, which for expert banks would
-exchange rows of different experts; they are refused with ep x etp > 1
-(`expert_schedule_problems`) until they shard expert banks over edp.
+ZeRO-1 shards the optimizer state of dense parameters over dp x cp and that of expert pieces
+over edp, where their gradients are reduced (`data_parallel.build_zero_optimizer` with
+`experts`), as Megatron-LM's distributed optimizer does. FSDP shards every parameter's rows
+over dp x cp, which for expert banks would exchange rows of different experts; it is refused
+with ep x etp > 1 (`expert_schedule_problems`), naming zero1 as the alternative.
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ def expert_schedule_problems(layout: Layout, schedule: TrainSchedule) -> list[st
         return [f"unknown moe_dispatcher {kind!r}; choose 'alltoall' or 'allgather'"]
     if getattr(layout, "ep", 1) * getattr(layout, "etp", 1) == 1:
         return []
-    if schedule.data_parallel in ("zero1", "fsdp"):
-        return [f"data_parallel {schedule.data_parallel!r} shards every parameter over dp x cp, "
-                f"which would mix the experts of ep {layout.ep} x etp {layout.etp} ranks; use "
-                "data_parallel 'ddp' with expert parallelism (sharding expert banks over the "
-                "expert-data-parallel group is not implemented yet)"]
+    if schedule.data_parallel == "fsdp":
+        return [f"data_parallel 'fsdp' shards every parameter over dp x cp, which would mix the "
+                f"experts of ep {layout.ep} x etp {layout.etp} ranks; use data_parallel 'zero1' "
+                "(--data-parallel zero1: optimizer state sharded, expert banks' over the "
+                "expert-data-parallel group) or 'ddp' with expert parallelism"]
     return []

@@ -14,11 +14,17 @@ The inner optimizer (AdamW) is elementwise, so every row gets the update the uns
 would give it, and each rank holds 1/D of the moments. A checkpoint stores each rank's moments
 with their row range (`RowShard`), which is what lets any layout reassemble them: the parameter
 is the tensor-parallel shard of a global tensor, and rows `start:stop` of that shard are here.
+
+Not every parameter need be sharded over the same ranks: `group_of` may name another
+`ShardGroup` for some (under expert parallelism, expert-bank pieces are replicated, and their
+gradients reduced, over the expert-data-parallel group, not over dp x cp). Such a parameter's
+rows are split over that group's ranks and gathered back over it; each group's gathers run
+after the dp group's, in the order the groups first own a parameter, the same on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,16 @@ def row_range(rows: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class ShardGroup:
+    """The ranks one parameter's rows are split over: this rank is `rank` of `size` (`group`
+    None: this rank alone)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class RowShard:
     """One parameter's part on this rank: `view` is what the inner optimizer steps."""
 
@@ -44,6 +60,7 @@ class RowShard:
     stop: int
     rows: int  # dim 0 of the whole parameter
     gather: bool  # zero1: all-gather the rows after each step
+    over: ShardGroup  # the ranks the rows are split over (the dp group, or `group_of`'s)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,14 +76,21 @@ class ShardedOptimizer:
     learning rate there), `state` (keyed by the row views), `zero_grad`, `step`; iterating it
     gives the `RowShard`s. Build it on every rank of the dp group with the parameter groups of
     the whole model chunk.
+
+    `group_of(p)`, where given, names the `ShardGroup` that parameter `p`'s rows are split over
+    instead of the dp group (None: the dp group); it must name the same groups for the same
+    parameters on every rank of each group (see the module docstring).
     """
 
     def __init__(self, params: Iterable[Any], dp_group: dist.ProcessGroup | None, dp_rank: int,
                  dp_size: int, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 *, group_of: Callable[[nn.Parameter], ShardGroup | None] | None = None,
                  **defaults: Any) -> None:
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self.dp_group, self.dp_rank, self.dp_size = dp_group, dp_rank, dp_size
+        self.dp = ShardGroup(dp_group, dp_rank, dp_size)
+        self.group_of = group_of or (lambda p: None)
         self.shards: list[RowShard] = []
         inner_groups = []
         with torch.no_grad():
@@ -76,15 +100,17 @@ class ShardedOptimizer:
         self.inner = optimizer_class(inner_groups, **defaults)
 
     def _add(self, p: nn.Parameter) -> RowShard:
-        start, stop = row_range(p.shape[0], self.dp_rank, self.dp_size)
+        over = self.group_of(p) or self.dp
+        start, stop = row_range(p.shape[0], over.rank, over.size)
         local = _local(p)
         if local is p:  # replicated: step a view of our rows, gather them afterwards
-            shard = RowShard(p, p.detach()[start:stop], start, stop, p.shape[0], gather=True)
+            shard = RowShard(p, p.detach()[start:stop], start, stop, p.shape[0], gather=True,
+                             over=over)
         else:  # an FSDP2 shard: its local rows are ours already
             if local.shape[0] != stop - start:
-                raise ValueError(f"FSDP2 gave dp rank {self.dp_rank} {local.shape[0]} rows of "
+                raise ValueError(f"FSDP2 gave dp rank {over.rank} {local.shape[0]} rows of "
                                  f"{p.shape[0]}, expected rows {start}:{stop}")
-            shard = RowShard(p, local, start, stop, p.shape[0], gather=False)
+            shard = RowShard(p, local, start, stop, p.shape[0], gather=False, over=over)
         self.shards.append(shard)
         return shard
 
@@ -120,27 +146,33 @@ class ShardedOptimizer:
         self._gather_rows()
 
     def _gather_rows(self) -> None:
-        """All-gather the updated rows of the replicated parameters (one flat buffer per dtype)."""
-        if self.dp_group is None:
-            return
-        by_dtype: dict[torch.dtype, list[RowShard]] = {}
+        """All-gather the updated rows of the replicated parameters: one flat buffer per group
+        and dtype, the dp group's first."""
+        buckets: dict[tuple[int, torch.dtype], list[RowShard]] = {}
+        place = {self.dp: 0}  # each group's place: the dp group, then in first-seen order
         for s in self.shards:
-            if s.gather:
-                by_dtype.setdefault(s.param.dtype, []).append(s)
-        for shards in by_dtype.values():
-            # Every rank sends ceil(rows / dp) rows of each parameter (padded), so the gathered
-            # buffer is dp equal blocks; block r holds rank r's rows of every parameter in order.
-            sizes = [-(-s.rows // self.dp_size) * s.param[0].numel() for s in shards]
-            mine = torch.zeros(sum(sizes), dtype=shards[0].param.dtype,
-                               device=shards[0].param.device)
-            for s, part in zip(shards, mine.split(sizes)):
-                part[:s.view.numel()].copy_(s.view.reshape(-1))
-            out = torch.empty(self.dp_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-            dist.all_gather_into_tensor(out, mine, group=self.dp_group)
-            for r, block in enumerate(out.chunk(self.dp_size)):
-                if r == self.dp_rank:
-                    continue
-                for s, part in zip(shards, block.split(sizes)):
-                    start, stop = row_range(s.rows, r, self.dp_size)
-                    rows = s.param.data[start:stop]
-                    rows.copy_(part[:rows.numel()].view_as(rows))
+            place.setdefault(s.over, len(place))
+        for s in self.shards:
+            if s.gather and s.over.group is not None and s.over.size > 1:
+                buckets.setdefault((place[s.over], s.param.dtype), []).append(s)
+        for key in sorted(buckets, key=lambda k: k[0]):  # stable: dtypes in first-seen order
+            _gather_bucket(buckets[key], buckets[key][0].over)
+
+
+def _gather_bucket(shards: list[RowShard], over: ShardGroup) -> None:
+    """All-gather the rows `shards` (of one dtype) own over `over`, into every rank's params."""
+    # Every rank sends ceil(rows / size) rows of each parameter (padded), so the gathered
+    # buffer is `size` equal blocks; block r holds rank r's rows of every parameter in order.
+    sizes = [-(-s.rows // over.size) * s.param[0].numel() for s in shards]
+    mine = torch.zeros(sum(sizes), dtype=shards[0].param.dtype, device=shards[0].param.device)
+    for s, part in zip(shards, mine.split(sizes)):
+        part[:s.view.numel()].copy_(s.view.reshape(-1))
+    out = torch.empty(over.size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    dist.all_gather_into_tensor(out, mine, group=over.group)
+    for r, block in enumerate(out.chunk(over.size)):
+        if r == over.rank:
+            continue
+        for s, part in zip(shards, block.split(sizes)):
+            start, stop = row_range(s.rows, r, over.size)
+            rows = s.param.data[start:stop]
+            rows.copy_(part[:rows.numel()].view_as(rows))
