@@ -41,7 +41,9 @@ GLOO_TIMEOUT = timedelta(seconds=60)
 
 
 # What the forkserver imports once, so that forked ranks start with it loaded.
-_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing"]
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing",
+            # optimizers import it on first use: seconds per rank, once here instead
+            "torch._dynamo"]
 
 
 def _context(env: dict[str, str] | None):
