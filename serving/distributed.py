@@ -40,6 +40,7 @@ from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages
 from tessera.core.parallel.sharding import last_stage_pp_rank
+from tessera.serving.adapters import LoRAServing
 from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
 from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
 
@@ -102,18 +103,20 @@ class _Channel:
         return h.tolist()
 
     def send_batch(self, batch: StepBatch) -> None:
+        # Each row's LoRA adapter slot travels too (-1 for none: serving.adapters).
+        adapters = batch.adapters if batch.adapters is not None else torch.full_like(batch.tasks, -1)
         body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots.flatten(),
-                          batch.tasks, batch.keep]).to(self.device)
+                          batch.tasks, batch.keep, adapters.to(batch.tasks.device)]).to(self.device)
         dist.broadcast(body, src=0)
 
     def recv_batch(self, B: int, T: int, N: int, W: int = 0) -> StepBatch:
         """W: block-table width (paged cache), 0 for one slot per row."""
         S = B * max(W, 1)
-        body = torch.empty(2 * B * T + S + B + N, dtype=torch.long, device=self.device)
+        body = torch.empty(2 * B * T + S + 2 * B + N, dtype=torch.long, device=self.device)
         dist.broadcast(body, src=0)
-        ids, positions, slots, tasks, keep = body.split([B * T, B * T, S, B, N])
+        ids, positions, slots, tasks, keep, adapters = body.split([B * T, B * T, S, B, N, B])
         return StepBatch(ids.view(B, T), positions.view(B, T), slots.view(B, W) if W else slots,
-                         tasks, keep)
+                         tasks, keep, adapters if bool((adapters >= 0).any()) else None)
 
     def logits_to_rank0(self, logits: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """Rank 0 gets the kept logits from the last stage (a no-op when it holds it)."""
@@ -209,7 +212,8 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
                max_batch: int = 8, tasks: Mapping[str, torch.Tensor] | None = None,
                tokenizer: Any = "checkpoint", handle_signals: bool = True,
                quantize: str = "none", compile_decode: bool = False,
-               kv: KVCacheConfig | None = None, **engine_kwargs: Any):
+               kv: KVCacheConfig | None = None, lora: LoRAServing | None = None,
+               **engine_kwargs: Any):
     """Every rank calls this. Rank 0 gets an `LLMEngine` over all ranks; every other rank serves
     steps until the engine shuts down, then gets None.
 
@@ -217,7 +221,9 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
     `compile_decode` (one process only) compiles the decode step (`serving.compiled`);
     `kv` is the KV cache (`serving.kv_config`; paged by default, slots with `compile_decode`),
-    with one block count for every rank (the smallest any rank's memory allows);
+    with one block count for every rank (the smallest any rank's memory allows); `lora`
+    serves per-request LoRA adapters (`serving.adapters`; every rank loads its pieces of the
+    adapters given at start, in the same slots);
     `engine_kwargs` go to `LLMEngine` on rank 0.
     """
     from tessera.core.quantize import quantize as quantize_model
@@ -234,7 +240,8 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
         kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
     if kv.kind == "paged":
         kv = _agree_on_blocks(kv, stages, groups, max_batch)
-    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv)
+    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv,
+                         lora=lora)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         worker_loop(runner, layout, handle_signals=handle_signals)

@@ -56,10 +56,12 @@ from pathlib import Path
 
 import torch
 
+from tessera.core.lora_format import AdapterError
 from tessera.core.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.sampling import choose_tokens, uniforms_from
 from tessera.core.tokenizer import Tokenizer
+from tessera.serving.adapters import AdapterRegistry, UnknownAdapter
 from tessera.serving.block_manager import BlockHasher, BlockManager
 from tessera.serving.bridge import RequestStream, Sink
 from tessera.serving.detokenize import OutputText
@@ -207,6 +209,8 @@ class LLMEngine:
                           "computed_tokens_total": 0,
                           **{f"requests_finished_{r}_total": 0 for r in FINISH_REASONS}}
         self._looping = self._stopped = False
+        # Per-request LoRA: the runner's adapter slots (serving.adapters), None without --lora.
+        self.adapters: AdapterRegistry | None = getattr(runner, "adapters", None)
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
@@ -382,14 +386,9 @@ class LLMEngine:
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
             generator = torch.Generator().manual_seed(seed % (1 << 64))
         now = time.monotonic()
-        hasher = None
-        if self.blocks is not None and self.blocks.prefix_caching:
-            # The namespace keeps tasks, adapters and tenants apart: equal tokens, different KV.
-            hasher = BlockHasher(self.blocks.block_size,
-                                 (request.task, request.adapter, request.cache_salt))
         seq = _Sequence(
             request=request, sink=sink, tokens=tokens, n_input=len(tokens),
-            priority=request.priority, hasher=hasher, reuse_prefix=not p.prompt_logprobs,
+            priority=request.priority, hasher=None, reuse_prefix=not p.prompt_logprobs,
             n_virtual=n_virtual, task=self._task_index.get(request.task, -1) if request.task else -1,
             max_new=min(p.max_tokens, self._kv_limit - len(tokens)),
             text=OutputText(self.tokenizer, list(request.prompt_ids), p.stop),
@@ -398,6 +397,12 @@ class LLMEngine:
             stop_ids=frozenset(p.stop_token_ids))
         if p.prompt_logprobs:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
+        adapter_id = self._bind_adapter(seq) if request.adapter is not None else None
+        if self.blocks is not None and self.blocks.prefix_caching:
+            # The namespace keeps tasks, adapters and tenants apart: equal tokens, different KV.
+            # An adapter counts by the ident of its load (its weights), not its name.
+            seq.hasher = BlockHasher(self.blocks.block_size,
+                                     (request.task, adapter_id, request.cache_salt))
         return seq
 
     def _abort(self, seq: _Sequence) -> None:
@@ -532,7 +537,7 @@ class LLMEngine:
                 wanted.append((seq, None))
         rows = self._space.rows([s for s, _ in group], int(positions.max()) + 1)
         batch = StepBatch(ids, positions, rows, torch.tensor([s.task for s, _ in group]),
-                          torch.tensor(keep, dtype=torch.long))
+                          torch.tensor(keep, dtype=torch.long), self._adapter_rows(group))
         try:
             logits = self.executor.run(batch)
         except StopServing:
@@ -656,3 +661,56 @@ class LLMEngine:
                 fn(name, float(value))
             except Exception:
                 log.exception("metrics observer failed on %s", name)
+
+    # ----------------------------------------------------------------- per-request LoRA
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters loaded now (`serving.adapters`), by name."""
+        return self.adapters.names() if self.adapters is not None else []
+
+    def load_adapter(self, name: str, path: str | Path) -> str:
+        """Load the adapter directory `path` as `name` while serving; returns its ident.
+
+        Raises `AdapterError` (not served with adapters, several ranks, a bad adapter, a
+        name taken by a task) or `AdapterBusy` (name loaded, no free slot)."""
+        registry = self._registry()
+        if not isinstance(self.executor, LocalExecutor):
+            raise AdapterError("adapters cannot be hot-loaded across tensor/pipeline-parallel "
+                               "ranks yet; give them at start (tessera serve --lora NAME=PATH)")
+        if name in self._task_len:
+            raise AdapterError(f"{name!r} is a prompt-tuned task of this server; give the "
+                               "adapter another name")
+        return registry.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot. Raises `UnknownAdapter`, or `AdapterBusy` while
+        unfinished requests use it (unload again once they are done), or `AdapterError`
+        across several ranks."""
+        registry = self._registry()
+        if not isinstance(self.executor, LocalExecutor):
+            raise AdapterError("adapters cannot be unloaded across tensor/pipeline-parallel "
+                               "ranks yet; restart without its --lora")
+        registry.unload(name)
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters: start it with --lora "
+                               "NAME=PATH or --allow-runtime-lora (a ModelRunner with lora=...)")
+        return self.adapters
+
+    def _bind_adapter(self, seq: _Sequence) -> str:
+        """Point `seq` at its adapter's slot (counted as in use); the load's ident."""
+        name = seq.request.adapter
+        if self.adapters is None:
+            raise RequestError(f"no LoRA adapter named {name!r}: this server serves none")
+        try:
+            seq.adapter, ident = self.adapters.acquire(name, seq)
+        except UnknownAdapter as exc:
+            raise RequestError(str(exc)) from None
+        return ident
+
+    def _adapter_rows(self, group: list[tuple[_Sequence, int]]) -> torch.Tensor | None:
+        """`StepBatch.adapters` of a group: each row's slot, None when no row has one."""
+        if all(s.adapter < 0 for s, _ in group):
+            return None
+        return torch.tensor([s.adapter for s, _ in group], dtype=torch.long)
