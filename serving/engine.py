@@ -34,7 +34,13 @@ at `max_tokens` or at the context (or the pool's size), whichever comes first (f
 "length").
 
 Prefix caching (paged): a request starts on the cached blocks of its prefix (same tokens, same
-task, same `cache_salt`) and computes the rest; the output is the same as without the cache.
+task, same `cache_salt`, same LoRA adapter weights) and computes the rest; the output is the
+same as without the cache.
+
+Per-request LoRA (`serving.adapters`, with a runner built with `lora=`): a request names a
+loaded adapter (`GenerationRequest.adapter`); its rows carry the adapter's slot in the step's
+`StepBatch.adapters`, so one pass mixes adapters, tasks and plain rows. `load_adapter` /
+`unload_adapter` change the loaded set while serving (one process only).
 Requests asking for prompt logprobs compute their whole prompt (they still publish blocks).
 
 Metrics: `stats()` returns gauges and counters; `add_observer(fn)` registers `fn(name, value)`,

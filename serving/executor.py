@@ -12,6 +12,10 @@ hook (the one prompt tuning trains through, so served and tuned prompts behave a
 on the first stage, replaces the embeddings at absolute positions `< n_virtual` of that
 request's rows with the table's rows. Plain and tasked requests, and requests of different
 tasks, share a batch.
+
+LoRA adapters per request: with `lora=`, the runner's `serving.adapters.AdapterRegistry` hooks
+every adaptable linear layer, and each batch's `adapters` (a slot per row, -1 for none) selects
+which adapter each row adds, as the task hook does for virtual tokens.
 """
 
 from __future__ import annotations

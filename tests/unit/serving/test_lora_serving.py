@@ -324,3 +324,29 @@ def test_an_unknown_adapter_is_404_in_every_dialect_through_the_real_clients(ser
     r = httpx.put(f"{url}/api", headers=AUTH, json={"prompts": ["hi"], "tokens_to_generate": 1,
                                                      "adapter": "nope"})
     assert r.status_code == 404 and "nope" in r.json()["error"]
+
+
+# ---------------------------------------------------------------------------- tessera serve
+
+
+def test_tessera_serve_lora_flags_load_peft_and_tessera_adapters(world, monkeypatch, capsys):
+    from tessera.__main__ import main
+
+    seen = {}
+
+    def run(server):  # no port: look at the app uvicorn would serve, then stop
+        app = server.config.app
+        seen.update(names=app.state.service.adapter_names(),
+                    runtime=app.state.allow_runtime_lora)
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    ckpt = str(world["ckpt"])
+    assert main(["serve", "--checkpoint", ckpt, "--lora", f"pf={world['peft']}",
+                 "--lora", f"nat={world['nat']}", "--allow-runtime-lora"]) == 0
+    assert seen == {"names": ["nat", "pf"], "runtime": True}
+    assert main(["serve", "--checkpoint", ckpt, "--lora", "no-equals-sign"]) == 2
+    assert "expected NAME=PATH" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", ckpt, "--lora", f"pf={world['peft']}",
+                 "--max-lora-rank", "8"]) == 2
+    assert "--max-lora-rank 12" in capsys.readouterr().err
