@@ -228,6 +228,9 @@ class AdapterRegistry:
                 g = model.groups
                 out[module] = (shard_tensor(a_name, a, model.config, g.tp_rank, g.tp_size),
                                shard_tensor(b_name, b, model.config, g.tp_rank, g.tp_size))
+            elif model.groups.pp_size == 1:  # not another pipeline rank's: not adaptable here
+                raise AdapterError(f"adapter {where} adapts {module}, which is not a linear "
+                                   "layer of this model (e.g. an MoE layer's experts)")
         return out
 
 

@@ -183,6 +183,11 @@ def _start(args: argparse.Namespace):
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
+    from tessera.serving.adapter_cli import lora_serving
+
+    lora = lora_serving(args)
+    if lora is not None and args.compile == "auto":  # adapters are served eagerly
+        args.compile = "off"
     dtype, args.compile = host_choices(args.checkpoint, dtype, args.compile, args.device)
     if args.compile:
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
@@ -192,10 +197,7 @@ def _start(args: argparse.Namespace):
     kind = args.kv_cache or ("slots" if args.compile else "paged")
     kv = KVCacheConfig(kind=kind, block_size=args.kv_block_size, memory=args.kv_cache_memory,
                        prefix_caching=not args.no_prefix_caching)
-    from tessera.serving.adapter_cli import lora_serving
-
-    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv,
-                      lora=lora_serving(args),
+    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv, lora=lora,
                       quantize=args.quantize, compile_decode=args.compile,
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
