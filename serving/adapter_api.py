@@ -11,10 +11,11 @@ the app was made with `allow_runtime_lora=True` (`tessera serve --allow-runtime-
 answer 403 naming the flag. With an API key set, they need it like every other route.
 
 Answers: 200 with a line of text; 400 for a bad body, name or adapter (unreadable, tuned on
-another base, rank above `--max-lora-rank`), or a server of several ranks (adapters must then
-be given at start); 404 unloading an adapter that is not loaded; 409 for a name already loaded,
-no free slot, or unloading an adapter that unfinished requests still use (it is refused, not
-waited for: unload again once they are done).
+another base, rank above `--max-lora-rank`); 404 unloading an adapter that is not loaded; 409
+for a name already loaded, no free slot, or unloading an adapter that unfinished requests still
+use (it is refused, not waited for: unload again once they are done). Over tensor/pipeline-
+parallel ranks, every rank loads the directory from its own file system before the engine's
+next step (`serving.distributed`), so the answer comes after at most a step or a heartbeat.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     service = _engine_of(request)
     body = parse_body(await read_body(request), UnloadLoRAAdapterRequest)
-    try:
-        service.engine.unload_adapter(body.lora_name)
+    try:  # off the event loop: over several ranks it waits for the engine's next step
+        await run_in_threadpool(service.engine.unload_adapter, body.lora_name)
     except UnknownAdapter as exc:
         raise ApiError(404, str(exc), param="lora_name", code="model_not_found") from None
     except AdapterBusy as exc:

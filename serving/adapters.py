@@ -139,6 +139,10 @@ class AdapterRegistry:
         with self._lock:
             return self._find(name).path
 
+    def ident_of(self, name: str) -> str:
+        with self._lock:
+            return self._find(name).ident
+
     def acquire(self, name: str, user: object) -> tuple[int, str]:
         """(slot, ident) of adapter `name`, with `user` (an engine sequence, whose `finished`
         turns true when it is done) counted as using it. Raises `UnknownAdapter`."""
@@ -166,6 +170,17 @@ class AdapterRegistry:
         pieces = self._pieces(config, tensors, directory)
         ident = _ident(config, tensors)
         with self._lock:
+            slot = self.check_room(name)
+            for module, hook in self._hooks.items():
+                a, b = pieces.get(module, (None, None))
+                hook.put(slot, a, b, config.scaling)
+            self._slots[slot] = _Loaded(name, str(directory), ident, config, weakref.WeakSet())
+        return ident
+
+    def check_room(self, name: str) -> int:
+        """The free slot `name` would load into; `AdapterBusy` if the name is loaded or no
+        slot is free."""
+        with self._lock:
             if any(s is not None and s.name == name for s in self._slots):
                 raise AdapterBusy(f"an adapter named {name!r} is already loaded; unload it "
                                   "first or choose another name")
@@ -174,12 +189,7 @@ class AdapterRegistry:
                 raise AdapterBusy(f"all {len(self._slots)} adapter slots are taken "
                                   f"({', '.join(self.names())}); unload one, or serve with a "
                                   "larger --max-loras")
-            slot = free[0]
-            for module, hook in self._hooks.items():
-                a, b = pieces.get(module, (None, None))
-                hook.put(slot, a, b, config.scaling)
-            self._slots[slot] = _Loaded(name, str(directory), ident, config, weakref.WeakSet())
-        return ident
+            return free[0]
 
     def unload(self, name: str) -> None:
         """Free `name`'s slot. Raises `UnknownAdapter`, or `AdapterBusy` while requests that

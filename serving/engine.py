@@ -675,28 +675,42 @@ class LLMEngine:
         return self.adapters.names() if self.adapters is not None else []
 
     def load_adapter(self, name: str, path: str | Path) -> str:
-        """Load the adapter directory `path` as `name` while serving; returns its ident.
+        """Load the adapter directory `path` as `name` while serving; returns its ident. Over
+        several ranks, every rank loads it (from `path` on its own machine) before the next
+        step; call it then from another thread than the step loop's.
 
-        Raises `AdapterError` (not served with adapters, several ranks, a bad adapter, a
-        name taken by a task) or `AdapterBusy` (name loaded, no free slot)."""
+        Raises `AdapterError` (not served with adapters, a bad adapter, a name taken by a
+        task) or `AdapterBusy` (name loaded, no free slot)."""
         registry = self._registry()
-        if not isinstance(self.executor, LocalExecutor):
-            raise AdapterError("adapters cannot be hot-loaded across tensor/pipeline-parallel "
-                               "ranks yet; give them at start (tessera serve --lora NAME=PATH)")
         if name in self._task_len:
             raise AdapterError(f"{name!r} is a prompt-tuned task of this server; give the "
                                "adapter another name")
-        return registry.load(name, path)
+        if isinstance(self.executor, LocalExecutor):
+            return registry.load(name, path)
+        registry.check_room(name)  # rank 0's answer (409) before the ranks try
+        self._on_every_rank("load", name, str(path))
+        return registry.ident_of(name)
 
     def unload_adapter(self, name: str) -> None:
-        """Free adapter `name`'s slot. Raises `UnknownAdapter`, or `AdapterBusy` while
-        unfinished requests use it (unload again once they are done), or `AdapterError`
-        across several ranks."""
+        """Free adapter `name`'s slot (on every rank). Raises `UnknownAdapter`, or
+        `AdapterBusy` while unfinished requests use it (unload again once they are done)."""
         registry = self._registry()
-        if not isinstance(self.executor, LocalExecutor):
-            raise AdapterError("adapters cannot be unloaded across tensor/pipeline-parallel "
-                               "ranks yet; restart without its --lora")
-        registry.unload(name)
+        if isinstance(self.executor, LocalExecutor):
+            registry.unload(name)
+        else:
+            self._on_every_rank("unload", name, None)
+
+    def _on_every_rank(self, op: str, name: str, path: str | None) -> None:
+        """A load or unload that the engine thread applies on every rank before its next step
+        (`distributed.DistributedExecutor.change_adapters`); waits for it."""
+        change = getattr(self.executor, "change_adapters", None)
+        if change is None:
+            raise AdapterError("this executor cannot change adapters while serving")
+        try:
+            change(op, name, path).result(timeout=300)
+        except TimeoutError:
+            raise AdapterError(f"the ranks did not {op} adapter {name!r} within 300 s "
+                               "(is the engine running?)") from None
 
     def _registry(self) -> AdapterRegistry:
         if self.adapters is None:
