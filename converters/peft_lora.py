@@ -62,6 +62,7 @@ from tessera.core.checkpoint import atomic_directory, read_manifest
 from tessera.core.config import ModelConfig
 from tessera.core.files import save_safetensors
 from tessera.core.fingerprint import base_fingerprint
+from tessera.core.lora_format import CONFIG_FILE as ADAPTER_CONFIG
 from tessera.core.lora_format import (
     AdapterConfig,
     check_base,
@@ -316,6 +317,14 @@ def import_peft(peft_dir: str | os.PathLike, base_checkpoint: str | os.PathLike,
         PeftLoraError: a PEFT feature a Tessera adapter cannot represent, a module with no
             Tessera equivalent, or factors whose shapes do not fit the base.
     """
+    adapter, out = peft_to_tessera(peft_dir, base_checkpoint)
+    return save_adapter(out_dir, adapter, out, overwrite=overwrite)
+
+
+def peft_to_tessera(peft_dir: str | os.PathLike, base_checkpoint: str | os.PathLike
+                    ) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
+    """What `import_peft` writes, in memory: the Tessera adapter config (with the base's
+    fingerprint) and its global fp32 factors. `tessera serve` loads PEFT directories so."""
     peft_dir = Path(peft_dir)
     cfg, tensors, exported_from = _read_peft(peft_dir)
     _check_supported(cfg, peft_dir)
@@ -375,4 +384,16 @@ def import_peft(peft_dir: str | os.PathLike, base_checkpoint: str | os.PathLike,
                             dropout=float(cfg.get("lora_dropout") or 0.0),
                             base_checkpoint=str(base_checkpoint),
                             base_fingerprint=fingerprint)
-    return save_adapter(out_dir, adapter, out, overwrite=overwrite)
+    return adapter, out
+
+
+def read_any_adapter(directory: str | os.PathLike, base_checkpoint: str | os.PathLike
+                     ) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
+    """A Tessera adapter directory (checked against `base_checkpoint`'s fingerprint) or a PEFT
+    one (converted for that base, as `import_peft` does): the config and global factors."""
+    directory = Path(directory)
+    if (directory / PEFT_CONFIG).is_file() and not (directory / ADAPTER_CONFIG).is_file():
+        return peft_to_tessera(directory, base_checkpoint)
+    adapter, tensors = load_adapter(directory)
+    check_base(adapter, base_fingerprint(base_checkpoint), base_checkpoint)
+    return adapter, tensors

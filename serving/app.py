@@ -9,6 +9,7 @@
 | `/v2`, `/v2/health/*`, `/v2/models/...`, `/v2/repository/index` | KServe v2 / Triton | `triton_api` |
 | `PUT /api` | Megatron-LM | `megatron_api` |
 | `/tokenizer_info`, `/tokenize`, `/detokenize` | vLLM's tokenizer routes | `tokenizer_api` |
+| `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` | vLLM's LoRA hot-loading | `adapter_api` |
 | `/health`, `/metrics`, `/docs` | operations | here |
 
 The app stays thin: routes decode a request, `Service` runs it on the engine (admission,
@@ -28,7 +29,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tessera.serving import megatron_api, openai_api, openapi_doc, tokenizer_api, triton_api
+from tessera.serving import (
+    adapter_api,
+    megatron_api,
+    openai_api,
+    openapi_doc,
+    tokenizer_api,
+    triton_api,
+)
 from tessera.serving.errors import install_error_handlers
 from tessera.serving.openai_api import ChatTemplate
 from tessera.serving.security import OPEN_PATHS, GuardMiddleware
@@ -68,6 +76,7 @@ def create_app(
     chat_template: str | None = None,
     model_aliases: tuple[str, ...] = (),
     body_timeout_s: float | None = Limits.body_timeout_s,
+    allow_runtime_lora: bool = False,
 ) -> FastAPI:
     """The HTTP app for `engine`, served under `model_name`.
 
@@ -84,6 +93,8 @@ def create_app(
         model_aliases: more names the base model answers to (answers name `model_name`).
         body_timeout_s: a request body that stalls this long gets 408 and a closed connection
             (the header deadline is the server's: `serving.connections`).
+        allow_runtime_lora: let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+            load and unload LoRA adapters (`serving.adapter_api`); off, they answer 403.
     """
     if max_concurrency < 1 or max_body_bytes < 1:
         raise ValueError("max_concurrency and max_body_bytes must be positive")
@@ -95,9 +106,10 @@ def create_app(
     app.state.service = Service(engine, model_name, limits, tuple(model_aliases))
     app.state.chat_template = ChatTemplate(chat_template)  # a broken template fails here
     app.state.started = time.time()
+    app.state.allow_runtime_lora = allow_runtime_lora
     install_error_handlers(app)
     for router in (openai_api.router, triton_api.router, megatron_api.router,
-                   tokenizer_api.router, operations):
+                   tokenizer_api.router, adapter_api.router, operations):
         app.include_router(router)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout_s=body_timeout_s)

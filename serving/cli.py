@@ -23,6 +23,7 @@ _EPILOG = """examples:
   tessera serve --checkpoint runs/demo/checkpoints/step-00000300
   tessera serve --checkpoint CKPT --tp 2 --nproc-per-node 2 --dtype bf16
   tessera serve --checkpoint CKPT --prompts runs/tune/squad --port 9000
+  tessera serve --checkpoint CKPT --lora sql=runs/tune/sql-lora --allow-runtime-lora
   TESSERA_API_KEY=secret tessera serve --checkpoint CKPT --host 0.0.0.0"""
 
 
@@ -103,14 +104,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close idle keep-alive connections after this long")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections at most; requests on more get 503")
+    # Per-request LoRA adapters (serving/adapters.py)
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve the LoRA adapter directory PATH (`tessera tune --method lora`, "
+                        "or a PEFT adapter_config.json + adapter_model.safetensors) as NAME, "
+                        "selected by model 'BASE:NAME' or 'NAME' (repeatable)")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="LoRA adapters loaded at once (slots kept in memory)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="largest LoRA rank per layer (a PEFT adapter of q, k and v at rank r "
+                        "has rank 3r on the fused qkv)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
+                        "unload adapters (directories on this machine) while serving; behind "
+                        "--api-key when one is set")
     p.add_argument("--t5-sentinels", type=int, default=None, metavar="N",
                    help="T5 checkpoints: sentinel tokens <extra_id_k> above the tokenizer "
                         "(default: the room the model's vocabulary has, at most 100)")
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], adapter_reader: Any = None) -> int:
+    """`adapter_reader(directory, checkpoint) -> (AdapterConfig, tensors)` reads LoRA adapter
+    directories (the root command passes one that reads PEFT directories too, which serving
+    may not import); default: Tessera adapter directories only."""
     args = build_parser().parse_args(argv)
+    args.adapter_reader = adapter_reader
     from tessera.core.checkpoint import CheckpointError
     from tessera.core.config import ConfigError
 
@@ -164,6 +183,11 @@ def _start(args: argparse.Namespace):
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
+    from tessera.serving.adapter_cli import lora_serving
+
+    lora = lora_serving(args)
+    if lora is not None and args.compile == "auto":  # adapters are served eagerly
+        args.compile = "off"
     dtype, args.compile = host_choices(args.checkpoint, dtype, args.compile, args.device)
     if args.compile:
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
@@ -173,7 +197,7 @@ def _start(args: argparse.Namespace):
     kind = args.kv_cache or ("slots" if args.compile else "paged")
     kv = KVCacheConfig(kind=kind, block_size=args.kv_block_size, memory=args.kv_cache_memory,
                        prefix_caching=not args.no_prefix_caching)
-    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv,
+    return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv, lora=lora,
                       quantize=args.quantize, compile_decode=args.compile,
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
@@ -259,7 +283,7 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     template, origin = chat_template_of(args)
     print(f"tessera serve: chat template: {origin}", file=sys.stderr, flush=True)
     app = create_app(engine, model_name=engine.model_name, chat_template=template,
-                     **app_limits(args))
+                     allow_runtime_lora=args.allow_runtime_lora, **app_limits(args))
     server = uvicorn.Server(uvicorn_config(app, args))
     engine.on_stop(lambda: setattr(server, "should_exit", True))
     failed = []

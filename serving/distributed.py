@@ -15,6 +15,13 @@ pass of a step goes, over the default process group:
    last stage gathers the logits over tp inside the model, and its tp rank 0 sends the kept
    rows `(N, vocab)` fp32 to rank 0, which samples.
 
+LoRA adapters (`serving.adapters`): each rank holds its pieces of every adapter in the same
+slot. A load or unload asked for while serving (`DistributedExecutor.change_adapters`, from any
+thread) is applied by the engine thread before its next step or heartbeat: header `ADAPTERS`,
+then the operation broadcast as an object, applied so that every rank ends in the same state
+(a load: the workers first, then rank 0, rolled back everywhere if any rank fails; an unload:
+rank 0 first, where the requests that use the adapter are known, then the workers).
+
 SIGTERM or SIGINT on a worker sets its stop vote; on rank 0 uvicorn turns them into a shutdown
 that ends in `LLMEngine.shutdown()`, which sends `STOP`. Either way every rank leaves cleanly.
 
@@ -24,8 +31,10 @@ Any checkpoint serves under any layout: the stages are built empty for the servi
 
 from __future__ import annotations
 
+import queue
 import signal
 from collections.abc import Mapping
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,15 +44,18 @@ import torch.distributed as dist
 
 from tessera.core.checkpoint import dtype_from_name, load_weights, read_manifest
 from tessera.core.config import ConfigError, Layout
+from tessera.core.lora_format import AdapterError
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages
 from tessera.core.parallel.sharding import last_stage_pp_rank
+from tessera.serving.adapters import LoRAServing
 from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
 from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
 
 STEP, IDLE, STOP = 1, 2, 3
+ADAPTERS = 4  # load or unload a LoRA adapter on every rank (`_Channel.adapter_op`)
 _HEADER = 8
 _TIMEOUT = timedelta(minutes=30)  # a single collective; idle ranks hear a heartbeat every second
 
@@ -102,18 +114,72 @@ class _Channel:
         return h.tolist()
 
     def send_batch(self, batch: StepBatch) -> None:
+        # Each row's LoRA adapter slot travels too (-1 for none: serving.adapters).
+        adapters = batch.adapters if batch.adapters is not None else torch.full_like(batch.tasks, -1)
         body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots.flatten(),
-                          batch.tasks, batch.keep]).to(self.device)
+                          batch.tasks, batch.keep, adapters.to(batch.tasks.device)]).to(self.device)
         dist.broadcast(body, src=0)
 
     def recv_batch(self, B: int, T: int, N: int, W: int = 0) -> StepBatch:
         """W: block-table width (paged cache), 0 for one slot per row."""
         S = B * max(W, 1)
-        body = torch.empty(2 * B * T + S + B + N, dtype=torch.long, device=self.device)
+        body = torch.empty(2 * B * T + S + 2 * B + N, dtype=torch.long, device=self.device)
         dist.broadcast(body, src=0)
-        ids, positions, slots, tasks, keep = body.split([B * T, B * T, S, B, N])
+        ids, positions, slots, tasks, keep, adapters = body.split([B * T, B * T, S, B, N, B])
         return StepBatch(ids.view(B, T), positions.view(B, T), slots.view(B, W) if W else slots,
-                         tasks, keep)
+                         tasks, keep, adapters if bool((adapters >= 0).any()) else None)
+
+    def adapter_op(self, request: tuple[str, str, str | None] | None = None
+                   ) -> Exception | None:
+        """Every rank: apply rank 0's `(op, name, path)` ("load" or "unload") to this rank's
+        adapter registry, the same outcome on every rank (module docstring). On rank 0,
+        returns what failed (the registry's error, or an `AdapterError` naming a worker's);
+        only a failed collective raises."""
+        box: list[Any] = [request]
+        dist.broadcast_object_list(box, src=0)
+        op, name, path = box[0]
+        registry = self.runner.adapters
+
+        def attempt(fn) -> Exception | None:
+            try:
+                if registry is None:
+                    raise AdapterError("this rank serves no LoRA adapters")
+                fn()
+                return None
+            except Exception as exc:  # reported to rank 0, the same on every rank
+                return exc
+
+        def load() -> None:
+            registry.load(name, path)
+
+        def unload() -> None:
+            registry.unload(name)
+
+        mine: Exception | None = None
+        if op == "load":  # workers first: rank 0 makes the name visible to requests last
+            if self.rank != 0:
+                mine = attempt(load)
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, None if mine is None else f"{mine}")
+            failed = next((f"rank {i}: {e}" for i, e in enumerate(errors) if e), None)
+            if failed is None and self.rank == 0:
+                mine = attempt(load)
+            outcome = [failed or (None if mine is None else f"{mine}")]
+            dist.broadcast_object_list(outcome, src=0)
+            if outcome[0] is not None and self.rank != 0 and mine is None:
+                registry.unload(name)  # roll back: some rank could not load it
+            if self.rank == 0 and outcome[0] is not None:
+                return mine if mine is not None else AdapterError(
+                    f"adapter {name!r} could not be loaded on every rank ({outcome[0]}); "
+                    "the path must be readable on each rank's machine")
+            return None
+        if self.rank == 0:  # unload: rank 0 knows which requests use it
+            mine = attempt(unload)
+        outcome = [None if mine is None else f"{mine}"]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is None and self.rank != 0:
+            registry.unload(name)
+        return mine
 
     def logits_to_rank0(self, logits: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """Rank 0 gets the kept logits from the last stage (a no-op when it holds it)."""
@@ -141,12 +207,35 @@ class DistributedExecutor:
         self._channel = _Channel(runner, layout)
         self._stopped = False
         self.stop_requested = False  # set (e.g. by a signal handler) to stop every rank
+        self._adapter_ops: queue.SimpleQueue = queue.SimpleQueue()
+
+    def change_adapters(self, op: str, name: str, path: str | None = None) -> Future:
+        """Thread-safe: ask every rank to "load" (from `path`) or "unload" adapter `name`; the
+        engine thread applies it before its next step or heartbeat. The future's result is
+        None, or it holds the error (`serving.adapters`' kinds)."""
+        done: Future = Future()
+        self._adapter_ops.put((op, name, path, done))
+        return done
+
+    def _apply_adapter_ops(self) -> None:
+        while not self._adapter_ops.empty():
+            op, name, path, done = self._adapter_ops.get()
+            if self._stopped:
+                done.set_exception(AdapterError("the serving ranks have stopped"))
+                continue
+            self._channel.header(ADAPTERS)
+            error = self._channel.adapter_op((op, name, path))
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(None)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         if self._stopped:
             raise StopServing("the serving ranks have stopped")
         batch = batch.to(self.runner.device)
         try:
+            self._apply_adapter_ops()
             width = batch.slots.shape[1] if batch.slots.ndim == 2 else 0
             sizes = (batch.ids.shape[0], batch.ids.shape[1], batch.keep.numel(), width)
             _, vote, *_ = self._channel.header(STEP, sizes, self.stop_requested)
@@ -166,6 +255,7 @@ class DistributedExecutor:
         if self._stopped:
             return False
         try:
+            self._apply_adapter_ops()
             _, vote, *_ = self._channel.header(IDLE, vote=self.stop_requested)
         except Exception as exc:
             self._stopped = True
@@ -200,6 +290,9 @@ def worker_loop(runner: ModelRunner, layout: Layout, *,
             return
         if command == IDLE:
             continue
+        if command == ADAPTERS:
+            channel.adapter_op()
+            continue
         batch = channel.recv_batch(B, T, N, W)
         channel.logits_to_rank0(runner.forward(batch), N)
 
@@ -209,7 +302,8 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
                max_batch: int = 8, tasks: Mapping[str, torch.Tensor] | None = None,
                tokenizer: Any = "checkpoint", handle_signals: bool = True,
                quantize: str = "none", compile_decode: bool = False,
-               kv: KVCacheConfig | None = None, **engine_kwargs: Any):
+               kv: KVCacheConfig | None = None, lora: LoRAServing | None = None,
+               **engine_kwargs: Any):
     """Every rank calls this. Rank 0 gets an `LLMEngine` over all ranks; every other rank serves
     steps until the engine shuts down, then gets None.
 
@@ -217,7 +311,9 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
     `compile_decode` (one process only) compiles the decode step (`serving.compiled`);
     `kv` is the KV cache (`serving.kv_config`; paged by default, slots with `compile_decode`),
-    with one block count for every rank (the smallest any rank's memory allows);
+    with one block count for every rank (the smallest any rank's memory allows); `lora`
+    serves per-request LoRA adapters (`serving.adapters`; every rank loads its pieces of the
+    adapters given at start, in the same slots);
     `engine_kwargs` go to `LLMEngine` on rank 0.
     """
     from tessera.core.quantize import quantize as quantize_model
@@ -234,7 +330,8 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
         kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
     if kv.kind == "paged":
         kv = _agree_on_blocks(kv, stages, groups, max_batch)
-    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv)
+    runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv,
+                         lora=lora)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank != 0:
         worker_loop(runner, layout, handle_signals=handle_signals)

@@ -34,7 +34,13 @@ at `max_tokens` or at the context (or the pool's size), whichever comes first (f
 "length").
 
 Prefix caching (paged): a request starts on the cached blocks of its prefix (same tokens, same
-task, same `cache_salt`) and computes the rest; the output is the same as without the cache.
+task, same `cache_salt`, same LoRA adapter weights) and computes the rest; the output is the
+same as without the cache.
+
+Per-request LoRA (`serving.adapters`, with a runner built with `lora=`): a request names a
+loaded adapter (`GenerationRequest.adapter`); its rows carry the adapter's slot in the step's
+`StepBatch.adapters`, so one pass mixes adapters, tasks and plain rows. `load_adapter` /
+`unload_adapter` change the loaded set while serving (one process only).
 Requests asking for prompt logprobs compute their whole prompt (they still publish blocks).
 
 Metrics: `stats()` returns gauges and counters; `add_observer(fn)` registers `fn(name, value)`,
@@ -56,10 +62,12 @@ from pathlib import Path
 
 import torch
 
+from tessera.core.lora_format import AdapterError
 from tessera.core.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.sampling import choose_tokens, uniforms_from
 from tessera.core.tokenizer import Tokenizer
+from tessera.serving.adapters import AdapterRegistry, UnknownAdapter
 from tessera.serving.block_manager import BlockHasher, BlockManager
 from tessera.serving.bridge import RequestStream, Sink
 from tessera.serving.detokenize import OutputText
@@ -207,6 +215,8 @@ class LLMEngine:
                           "computed_tokens_total": 0,
                           **{f"requests_finished_{r}_total": 0 for r in FINISH_REASONS}}
         self._looping = self._stopped = False
+        # Per-request LoRA: the runner's adapter slots (serving.adapters), None without --lora.
+        self.adapters: AdapterRegistry | None = getattr(runner, "adapters", None)
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
@@ -382,14 +392,9 @@ class LLMEngine:
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
             generator = torch.Generator().manual_seed(seed % (1 << 64))
         now = time.monotonic()
-        hasher = None
-        if self.blocks is not None and self.blocks.prefix_caching:
-            # The namespace keeps tasks, adapters and tenants apart: equal tokens, different KV.
-            hasher = BlockHasher(self.blocks.block_size,
-                                 (request.task, request.adapter, request.cache_salt))
         seq = _Sequence(
             request=request, sink=sink, tokens=tokens, n_input=len(tokens),
-            priority=request.priority, hasher=hasher, reuse_prefix=not p.prompt_logprobs,
+            priority=request.priority, hasher=None, reuse_prefix=not p.prompt_logprobs,
             n_virtual=n_virtual, task=self._task_index.get(request.task, -1) if request.task else -1,
             max_new=min(p.max_tokens, self._kv_limit - len(tokens)),
             text=OutputText(self.tokenizer, list(request.prompt_ids), p.stop),
@@ -398,6 +403,12 @@ class LLMEngine:
             stop_ids=frozenset(p.stop_token_ids))
         if p.prompt_logprobs:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
+        adapter_id = self._bind_adapter(seq) if request.adapter is not None else None
+        if self.blocks is not None and self.blocks.prefix_caching:
+            # The namespace keeps tasks, adapters and tenants apart: equal tokens, different KV.
+            # An adapter counts by the ident of its load (its weights), not its name.
+            seq.hasher = BlockHasher(self.blocks.block_size,
+                                     (request.task, adapter_id, request.cache_salt))
         return seq
 
     def _abort(self, seq: _Sequence) -> None:
@@ -532,7 +543,7 @@ class LLMEngine:
                 wanted.append((seq, None))
         rows = self._space.rows([s for s, _ in group], int(positions.max()) + 1)
         batch = StepBatch(ids, positions, rows, torch.tensor([s.task for s, _ in group]),
-                          torch.tensor(keep, dtype=torch.long))
+                          torch.tensor(keep, dtype=torch.long), self._adapter_rows(group))
         try:
             logits = self.executor.run(batch)
         except StopServing:
@@ -656,3 +667,70 @@ class LLMEngine:
                 fn(name, float(value))
             except Exception:
                 log.exception("metrics observer failed on %s", name)
+
+    # ----------------------------------------------------------------- per-request LoRA
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters loaded now (`serving.adapters`), by name."""
+        return self.adapters.names() if self.adapters is not None else []
+
+    def load_adapter(self, name: str, path: str | Path) -> str:
+        """Load the adapter directory `path` as `name` while serving; returns its ident. Over
+        several ranks, every rank loads it (from `path` on its own machine) before the next
+        step; call it then from another thread than the step loop's.
+
+        Raises `AdapterError` (not served with adapters, a bad adapter, a name taken by a
+        task) or `AdapterBusy` (name loaded, no free slot)."""
+        registry = self._registry()
+        if name in self._task_len:
+            raise AdapterError(f"{name!r} is a prompt-tuned task of this server; give the "
+                               "adapter another name")
+        if isinstance(self.executor, LocalExecutor):
+            return registry.load(name, path)
+        registry.check_room(name)  # rank 0's answer (409) before the ranks try
+        self._on_every_rank("load", name, str(path))
+        return registry.ident_of(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot (on every rank). Raises `UnknownAdapter`, or
+        `AdapterBusy` while unfinished requests use it (unload again once they are done)."""
+        registry = self._registry()
+        if isinstance(self.executor, LocalExecutor):
+            registry.unload(name)
+        else:
+            self._on_every_rank("unload", name, None)
+
+    def _on_every_rank(self, op: str, name: str, path: str | None) -> None:
+        """A load or unload that the engine thread applies on every rank before its next step
+        (`distributed.DistributedExecutor.change_adapters`); waits for it."""
+        change = getattr(self.executor, "change_adapters", None)
+        if change is None:
+            raise AdapterError("this executor cannot change adapters while serving")
+        try:
+            change(op, name, path).result(timeout=300)
+        except TimeoutError:
+            raise AdapterError(f"the ranks did not {op} adapter {name!r} within 300 s "
+                               "(is the engine running?)") from None
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise AdapterError("this engine serves no LoRA adapters: start it with --lora "
+                               "NAME=PATH or --allow-runtime-lora (a ModelRunner with lora=...)")
+        return self.adapters
+
+    def _bind_adapter(self, seq: _Sequence) -> str:
+        """Point `seq` at its adapter's slot (counted as in use); the load's ident."""
+        name = seq.request.adapter
+        if self.adapters is None:
+            raise RequestError(f"no LoRA adapter named {name!r}: this server serves none")
+        try:
+            seq.adapter, ident = self.adapters.acquire(name, seq)
+        except UnknownAdapter as exc:
+            raise RequestError(str(exc)) from None
+        return ident
+
+    def _adapter_rows(self, group: list[tuple[_Sequence, int]]) -> torch.Tensor | None:
+        """`StepBatch.adapters` of a group: each row's slot, None when no row has one."""
+        if all(s.adapter < 0 for s, _ in group):
+            return None
+        return torch.tensor([s.adapter for s, _ in group], dtype=torch.long)

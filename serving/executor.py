@@ -12,6 +12,10 @@ hook (the one prompt tuning trains through, so served and tuned prompts behave a
 on the first stage, replaces the embeddings at absolute positions `< n_virtual` of that
 request's rows with the table's rows. Plain and tasked requests, and requests of different
 tasks, share a batch.
+
+LoRA adapters per request: with `lora=`, the runner's `serving.adapters.AdapterRegistry` hooks
+every adaptable linear layer, and each batch's `adapters` (a slot per row, -1 for none) selects
+which adapter each row adds, as the task hook does for virtual tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import local_kv_heads
+from tessera.serving.adapters import AdapterRegistry, LoRAServing, detach_stacked
 from tessera.serving.compiled import CompiledDecode
 from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
 from tessera.tuning.prompts import VirtualPrompts, attach_prompts, fixed_prompts
@@ -67,11 +72,15 @@ class ModelRunner:
     `kv` chooses the cache (`serving.kv_config`); without it, wave 1's slot cache of
     `max_batch` slots. A paged cache's block count must be the same on every rank (give
     `kv.num_blocks`; `distributed.start_rank` agrees on one).
+
+    `lora` serves per-request LoRA adapters (`serving.adapters`): `adapters` is then this rank's
+    registry, and each batch's `adapters` rows select them.
     """
 
     def __init__(self, stages: GPTModel | Sequence[GPTModel], max_batch: int,
                  tasks: Mapping[str, torch.Tensor] | None = None, max_seq: int | None = None,
-                 compile_decode: bool = False, kv: KVCacheConfig | None = None):
+                 compile_decode: bool = False, kv: KVCacheConfig | None = None,
+                 lora: LoRAServing | None = None):
         self.stages = [stages] if isinstance(stages, GPTModel) else list(stages)
         first = self.stages[0]
         self.config: ModelConfig = first.config
@@ -110,6 +119,12 @@ class ModelRunner:
                                      f"{c.hidden_size})")
             # Task index = position in `task_names` order, as the engine numbers them.
             self.hook = attach_prompts(first, fixed_prompts({n: tasks[n] for n in self.tasks}))
+        # Per-request LoRA: every adaptable layer gets a slot-stacked hook (serving.adapters).
+        if lora is not None and compile_decode:
+            raise ValueError("LoRA adapters are served eagerly: drop --compile, or --lora")
+        self.adapters = AdapterRegistry(self.stages, lora) if lora is not None else None
+        if lora is None:  # no hooks left over from another runner of this model
+            detach_stacked(self.stages)
         self.decode: CompiledDecode | None = None
         if compile_decode:
             if len(self.stages) != 1:
@@ -127,6 +142,8 @@ class ModelRunner:
         """Logits `(N, vocab)` fp32 of the kept positions where the last stage lives, else None."""
         if self.hook is not None:
             self.hook.set_rows(batch.tasks)
+        if self.adapters is not None:
+            self.adapters.rows.set(batch.adapters)
         kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots)
         if self.decode is not None and batch.ids.shape[1] == 1:
             out = self.decode(batch.ids, batch.positions, self.cache, batch.slots)

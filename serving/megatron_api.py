@@ -1,7 +1,8 @@
 """The Megatron-LM dialect: `PUT /api`, as Megatron's `text_generation_server` answers it.
 
 Request: `{"prompts": [...], "tokens_to_generate": 64, "temperature", "top_k", "top_p",
-"logprobs", "random_seed", "add_BOS", "stop_on_eol", "stop_on_double_eol", "task"}`.
+"logprobs", "random_seed", "add_BOS", "stop_on_eol", "stop_on_double_eol", "task"}`, and
+Tessera's `adapter` (a loaded LoRA adapter), `priority` and `cache_salt`.
 Answer: `{"text": [prompt + continuation, ...], "segments": [[token text, ...], ...],
 "logprobs": [[logprob of every token after the first], ...]}` (logprobs only when asked).
 `tokens_to_generate: 0` with `logprobs: true` scores the prompts. Errors: `{"error": "..."}`.
@@ -32,6 +33,7 @@ def decode_request(service: Service, body: S.MegatronRequest) -> list[Generation
         raise ApiError(400, "tokens_to_generate=0 only scores the prompts: set logprobs to true")
     if body.task is not None:
         service.check_task(body.task)
+    service.check_adapter(body.adapter)
     stop = (["\n"] if body.stop_on_eol else []) + (["\n\n"] if body.stop_on_double_eol else [])
     seed = None if body.random_seed in (None, -1) else body.random_seed
     base_id = f"api-{uuid.uuid4().hex}"
@@ -42,7 +44,9 @@ def decode_request(service: Service, body: S.MegatronRequest) -> list[Generation
             top_p=body.top_p if body.top_p > 0 else 1.0, seed=seed, stop=stop,
             logprobs=0 if body.logprobs else None, prompt_logprobs=body.logprobs)
         ids = service.encode(prompt, add_bos=body.add_BOS)
-        requests.append(GenerationRequest(f"{base_id}-{i}", ids, params, body.task))
+        requests.append(GenerationRequest(f"{base_id}-{i}", ids, params, body.task,
+                                          priority=body.priority, cache_salt=body.cache_salt,
+                                          adapter=body.adapter))
     return requests
 
 

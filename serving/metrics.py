@@ -17,6 +17,7 @@ Names follow vLLM's (`tessera:` instead of `vllm:`), so its dashboards carry ove
 | `tessera:prefix_cache_queries_total`, `..._hits_total` | counter | prompt tokens looked up, found |
 | `tessera:num_preemptions_total` | counter | requests preempted for lack of KV blocks |
 | `tessera:model_requests_total{served_model}` | counter | finished, per BASE, BASE:TASK, BASE:ADAPTER |
+| `tessera:lora_adapters_loaded` | gauge | LoRA adapters loaded now (engines serving adapters) |
 
 `status` is the finish reason (`stop`, `length`, `abort`, `error`, `timeout`) for requests that
 reached the engine, else `rejected` (429/503) or `invalid` (4xx); a refused HTTP request counts
@@ -111,6 +112,11 @@ class ServingMetrics:
                                  "model name that selected them (BASE, BASE:TASK, BASE:ADAPTER)",
                                  ["model_name", "served_model"], registry=registry)
         self.model = model
+        # Per-request LoRA: adapters loaded now (engines without adapters: no such series).
+        names = getattr(engine, "adapter_names", None)
+        if names is not None:
+            Gauge("tessera:lora_adapters_loaded", "LoRA adapters loaded now",
+                  registry=registry).set_function(lambda: len(names()))
 
     def request(self, dialect: str, status: str, count: int = 1) -> None:
         self._requests.labels(self.model, dialect, status).inc(count)

@@ -154,7 +154,7 @@ def _sampling(body: S.SamplingFields, max_tokens: int, **extra) -> SamplingParam
 
 def _requests(service: Service, prompts: list[list[int]], body: S.SamplingFields,
               max_tokens: int | None, plan_id: str, task: str | None,
-              **extra) -> list[GenerationRequest]:
+              adapter: str | None = None, **extra) -> list[GenerationRequest]:
     room = service.engine.max_context()
     requests = []
     for p, ids in enumerate(prompts):
@@ -162,12 +162,14 @@ def _requests(service: Service, prompts: list[list[int]], body: S.SamplingFields
         for i in range(body.n):
             params = _sampling(body, budget, **extra)
             params.seed = derive_seed(body.seed, i)
-            requests.append(GenerationRequest(f"{plan_id}-{p * body.n + i}", ids, params, task))
+            requests.append(GenerationRequest(f"{plan_id}-{p * body.n + i}", ids, params, task,
+                                              priority=body.priority, cache_salt=body.cache_salt,
+                                              adapter=adapter))
     return requests
 
 
 def decode_completion(service: Service, body: S.CompletionRequest) -> Plan:
-    task = service.task_of(body.model)
+    task, adapter = service.choose(body.model)
     service.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     raw = body.prompt
     if isinstance(raw, str):
@@ -179,20 +181,22 @@ def decode_completion(service: Service, body: S.CompletionRequest) -> Plan:
     plan_id = f"cmpl-{uuid.uuid4().hex}"
     extra = {"logprobs": body.logprobs, "prompt_logprobs": body.echo and body.logprobs is not None}
     return Plan(plan_id, body.model or service.model_name, False,
-                _requests(service, prompts, body, body.max_tokens, plan_id, task, **extra),
+                _requests(service, prompts, body, body.max_tokens, plan_id, task, adapter,
+                          **extra),
                 texts, body.n, body.stream, _include_usage(body), body.logprobs, body.echo,
                 int(time.time()))
 
 
 def decode_chat(service: Service, body: S.ChatCompletionRequest, template: ChatTemplate) -> Plan:
-    task = service.task_of(body.model)
+    task, adapter = service.choose(body.model)
     service.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
     text = template.render(body.messages)
     ids = service.encode(text)
     plan_id = f"chatcmpl-{uuid.uuid4().hex}"
     k = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(plan_id, body.model or service.model_name, True,
-                _requests(service, [ids], body, body.token_budget, plan_id, task, logprobs=k),
+                _requests(service, [ids], body, body.token_budget, plan_id, task, adapter,
+                          logprobs=k),
                 [text], body.n, body.stream, _include_usage(body), k, False, int(time.time()))
 
 

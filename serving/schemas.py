@@ -71,10 +71,17 @@ StopStrings = Annotated[list[str] | None, BeforeValidator(_as_stop_list),
 WordList = Annotated[list[str], BeforeValidator(_as_word_list), WithJsonSchema(_STRING_OR_LIST)]
 
 
+PRIORITY_DOC = "scheduling priority: lower runs first; equal priorities run in arrival order"
+CACHE_SALT_DOC = ("prefix-cache isolation: KV blocks are shared only between requests with "
+                  "the same salt (e.g. one per tenant)")
+ADAPTER_DOC = "a LoRA adapter loaded on this server, by name (default: none)"
+
+
 class SamplingFields(_Request):
     """The decoding settings both OpenAI routes share (OpenAI names plus the vLLM extras)."""
 
-    model: str | None = Field(None, description="BASE or BASE:TASK; default: the base model")
+    model: str | None = Field(None, description="BASE, BASE:TASK, BASE:ADAPTER or a LoRA "
+                                                "adapter's name; default: the base model")
     n: int = Field(1, ge=1, le=16, description="completions per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -95,6 +102,9 @@ class SamplingFields(_Request):
     user: str | None = None
     response_format: ResponseFormat | None = Field(
         None, description="only {'type': 'text'}: constrained (JSON) decoding is not supported")
+    # Scheduling and prefix-cache isolation (vLLM's names), passed to the engine as they are.
+    priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
+    cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
@@ -288,7 +298,8 @@ class ChatCompletionChunk(_Response):
 
 
 class ModelCard(_Response):
-    """One `/v1/models` entry: the base model, or `BASE:TASK` for a prompt-tuned task."""
+    """One `/v1/models` entry: the base model, `BASE:TASK` for a prompt-tuned task, or a LoRA
+    adapter's name (with the base as `parent`)."""
 
     id: str
     object: str = "model"
@@ -341,6 +352,10 @@ class MegatronRequest(_Request):
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
     task: str | None = Field(None, description="a prompt-tuned task served by this model")
+    # Per-request LoRA and scheduling (issue 16)
+    adapter: str | None = Field(None, description=ADAPTER_DOC)
+    priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
+    cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
 
     @model_validator(mode="after")
     def _sampling_is_exclusive(self) -> MegatronRequest:
@@ -398,6 +413,10 @@ class TritonInputs(_Request):
     return_generation_logits: bool = Field(False, description="only false")
     embedding_bias_words: WordList = Field(default_factory=list, description="only empty")
     embedding_bias_weights: list[float] = Field(default_factory=list, description="only empty")
+    # Per-request LoRA (or name it in the URL: /v2/models/BASE:ADAPTER/...) and scheduling
+    adapter: str | None = Field(None, description=ADAPTER_DOC)
+    priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
+    cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
 
     @model_validator(mode="after")
     def _one_task(self) -> TritonInputs:

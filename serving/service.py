@@ -140,6 +140,31 @@ class Service:
         self.check_task(task)
         return task
 
+    def choose(self, model: str | None) -> tuple[str | None, str | None]:
+        """(task, LoRA adapter) that model name `BASE` (None), `BASE:TASK`, `BASE:ADAPTER` or an
+        adapter's own name selects; 404 in the caller's dialect otherwise."""
+        adapters = self.adapter_names()
+        if model is not None and model in adapters and model not in self.base_names:
+            return None, model
+        base, sep, rest = (model or "").partition(":")
+        if sep and base in self.base_names and rest in adapters:
+            return None, rest
+        return self.task_of(model), None
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters the engine serves now (engines without adapters: none)."""
+        names = getattr(self.engine, "adapter_names", None)
+        return list(names()) if names is not None else []
+
+    def check_adapter(self, adapter: str | None) -> str | None:
+        """`adapter`, or a 404 when no adapter of that name is loaded."""
+        if adapter is not None and adapter not in self.adapter_names():
+            loaded = self.adapter_names()
+            raise ApiError(404, f"no LoRA adapter named {adapter!r} is loaded; loaded: "
+                                f"{loaded if loaded else 'none'}", param="adapter",
+                           code="model_not_found")
+        return adapter
+
     def check_task(self, task: str) -> None:
         if task not in self.engine.tasks():
             tasks = self.engine.tasks()
@@ -158,7 +183,8 @@ class Service:
         return self._bos_ids
 
     def model_names(self) -> list[str]:
-        return [self.model_name] + [f"{self.model_name}:{t}" for t in self.engine.tasks()]
+        return ([self.model_name] + [f"{self.model_name}:{t}" for t in self.engine.tasks()]
+                + self.adapter_names())
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         try:

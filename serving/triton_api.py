@@ -4,7 +4,9 @@ The served model takes the TensorRT-LLM `ensemble` inputs (`TritonInputs`: `text
 `max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `stop_words`,
 `return_log_probs`, `task` / `task_id`, ...) and returns `text_output`, plus `cum_log_probs`
 and `output_log_probs` when asked. It answers to its own name, to `ensemble` (so TRT-LLM
-client scripts and benchmarks run as they are), and to `NAME:TASK` for each prompt-tuned task.
+client scripts and benchmarks run as they are), to `NAME:TASK` for each prompt-tuned task, and
+to `NAME:ADAPTER` (or the adapter's own name) for each loaded LoRA adapter (or give the
+`adapter` input).
 
 Routes: server metadata and health, model metadata / ready / config (with or without
 `versions/1`), the repository index, `infer` (JSON and binary tensors, `triton_codec`), and
@@ -64,6 +66,9 @@ INPUTS = [
     ("task", "BYTES", "TYPE_STRING", [1], True),
     ("task_id", "INT32", "TYPE_INT32", [1], True),
     ("stream", "BOOL", "TYPE_BOOL", [1], True),
+    ("adapter", "BYTES", "TYPE_STRING", [1], True),
+    ("priority", "INT32", "TYPE_INT32", [1], True),
+    ("cache_salt", "BYTES", "TYPE_STRING", [1], True),
 ]
 OUTPUTS = [
     ("text_output", "BYTES", "TYPE_STRING", [1]),
@@ -79,18 +84,31 @@ def _service(request: Request) -> Service:
 
 def _resolve(service: Service, model: str, version: str | None) -> str | None:
     """The task the model name selects (None: the base model); 404 for anything unknown."""
+    return _choose(service, model, version)[0]
+
+
+def _choose(service: Service, model: str, version: str | None) -> tuple[str | None, str | None]:
+    """(task, LoRA adapter) the model name selects: BASE, `ensemble`, BASE:TASK, BASE:ADAPTER
+    or an adapter's own name; 404 for anything unknown."""
     if version is not None and version != VERSION:
         raise ApiError(404, f"model {model!r} has no version {version!r}; its only version is {VERSION}")
     if model in (*service.base_names, ALIAS):
-        return None
-    base, sep, task = model.partition(":")
-    if base in (*service.base_names, ALIAS) and sep and task in service.engine.tasks():
-        return task
+        return None, None
+    adapters = service.adapter_names()
+    if model in adapters:
+        return None, model
+    base, sep, rest = model.partition(":")
+    if base in (*service.base_names, ALIAS) and sep and rest in service.engine.tasks():
+        return rest, None
+    if base in (*service.base_names, ALIAS) and sep and rest in adapters:
+        return None, rest
     raise ApiError(404, f"unknown model {model!r}; this server serves {_names(service)}")
 
 
 def _names(service: Service) -> list[str]:
-    return [service.model_name, ALIAS] + [f"{service.model_name}:{t}" for t in service.engine.tasks()]
+    return ([service.model_name, ALIAS]
+            + [f"{service.model_name}:{t}" for t in service.engine.tasks()]
+            + [f"{service.model_name}:{a}" for a in service.adapter_names()])
 
 
 def _both(path: str, **kwargs: Any):
@@ -195,8 +213,9 @@ def _rows(tensors: dict[str, np.ndarray]) -> list[dict[str, Any]]:
 
 
 def to_request(service: Service, inputs: S.TritonInputs, task: str | None, request_id: str,
-               logprobs: bool = False) -> GenerationRequest:
-    """The engine request for one row of validated inputs."""
+               logprobs: bool = False, adapter: str | None = None) -> GenerationRequest:
+    """The engine request for one row of validated inputs (`adapter`: from the URL; the
+    `adapter` input overrides it)."""
     if inputs.task is not None:
         service.check_task(inputs.task)
         task = inputs.task
@@ -221,14 +240,17 @@ def to_request(service: Service, inputs: S.TritonInputs, task: str | None, reque
         value = getattr(inputs, name)
         if value is not None:
             service.check_token_ids([value], name)
-    return GenerationRequest(request_id, service.encode(inputs.text_input), params, task)
+    adapter = service.check_adapter(inputs.adapter if inputs.adapter is not None else adapter)
+    return GenerationRequest(request_id, service.encode(inputs.text_input), params, task,
+                             priority=inputs.priority, cache_salt=inputs.cache_salt,
+                             adapter=adapter)
 
 
 @_both("/infer", methods=["POST"])
 async def infer(request: Request, model: str, version: str | None = None) -> Response:
     service = _service(request)
     service.check_capacity("triton")
-    task = _resolve(service, model, version)
+    task, adapter = _choose(service, model, version)
     header, tensors = decode_request(await read_body(request), request.headers,
                                      service.limits.max_body_bytes)
     known = {n for n, *_ in OUTPUTS}
@@ -241,7 +263,8 @@ async def infer(request: Request, model: str, version: str | None = None) -> Res
         raise ApiError(400, "stream=true needs the generate_stream endpoint (infer answers once)")
     want_lp = any(r.return_log_probs for r in rows) or any(n in LOGPROB_OUTPUTS for n in asked)
     base_id = f"v2-{uuid.uuid4().hex}"
-    requests = [to_request(service, r, task, f"{base_id}-{i}", want_lp) for i, r in enumerate(rows)]
+    requests = [to_request(service, r, task, f"{base_id}-{i}", want_lp, adapter)
+                for i, r in enumerate(rows)]
     batch = await service.start(requests, "triton", request)
     results = raise_failures(await batch.collect(request))
     outputs = _output_tensors(results)
@@ -282,11 +305,12 @@ async def _start_generate(request: Request, model: str, version: str | None, str
                           ) -> tuple[S.TritonInputs, Batch]:
     service = _service(request)
     service.check_capacity("triton")
-    task = _resolve(service, model, version)
+    task, adapter = _choose(service, model, version)
     inputs = _generate_inputs(await read_body(request))
     if inputs.stream and not streaming:
         raise ApiError(400, "stream=true needs the generate_stream endpoint")
-    engine_request = to_request(service, inputs, task, f"gen-{uuid.uuid4().hex}")
+    engine_request = to_request(service, inputs, task, f"gen-{uuid.uuid4().hex}",
+                                adapter=adapter)
     return inputs, await service.start([engine_request], "triton", request)
 
 

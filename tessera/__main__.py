@@ -20,7 +20,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "convert": ("tessera.converters.cli:main", "reshard, cast, FP8, or import/export Hugging Face"),
     "inspect": ("tessera.converters.inspect:main", "describe a checkpoint in plain words"),
     "tune": ("tessera.tuning.cli:main", "prompt tuning / p-tuning on a frozen model"),
-    "serve": ("tessera.serving.cli:main", "run the HTTP text-generation server"),
+    "serve": ("tessera.__main__:serve", "run the HTTP text-generation server"),
     "generate": ("tessera.__main__:generate", "generate text from a server or a local checkpoint"),
     "models": ("tessera.core.presets:main", "list the model presets with their sizes"),
     "plan": ("tessera.plan.cli:main", "pick the parallel layout, micro-batch and recompute"),
@@ -41,6 +41,19 @@ def generate(argv: list[str]) -> int:
         return run_local(args)
 
     return generate_main(argv, local=local)
+
+
+def serve(argv: list[str]) -> int:
+    """`tessera serve`: serving may not import the converters, so the one place that knows
+    both hands serving the LoRA reader that also reads PEFT adapter directories."""
+    from tessera.serving.cli import main as serve_main
+
+    def read_adapter(directory, checkpoint):  # converters load only when an adapter is read
+        from tessera.converters.peft_lora import read_any_adapter
+
+        return read_any_adapter(directory, checkpoint)
+
+    return serve_main(argv, adapter_reader=read_adapter)
 
 
 def _usage() -> str:
