@@ -23,6 +23,14 @@ CASES = [
          model=QWEN),
     Case("mixtral-pp2", "mixtral-tiny", {"pp": 2, "micro_batches": 2},
          model={**MIXTRAL, "moe_router_score": "sigmoid"}),
+    # Hugging Face's load-balancing loss pooled over the MoE layers (`core.moe.pooled_aux`): the
+    # counts summed over the ranks that split the sequence (tp under SP, cp), one pool per
+    # micro-batch, recomputation taking the original forward's pool.
+    Case("qwen-pooled-tp2-sp", "qwen-moe-tiny",
+         {"tp": 2, "sequence_parallel": True, "micro_batches": 2},
+         model={**QWEN, "moe_aux_loss_pooling": "model"}),
+    Case("mixtral-pooled-cp2-recompute", "mixtral-tiny", {"cp": 2, "recompute": "full"},
+         model={**MIXTRAL, "moe_aux_loss_pooling": "model"}),
 ]
 
 
