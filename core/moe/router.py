@@ -21,10 +21,11 @@ the per-expert scores over all experts).
   `T / cp` positions, in position order). Tensor parallelism without SP routes every token on
   every tp rank, the same decision on each. So with SP or cp the drops are those of one process
   routing each rank's chunk separately, not the whole sequence (checked in
-  tests/distributed/test_moe_parallel.py). Megatron-Core decides capacity the same way, on
-  the router's local tokens (`get_capacity(num_tokens * topk, E, factor)` in
-  `topk_routing_with_score_function`); its default drop policy keeps each expert's
-  highest-probability assignments instead of this priority order.
+  tests/distributed/test_moe_parallel.py). Megatron-Core decides capacity the same way:
+  `moe_utils.get_capacity(num_tokens * topk, E, factor)` with num_tokens the rows of the
+  router's local logits (`topk_routing_with_score_function`, `apply_router_token_dropping`);
+  its default drop policy keeps each expert's highest-probability assignments instead of this
+  priority order.
 """
 
 from __future__ import annotations
