@@ -19,6 +19,8 @@ import torch
 from tessera.core import build_model, save_checkpoint
 from tessera.core.checkpoint import CheckpointReader, load_checkpoint
 from tessera.core.config import ModelConfig
+from tessera.core.lora import resolve_targets
+from tessera.core.lora_format import AdapterError
 from tessera.core.moe.layer import MoEFeedForward
 from tessera.core.tokenizer import train_tokenizer
 from tessera.serving.engine import LLMEngine
@@ -106,3 +108,14 @@ def test_lora_on_the_attention_of_an_moe_base(moe_base, tmp_path):
     *_, tuned = _tune(moe_base, tmp_path / "run", "--method", "lora", "--lora-targets",
                         "attention", "--lr", "1e-2")
     assert all(".attention." in n and ".lora_" in n for n in tuned)
+
+
+def test_lora_mlp_targets_skip_moe_layers():
+    """MoE layers' experts are grouped weights, not linear layers: `mlp` adapts only the dense
+    layers, and on a model without any it fails naming why (it used to attach nothing and
+    fail in backward)."""
+    with pytest.raises(AdapterError, match="Mixture-of-Experts layers have no w1 / w2"):
+        resolve_targets("mlp", ModelConfig.from_name("mixtral-tiny"))
+    qwen = ModelConfig.from_name("qwen-moe-tiny", num_layers=4, moe_layer_freq=2)
+    assert resolve_targets("mlp", qwen) == ("layers.0.feed_forward.w1", "layers.0.feed_forward.w2",
+                                            "layers.2.feed_forward.w1", "layers.2.feed_forward.w2")
