@@ -4,6 +4,8 @@ tests/distributed/test_moe_parallel.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.init import build_model
 from tessera.core.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
+from tessera.training.moe_step import begin_moe_step
 
 
 def _config(**overrides) -> ModelConfig:
@@ -34,6 +37,18 @@ def test_pipeline_stages_are_refused():
     stage.train()
     with pytest.raises(ConfigError, match=r"pp=2 .*moe_aux_loss_pooling='layer'"):
         stage(_ids())
+
+
+def test_pretraining_with_pp_is_refused_before_the_schedule_runs():
+    """The training loop refuses it up front (a pipeline schedule would wrap the layer's
+    error), only while training: tuning runs the frozen base in eval, without router loss."""
+    stage = GPTModel(_config(), groups=ParallelGroups(pp_size=2), stage_id=0, num_stages=2)
+    job = SimpleNamespace(stages=[stage.train()], groups=stage.groups, schedule=object(),
+                          scaler=None)
+    with pytest.raises(ConfigError, match=r"pp=2 .*moe_aux_loss_pooling to 'layer'"):
+        begin_moe_step(job)
+    stage.eval()
+    begin_moe_step(job)
 
 
 def test_every_moe_layer_must_run_in_the_forward():
