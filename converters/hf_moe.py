@@ -20,6 +20,15 @@ Config fields Tessera cannot compute exactly are errors that name the field: Mix
 jitter noise, Qwen's q/k/v-only biases (Tessera has one bias flag for every linear layer), its
 `mlp_only_layers` and sliding windows. Qwen's dense layers (`decoder_sparse_step > 1`) use the
 model's `intermediate_size`, the routed experts `moe_intermediate_size`.
+
+The load-balancing loss: Hugging Face computes one loss over the router logits of all MoE layers
+pooled (`load_balancing_loss_func`), Tessera by default one per layer, averaged (Megatron). An
+imported model gets `moe_aux_loss_pooling = "model"` (`HF_AUX_LOSS_POOLING`, recorded in the
+checkpoint manifest's model config): `router_aux_loss_coef` was chosen for that loss, and
+fine-tuning an imported model should optimize the objective Hugging Face would, to 1e-6
+(`tests/unit/converters/test_hf_moe.py`). The price: the pooled loss needs every MoE layer in one
+forward, so training it with pp > 1 is refused with a message naming the fix (set the field to
+"layer"). The export writes no such field (Hugging Face has only its own pooling).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from typing import Any
 from tessera.core.config import ModelConfig
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
+# How Hugging Face pools the load-balancing loss of these families (see the module docstring).
+HF_AUX_LOSS_POOLING = "model"
 
 _MIXTRAL_MOE = "model.layers.{}.block_sparse_moe"
 _QWEN_MLP = "model.layers.{}.mlp"
@@ -111,7 +122,8 @@ def mixtral_config(hf: dict[str, Any]) -> ModelConfig:
     _require(hf, "router_jitter_noise", (0.0, 0, None), 0.0)
     return ModelConfig(**{**_moe_base(hf), "num_experts": hf["num_local_experts"],
                           "moe_top_k": hf["num_experts_per_tok"], "moe_norm_topk": True,
-                          "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+                          "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+                          "moe_aux_loss_pooling": HF_AUX_LOSS_POOLING})
 
 
 def qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
@@ -126,7 +138,8 @@ def qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
         "moe_shared_ffn_hidden_size": hf.get("shared_expert_intermediate_size") or 0,
         "moe_layer_freq": hf.get("decoder_sparse_step", 1),
         "moe_norm_topk": bool(hf.get("norm_topk_prob", False)),
-        "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001)})
+        "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+        "moe_aux_loss_pooling": HF_AUX_LOSS_POOLING})
 
 
 def check_moe_exportable(config: ModelConfig) -> list[str]:

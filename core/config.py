@@ -76,6 +76,10 @@ class ModelConfig:
     moe_capacity_factor: float | None = None  # None: dropless; else ceil(n k / E x factor) each
     moe_expert_bias: bool = False  # aux-loss-free balancing: a routing-only bias per expert
     moe_expert_bias_rate: float = 1e-3  # its update per step: rate x sign(mean load - load)
+    # MoE load-balancing loss pooling (`core.moe.pooled_aux`): "layer" = one loss per MoE layer,
+    # mean over layers (Megatron); "model" = one loss over all MoE layers' tokens (Hugging Face's
+    # `load_balancing_loss_func`; needs pp = 1 in training).
+    moe_aux_loss_pooling: str = "layer"
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:

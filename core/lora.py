@@ -46,6 +46,7 @@ from torch import nn
 
 from tessera.core.config import ModelConfig
 from tessera.core.lora_format import AdapterConfig, AdapterError, lora_names, merge_weight
+from tessera.core.moe.shapes import is_moe_layer
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import ParallelLinear
 from tessera.core.parallel.random import tracker
@@ -61,8 +62,10 @@ _LORA_PARAM = re.compile(r"\.lora_[AB]\.weight$")
 
 
 def adaptable_modules(config: ModelConfig) -> list[str]:
-    """Every module LoRA may target, in model order: each block's qkv, wo, w1 and w2."""
-    return [f"layers.{i}.{m}" for i in range(config.num_layers) for m in SHORT_NAMES.values()]
+    """Every module LoRA may target, in model order: each block's qkv, wo, w1 and w2 (not w1 /
+    w2 of Mixture-of-Experts layers, whose experts are grouped weights, not linear layers)."""
+    return [f"layers.{i}.{m}" for i in range(config.num_layers) for m in SHORT_NAMES.values()
+            if not (m.startswith("feed_forward.") and is_moe_layer(config, i))]
 
 
 def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[str, ...]:
@@ -90,9 +93,12 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
             matched = [m for m in modules
                        if pattern.fullmatch(m) or pattern.fullmatch(m.split(".", 2)[2])]
         if not matched:
+            moe = (" (the Mixture-of-Experts layers have no w1 / w2: their experts are grouped "
+                   "weights LoRA does not adapt; target the attention)" if config.num_experts
+                   else "")
             raise AdapterError(f"LoRA target {item!r} matches no module of this model (its "
                                f"modules are {modules[0]} ... {modules[-1]}: layers.N."
-                               f"{{{', '.join(SHORT_NAMES.values())}}}); targets are "
+                               f"{{{', '.join(SHORT_NAMES.values())}}}){moe}; targets are "
                                f"{TARGETS_HELP}")
         chosen.update(matched)
     return tuple(m for m in modules if m in chosen)

@@ -23,6 +23,9 @@ Contract:
   weight memory doubles.
 - One process only: tensor- and pipeline-parallel layouts run eagerly (their collectives would
   split the graph). Not with int8 weights (`core.quantize`) yet.
+- Not Mixture-of-Experts models (refused): the dispatch's data-dependent shapes split the graph
+  (against the two-graph contract above), and `torch._grouped_mm` has no fp32 fake-tensor
+  kernel to trace on CPU (torch 2.13).
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ class CompiledDecode:
         if not (model.is_first and model.is_last) or model.groups.tp_size != 1:
             raise ValueError("a compiled decode step needs the whole model in one process "
                              "(tp=1, pp=1); serve tensor/pipeline-parallel layouts without it")
+        if model.config.num_experts:
+            raise ValueError(
+                "a compiled decode step does not run Mixture-of-Experts models (num_experts "
+                f"{model.config.num_experts}): their token dispatch has data-dependent shapes "
+                "(torch.nonzero, tokens per expert) that split the graph, and the compiler "
+                "cannot trace torch._grouped_mm in fp32 on CPU; serve without --compile "
+                "(compile_decode=False), the eager engine runs them")
         if model.training:
             raise ValueError("a compiled decode step freezes the weights: call model.eval() "
                              "first (dropout would be compiled in)")

@@ -17,11 +17,13 @@ over the whole sequence (`core.moe.losses`). The shared expert is split over tp 
 MLP (column-parallel `w1`, row-parallel `w2`).
 
 The load-balancing and z losses, weighted by `moe_aux_loss_coef` / `moe_z_loss_coef` and
-averaged over the model's MoE layers, join the training loss through the layer's output
-(`losses.attach_aux_loss`, scaled by `aux_loss_scale`), unless the router is frozen (prompt
-tuning: the router losses must not train the prompt). Each training forward (not the
-recomputation of activation checkpointing) appends one `RouterRecord` to `records`, for the
-step's metrics and the expert-bias update while `track` is on (`core.moe.stats`).
+averaged over the model's MoE layers (with `moe_aux_loss_pooling = "model"` the load-balancing
+loss is instead one loss pooled over every MoE layer, `core.moe.pooled_aux`), join the
+training loss through the layer's output (`losses.attach_aux_loss`, scaled by
+`aux_loss_scale`), unless the router is frozen (prompt tuning: the router losses must not train
+the prompt). Each training forward (not the recomputation of activation checkpointing) appends
+one `RouterRecord` to `records`, for the step's metrics and the expert-bias update while `track`
+is on (`core.moe.stats`).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tessera.core.config import ConfigError
 from tessera.core.moe.dispatch import make_dispatcher
 from tessera.core.moe.experts import GroupedExperts, activate
-from tessera.core.moe.losses import attach_aux_loss, load_balancing_loss, z_loss
+from tessera.core.moe.losses import attach_aux_loss, load_balancing_loss, routed_counts, z_loss
+from tessera.core.moe.pooled_aux import AuxPool, attach_pooled_aux, pool_for_layer
 from tessera.core.moe.router import Router
 from tessera.core.moe.shapes import moe_ffn_size, moe_layers
 from tessera.core.parallel.expert_parallel import DISPATCHERS
@@ -82,6 +86,12 @@ class MoEFeedForward(nn.Module):
         self.seq_groups = tuple(x for x in (self.tp_group, groups.cp_group) if x is not None)
         n_moe = len(moe_layers(c))
         self.aux_coef, self.z_coef = c.moe_aux_loss_coef / n_moe, c.moe_z_loss_coef / n_moe
+        # `moe_aux_loss_pooling = "model"`: one load-balancing loss over every MoE layer's
+        # tokens, as Hugging Face computes it (`core.moe.pooled_aux`); the coefficient is then
+        # not divided by the layers.
+        self.pooled = c.moe_aux_loss_pooling == "model"
+        self.moe_layer_ids, self.pp_size = moe_layers(c), groups.pp_size
+        self.aux_pool: AuxPool | None = None  # this layer's last training forward's pool
         self.aux_loss_scale = 1.0  # set by the training loop (`losses.set_aux_loss_scale`)
         # Training forwards append here while `track` is on (`stats.track_router_stats`).
         self.track, self.records = False, []
@@ -125,8 +135,12 @@ class MoEFeedForward(nn.Module):
         out = out.reshape(shape)
         if not self.training:
             return out
-        aux = load_balancing_loss(routing.scores, routing.chosen, self.num_experts,
-                                  self.seq_groups or None, self.tp_size * self.cp_size)
+        if self.pooled:  # this rank's share of the model-wide loss, known once all layers ran
+            score_sum = self._join_pool(routing, flat.shape[0])
+            aux = self.aux_pool.terms[self.moe_layer_ids.index(self.layer)]
+        else:
+            aux = load_balancing_loss(routing.scores, routing.chosen, self.num_experts,
+                                      self.seq_groups or None, self.tp_size * self.cp_size)
         z = z_loss(routing.logits, self.tp_size * self.cp_size)
         # Not the recomputation of activation checkpointing (inside backward), nor the pipeline
         # schedule's shape inference (meta tensors, no grad).
@@ -137,9 +151,34 @@ class MoEFeedForward(nn.Module):
                 self.layer, torch.bincount(kept[kept >= 0], minlength=self.num_experts),
                 (kept < 0).sum(), aux.detach(), z.detach()))
         if torch.is_grad_enabled() and self.router.weight.requires_grad:  # not when frozen
+            if self.pooled:
+                if self.z_coef:
+                    out = attach_aux_loss(out, self.z_coef * z * self.cp_size,
+                                          self.aux_loss_scale)
+                return attach_pooled_aux(out, score_sum, self.aux_pool, self.config.
+                                         moe_aux_loss_coef * self.cp_size * self.aux_loss_scale)
             out = attach_aux_loss(out, (self.aux_coef * aux + self.z_coef * z) * self.cp_size,
                                   self.aux_loss_scale)
         return out
+
+    def _join_pool(self, routing, n_local: int) -> torch.Tensor:
+        """Add this layer's routing to the forward's `AuxPool` (not when recomputing inside
+        backward: the original forward did); return its score sums `(E,)` with gradient."""
+        score_sum = routing.scores.sum(dim=0)
+        if torch._C._current_graph_task_id() != -1 and self.aux_pool is not None:
+            return score_sum
+        if self.pp_size > 1:
+            raise ConfigError(
+                f"moe_aux_loss_pooling='model' pools the router statistics of all "
+                f"{len(self.moe_layer_ids)} MoE layers in one forward, but pp={self.pp_size} puts "
+                f"them on different stages; train with pp=1 or set "
+                f"moe_aux_loss_pooling='layer' (Megatron's per-layer loss)")
+        self.aux_pool = pool_for_layer(self.config, self.moe_layer_ids, self.layer,
+                                       self.num_experts, score_sum.device)
+        counts = routed_counts(routing.chosen, self.num_experts, self.seq_groups or None)
+        self.aux_pool.add(self.layer, counts, score_sum,
+                          n_local * self.tp_size * self.cp_size)
+        return score_sum
 
 
 def set_dispatchers(model: nn.Module, groups, kind: str) -> None:

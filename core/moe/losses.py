@@ -4,6 +4,8 @@
   Qwen2-MoE): `E * sum_e f_e * P_e`, with `f_e` the share of the N tokens' top-k choices that
   went to expert e (counted before capacity dropping, so it sums to k over e) and `P_e` the mean
   router score of expert e. 1 x k at perfect balance.
+  This is `moe_aux_loss_pooling = "layer"`, averaged over the MoE layers; `"model"` pools the
+  statistics of all MoE layers into one loss as Hugging Face does (`core.moe.pooled_aux`).
 - Router z-loss (ST-MoE, Zoph et al. 2022): `mean_t logsumexp(logits_t)^2`.
 
 Under sequence parallelism each tp rank routes its own chunk of the sequence; both losses are
@@ -38,11 +40,20 @@ def load_balancing_loss(scores: torch.Tensor, chosen: torch.Tensor, num_experts:
     ranks in all.
     """
     n = scores.shape[0] * group_size
+    counts = routed_counts(chosen, num_experts, group)
+    return torch.sum((counts / n) * (scores.sum(dim=0) / n)) * num_experts
+
+
+def routed_counts(chosen: torch.Tensor, num_experts: int,
+                  group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...] | None = None
+                  ) -> torch.Tensor:
+    """`(E,)` fp32 top-k choices per expert (before dropping), summed over `group` (as in
+    `load_balancing_loss`); no gradient."""
     counts = torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
     for g in (group if isinstance(group, tuple) else (group,)):
         if g is not None:
             dist.all_reduce(counts, group=g)
-    return torch.sum((counts / n) * (scores.sum(dim=0) / n)) * num_experts
+    return counts
 
 
 def z_loss(logits: torch.Tensor, group_size: int = 1) -> torch.Tensor:

@@ -15,6 +15,17 @@ the per-expert scores over all experts).
   `ceil(n * k / E * factor)` of the n local tokens' assignments, first choices before second
   ones and earlier tokens before later ones (GShard's priority); the rest are dropped (`-1`)
   before any dispatch, so every expert-parallel dispatcher sees the same decision.
+  The n tokens are those this rank routes in one forward, never the global batch: its
+  micro-batch rows (data and expert parallelism), and of each row only its sequence chunk under
+  sequence parallelism (`T / tp` positions) and context parallelism (its two zigzag chunks,
+  `T / cp` positions, in position order). Tensor parallelism without SP routes every token on
+  every tp rank, the same decision on each. So with SP or cp the drops are those of one process
+  routing each rank's chunk separately, not the whole sequence (checked in
+  tests/distributed/test_moe_parallel.py). Megatron-Core decides capacity the same way:
+  `moe_utils.get_capacity(num_tokens * topk, E, factor)` with num_tokens the rows of the
+  router's local logits (`topk_routing_with_score_function`, `apply_router_token_dropping`);
+  its default drop policy keeps each expert's highest-probability assignments instead of this
+  priority order.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ step over all ranks, clears them, moves the aux-loss-free expert biases (when co
 returns the step's metrics:
 
 - `moe_aux_loss`, `moe_z_loss`: the load-balancing and z losses (without their coefficients),
-  mean over the MoE layers and micro-batches (and data-parallel ranks);
+  mean over the MoE layers and micro-batches (and data-parallel ranks); with
+  `moe_aux_loss_pooling = "model"` the load-balancing loss is the one pooled over the layers
+  (`core.moe.pooled_aux`), mean over micro-batches;
 - `moe_tokens_per_expert_min` / `_max`: over every (MoE layer, expert), the token copies the
   expert processed in the step (all micro-batches, all ranks);
 - `moe_tokens_per_expert_cv`: the coefficient of variation (std / mean) of those counts over the
@@ -85,7 +87,10 @@ def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool
     mean = counts.mean(dim=1)
     cv = counts.std(dim=1, unbiased=False) / mean.clamp(min=1)
     _update_expert_bias(modules, counts, index, config.moe_expert_bias_rate)
-    return {"moe_aux_loss": float((aux * shares / calls).mean()),
+    aux = aux * shares / calls  # per layer: mean over micro-batches
+    # "model" pooling: the layers' records hold their terms of one pooled loss, which add up.
+    aux = aux.sum() if config.moe_aux_loss_pooling == "model" else aux.mean()
+    return {"moe_aux_loss": float(aux),
             "moe_z_loss": float((z * shares / calls).mean()),
             "moe_tokens_per_expert_min": float(counts.min()),
             "moe_tokens_per_expert_max": float(counts.max()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSS_POOLINGS = ("layer", "model")
 
 
 def moe_problems(config: Any) -> list[str]:
@@ -36,6 +37,10 @@ def moe_problems(config: Any) -> list[str]:
     for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_expert_bias_rate"):
         if getattr(c, name) < 0:
             out.append(f"{name} must be >= 0, got {getattr(c, name)}")
+    if c.moe_aux_loss_pooling not in AUX_LOSS_POOLINGS:
+        out.append(f"moe_aux_loss_pooling {c.moe_aux_loss_pooling!r} is unknown; choose "
+                   f"'layer' (one loss per MoE layer, mean over layers) or 'model' (one loss "
+                   f"over all MoE layers' tokens, as Hugging Face)")
     if c.moe_capacity_factor is not None and c.moe_capacity_factor <= 0:
         out.append(f"moe_capacity_factor must be > 0 (or None for dropless routing), got "
                    f"{c.moe_capacity_factor}")

@@ -60,6 +60,9 @@ CASES = [
     Case("ep4-capacity-allgather", "mixtral-tiny",
          {"dp": 4, "ep": 4, "moe_dispatcher": "allgather"}, model=CAPACITY),
     Case("ep2-tp2-sp-etp1", "qwen-moe-tiny", {**SP, "ep": 2}, model=QWEN),
+    # Hugging Face's load-balancing loss pooled over the MoE layers (`core.moe.pooled_aux`).
+    Case("ep2-tp2-sp-pooled-aux", "qwen-moe-tiny", {**SP, "ep": 2},
+         model={**QWEN, "moe_aux_loss_pooling": "model"}),
     Case("ep2-tp2-sp-etp1-allgather", "mixtral-tiny",
          {**SP, "ep": 2, "moe_dispatcher": "allgather"}, model=MIXTRAL),
     Case("ep2-tp2-sp-etp2", "mixtral-tiny", {**SP, "ep": 2, "etp": 2}, model=MIXTRAL),

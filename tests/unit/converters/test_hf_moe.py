@@ -2,14 +2,16 @@
 
 Random-weight fp32 `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (with a shared expert and a
 dense layer between MoE layers), built locally and saved with `save_pretrained`, are imported
-with `tessera convert --from hf`: logits, loss and the router's load-balancing loss must equal
-HF's, and the export must give back HF's tensors bit for bit in a directory transformers loads.
+with `tessera convert --from hf`: logits, loss, the router's load-balancing loss (pooled over the
+MoE layers as HF pools it) and the router gradients of the total loss must equal HF's, and the
+export must give back HF's tensors bit for bit in a directory transformers loads.
 Both on-disk expert layouts are read (per-expert keys, and the fused `experts.gate_up_proj`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from tessera.converters.cli import main  # noqa: E402
 from tessera.converters.hf_io import open_hf_dir  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
+from tessera.core.model import GPTModel  # noqa: E402
+from tessera.core.moe.shapes import moe_layers  # noqa: E402
 from tessera.core.moe.stats import router_step_end, track_router_stats  # noqa: E402
 
 VOCAB = 200
@@ -30,8 +34,8 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_
 _FAMILIES = {
     "mixtral": ("MixtralConfig", dict(**_COMMON, intermediate_size=48, num_hidden_layers=2,
                                       num_local_experts=4, router_aux_loss_coef=0.02)),
-    # Layer 0 dense (intermediate_size), layer 1 MoE: decoder_sparse_step 2.
-    "qwen2_moe": ("Qwen2MoeConfig", dict(**_COMMON, intermediate_size=64, num_hidden_layers=2,
+    # Layers 0, 2 dense (intermediate_size), 1, 3 MoE: decoder_sparse_step 2.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(**_COMMON, intermediate_size=64, num_hidden_layers=4,
                                          num_experts=8, moe_intermediate_size=16,
                                          shared_expert_intermediate_size=40,
                                          decoder_sparse_step=2, qkv_bias=False,
@@ -67,33 +71,65 @@ def imported(request, tmp_path_factory):
     return family, model, root
 
 
-def test_logits_loss_and_aux_loss_match_hf(imported):
-    family, hf_model, root = imported
-    model = load_checkpoint(root / "ckpt")
-    assert model.config.family == family and model.config.num_experts > 0
-    ids = _ids()
-    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-    with torch.no_grad():
-        hf = hf_model(ids, labels=ids, output_router_logits=True)
-        hf_plain = hf_model(ids, labels=ids)
-        assert (hf.logits - model(ids)).abs().max().item() <= 1e-4
+def _train_forward(model, ids, targets):
+    """Tessera's LM loss and router metrics of one training forward, and the router gradients
+    of its backward (the LM loss plus the load-balancing loss the layers attach)."""
     model.train()  # dropout is 0: the same function, and the router records its losses
+    model.zero_grad()
     track_router_stats([model])
     loss = model(ids, labels=targets)
     metrics = router_step_end([model], model.groups, sequence_parallel=False)
-    assert abs(loss.item() - hf_plain.loss.item()) <= 1e-5
-    # Tessera's aux loss is the mean over MoE layers of each layer's E * sum f_i P_i; HF's
-    # function computes exactly that for one layer's router logits.
-    per_layer = [load_balancing_loss_func((rl,), model.config.num_experts, 2).item()
-                 for rl in hf.router_logits]
-    assert metrics["moe_aux_loss"] == pytest.approx(sum(per_layer) / len(per_layer), abs=1e-6)
-    if len(per_layer) == 1:  # then HF's model-level aux loss (pooled over layers) is the same
-        assert metrics["moe_aux_loss"] == pytest.approx(hf.aux_loss.item(), abs=1e-6)
-        coef = model.config.moe_aux_loss_coef
-        assert loss.item() + coef * metrics["moe_aux_loss"] == pytest.approx(hf.loss.item(),
-                                                                              abs=1e-5)
+    loss.backward()
+    grads = [model.layers[str(i)].feed_forward.router.weight.grad for i in moe_layers(model.config)]
+    return loss.item(), metrics, grads
+
+
+def _hf_router_grads(hf_model, loss):
+    hf_model.zero_grad()
+    loss.backward()
+    return [p.grad for n, p in hf_model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+
+def test_logits_loss_and_aux_loss_match_hf(imported):
+    """An import pools the load-balancing loss over all MoE layers as HF does: aux loss, total
+    loss and the router gradients of the total loss equal HF's; with per-layer pooling the aux
+    loss is the mean of HF's function applied layer by layer."""
+    family, hf_model, root = imported
+    model = load_checkpoint(root / "ckpt")
+    config = model.config
+    assert config.family == family and len(moe_layers(config)) == 2
+    assert config.moe_aux_loss_pooling == "model"  # the import default (converters.hf_moe)
+    ids = _ids()
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    with torch.no_grad():
+        assert (hf_model(ids).logits - model(ids)).abs().max().item() <= 1e-4
+    coef, k = config.moe_aux_loss_coef, config.moe_top_k
+    hf = hf_model(ids, labels=ids, output_router_logits=True)  # loss = LM + coef * aux
+    hf_lm = hf.loss - coef * hf.aux_loss
+    hf_grads = _hf_router_grads(hf_model, hf.loss)
+
+    loss, metrics, grads = _train_forward(model, ids, targets)
+    assert abs(loss - hf_lm.item()) <= 1e-5
+    assert abs(metrics["moe_aux_loss"] - hf.aux_loss.item()) <= 1e-6
+    assert abs(loss + coef * metrics["moe_aux_loss"] - hf.loss.item()) <= 1e-6 * hf.loss.item()
+    for g, ref in zip(grads, hf_grads, strict=True):
+        assert (g - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
     assert metrics["moe_tokens_per_expert_max"] >= metrics["moe_tokens_per_expert_min"]
     assert metrics["moe_dropped_tokens"] == 0
+
+    # "layer" (Megatron's, the preset default): the mean over MoE layers of E * sum f_i P_i,
+    # i.e. HF's function applied to one layer's router logits at a time.
+    per_layer_model = GPTModel(replace(config, moe_aux_loss_pooling="layer"))
+    per_layer_model.load_state_dict(model.state_dict())
+    hf = hf_model(ids, labels=ids, output_router_logits=True)
+    per_layer = torch.stack([load_balancing_loss_func((rl,), config.num_experts, k)
+                             for rl in hf.router_logits])
+    assert abs(per_layer.mean().item() - hf.aux_loss.item()) > 1e-4  # the two poolings differ
+    hf_grads = _hf_router_grads(hf_model, hf.loss + coef * (per_layer.mean() - hf.aux_loss))
+    loss, metrics, grads = _train_forward(per_layer_model, ids, targets)
+    assert abs(metrics["moe_aux_loss"] - per_layer.mean().item()) <= 1e-6
+    for g, ref in zip(grads, hf_grads, strict=True):
+        assert (g - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
 
 
 def test_export_round_trip_is_bit_exact(imported):

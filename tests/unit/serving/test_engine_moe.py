@@ -1,7 +1,7 @@
 """Serving a converted Mixtral: a random-weight `MixtralForCausalLM` saved by transformers and
 imported with `tessera convert --from hf` runs in the engine (batched, chunked prefill, KV
 cache), its greedy continuations equal the argmax of the full forward pass step by step, and
-the OpenAI endpoint answers."""
+the OpenAI endpoint answers. A compiled decode step (`--compile`) is refused for MoE models."""
 
 from __future__ import annotations
 
@@ -55,3 +55,10 @@ def test_openai_completions_answer(checkpoint):
         assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["text"]
     finally:
         engine.shutdown()
+
+
+def test_compiled_decode_is_refused_with_the_reason(checkpoint):
+    model = load_checkpoint(checkpoint).eval()
+    with pytest.raises(ValueError, match=r"Mixture-of-Experts models \(num_experts 4\).*"
+                                         r"serve without --compile"):
+        LLMEngine(model, max_batch=2, compile_decode=True)
