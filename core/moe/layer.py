@@ -155,8 +155,8 @@ class MoEFeedForward(nn.Module):
                 if self.z_coef:
                     out = attach_aux_loss(out, self.z_coef * z * self.cp_size,
                                           self.aux_loss_scale)
-                return attach_pooled_aux(out, score_sum, self.aux_pool, self.config.
-                                         moe_aux_loss_coef * self.cp_size * self.aux_loss_scale)
+                weight = self.config.moe_aux_loss_coef * self.cp_size * self.aux_loss_scale
+                return attach_pooled_aux(out, score_sum, self.aux_pool, weight)
             out = attach_aux_loss(out, (self.aux_coef * aux + self.z_coef * z) * self.cp_size,
                                   self.aux_loss_scale)
         return out

@@ -48,8 +48,9 @@ def moe_base(tmp_path_factory):
 
 
 def _tune(moe_base, run, *extra):
-    """`STEPS` tuning steps in memory: the tuning state, the model and the step losses, with the
-    gradients of every step checked (only the tuned parameters get one)."""
+    """`STEPS` tuning steps in memory, checking that only the tuned parameters get gradients,
+    the rest stays bit-identical to the base checkpoint and the loss decreases; returns the
+    tuning state, its inputs, the model and the tuned parameters' names."""
     base, train = moe_base
     cfg, _ = load_config(tune_argv(base, run, train, None, "--steps", str(STEPS), *extra))
     inputs = prepare_inputs(cfg, train=cfg.tune.data)
@@ -106,7 +107,7 @@ def test_prompt_tuning_on_moe_base_is_served_by_the_engine(moe_base, tmp_path):
 
 def test_lora_on_the_attention_of_an_moe_base(moe_base, tmp_path):
     *_, tuned = _tune(moe_base, tmp_path / "run", "--method", "lora", "--lora-targets",
-                        "attention", "--lr", "1e-2")
+                      "attention", "--lr", "1e-2")
     assert all(".attention." in n and ".lora_" in n for n in tuned)
 
 
