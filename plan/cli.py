@@ -22,8 +22,8 @@ recomputation), predict each one's memory per GPU and time per step from an anal
 pipeline bubble), drop those that do not fit, and rank the rest by predicted throughput. \
 Answers in about a second, without a GPU.
 
-Any of --tp --pp --virtual-stages --cp --ep --micro-batch --sequence-parallel --recompute \
---recompute-layers fixes that dimension; fix them all to evaluate one configuration. \
+Any of --tp --pp --virtual-stages --cp --ep --etp --micro-batch --sequence-parallel \
+--recompute --recompute-layers fixes that dimension; fix them all to evaluate one configuration. \
 --output writes the best candidate as a YAML config that `tessera pretrain --config` runs \
 as is.
 
@@ -47,7 +47,7 @@ examples:
       --seq-len 64
 
 --json prints one object: {"candidates": [...], "training_days": D or null}, candidates best \
-first, each with tp, pp, virtual_stages, dp, cp, ep, micro_batch, sequence_parallel, \
+first, each with tp, pp, virtual_stages, dp, cp, ep, etp, micro_batch, sequence_parallel, \
 recompute, recompute_layers, memory_gib (peak per GPU), step_time_s, tflops_per_gpu, mfu \
 (and more). With --measure each candidate also has "measured": {ok, step_time_s, \
 tokens_per_s, peak_memory_gib, step_times_s, error, cpu_share}, and the object has \
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, help_ in (("--tp", "tensor-parallel size"), ("--pp", "pipeline-parallel size"),
                         ("--virtual-stages", "model chunks per pipeline rank (interleaved 1F1B)"),
                         ("--cp", "context-parallel size"), ("--ep", "expert-parallel size"),
+                        ("--etp", "expert-tensor-parallel size: each routed expert's FFN split "
+                         "over N ranks (MoE; searched among 1 and tp)"),
                         ("--micro-batch", "sequences per micro-batch")):
         fix.add_argument(flag, type=_positive, metavar="N", default=None, help=help_)
     fix.add_argument("--sequence-parallel", type=_bool, nargs="?", const=True, metavar="BOOL",

@@ -93,7 +93,7 @@ def _train(args: argparse.Namespace) -> int:
                       seq_len=args.seq_len, gpus_per_node=per_node, tokens=args.tokens,
                       precision=precision, overlap_grad_reduce=args.gpu != "cpu")
     fixed = Fixed(tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages, cp=args.cp,
-                  ep=args.ep, micro_batch=args.micro_batch,
+                  ep=args.ep, etp=args.etp, micro_batch=args.micro_batch,
                   sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                   recompute_layers=args.recompute_layers)
     fitting = plan_training(job, fixed)

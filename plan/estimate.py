@@ -42,7 +42,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tessera.core.config import ModelConfig
+from tessera.core.config import Layout, ModelConfig
+from tessera.core.parallel.expert_groups import edp_size
 from tessera.plan import formulas as F
 from tessera.plan.hardware import Hardware
 
@@ -70,6 +71,7 @@ class Config:
     virtual_stages: int
     cp: int
     ep: int
+    etp: int  # expert-tensor-parallel size (Layout.etp): each routed expert's FFN over etp
     dp: int
     micro_batch: int
     sequence_parallel: bool
@@ -173,6 +175,15 @@ def counts_of(model: ModelConfig) -> F.ParameterCounts:
                               moe_ffn_hidden_size=ffn)
 
 
+def expert_dp_size(c: Config) -> int:
+    """Ranks an expert parameter's gradient is reduced over and its sharded optimizer state
+    split over: the expert-data-parallel group (`core.parallel.expert_groups.edp_size`) under
+    expert parallelism, dp x cp when ep x etp = 1 (experts are then plain parameters)."""
+    if c.ep * c.etp == 1:
+        return c.dp * c.cp
+    return edp_size(Layout(tp=c.tp, cp=c.cp, dp=c.dp, ep=c.ep, etp=c.etp))
+
+
 def micro_batches(job: Job, c: Config) -> int:
     return job.global_batch // (c.dp * c.micro_batch)
 
@@ -182,8 +193,11 @@ def memory(job: Job, c: Config) -> Memory:
     micro-batches in flight) and the last (output layer and logits, one in flight)."""
     model, s, b = job.model, job.seq_len, c.micro_batch
     h, L = model.hidden_size, model.num_layers
-    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
-    w, g, o = F.model_state_bytes(params, c.dp * c.cp, c.sharded_optimizer, job.precision)
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep, c.etp)
+    experts = F.expert_params_per_rank(job.counts(), c.pp, c.ep, c.etp)
+    w, g, _ = F.model_state_bytes(params, precision=job.precision)
+    o = F.optimizer_state_bytes(params - experts, experts, c.dp * c.cp, expert_dp_size(c),
+                                c.sharded_optimizer, _optimizer_bytes(job))
 
     def act(recompute: str) -> float:
         return F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
@@ -209,6 +223,11 @@ def memory(job: Job, c: Config) -> Memory:
     return Memory(weights=w / F.GIB, gradients=g / F.GIB, optimizer=o / F.GIB,
                   activations=activations * job.act_scale / F.GIB,
                   overhead=job.hardware.framework_overhead_gib)
+
+
+def _optimizer_bytes(job: Job) -> float:
+    """Optimizer-state bytes per parameter in `job`'s precision (`formulas.model_state_bytes`)."""
+    return F.model_state_bytes(1.0, precision=job.precision)[2]
 
 
 def _bandwidth(hw: Hardware, intra: bool) -> float:
@@ -259,11 +278,17 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     gemm = (_gemm_time(2 * T * h * qkv_n, (T, qkv_n, h), peak, hw)
             + _gemm_time(2 * T * a * hd / tp * h, (T, h, a * hd / tp), peak, hw))
     up = 2 if model.gated else 1
+    # Tokens a rank brings to an MoE layer (`core.moe.layer`): its own sequence chunk under
+    # sequence parallelism (required with tp > 1 and ep x etp > 1), else the whole micro-batch
+    # (at ep x etp = 1 every tp rank then runs every expert on every token).
+    n_moe = T / tp if c.sequence_parallel else T
     if experts:
         f = moe_ffn or model.ffn_hidden_size
-        per_expert_tokens = T * topk * c.ep / experts
-        mlp_flops = 2 * T * topk * (up + 1) * f * h / tp
-        gemm += _gemm_time(mlp_flops, (per_expert_tokens, f / tp, h), peak, hw)
+        # Balanced routing: the ep exchange brings a rank n_moe x top-k copies, the etp gather
+        # etp x as many, through its E / ep experts' f / etp slices: n_moe k (up + 1) f h MACs.
+        per_expert_tokens = n_moe * topk * c.ep * c.etp / experts
+        mlp_flops = 2 * n_moe * topk * (up + 1) * f * h
+        gemm += _gemm_time(mlp_flops, (per_expert_tokens, f / c.etp, h), peak, hw)
     else:
         f = model.ffn_hidden_size
         gemm += (_gemm_time(2 * T * h * up * f / tp, (T, up * f / tp, h), peak, hw)
@@ -284,8 +309,10 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
 
     node = job.gpus_per_node
     tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel, job.act_bytes)
-    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True),
-                               ops=4 if c.sequence_parallel else 2)
+    tp_ops = 4 if c.sequence_parallel else 2
+    if experts:  # the routed experts take the rank's tokens as they are: attention's half only
+        tp_bytes, tp_ops = tp_bytes / 2, tp_ops // 2
+    tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True), ops=tp_ops)
     cp_time = 0.0
     if cp > 1:
         local_kv = max(1, kv // tp)  # kv heads of this tp rank (replicated when tp > kv)
@@ -293,9 +320,13 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
         cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
     ep_time = 0.0
-    if experts and c.ep > 1:
-        ep_bytes = F.ep_layer_comm_bytes(T, h, topk, c.ep, job.act_bytes)
-        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, tp * c.ep <= node), ops=2)
+    if experts and c.ep > 1:  # the ep group spans ep x etp consecutive ranks of the stage
+        ep_bytes = F.ep_layer_comm_bytes(n_moe, h, topk, c.ep, job.act_bytes)
+        ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, c.ep * c.etp <= node),
+                                   ops=2)
+    if experts and c.etp > 1:  # etp peers are neighbours, as tp peers
+        etp_bytes = F.etp_layer_comm_bytes(n_moe, h, topk, c.etp, job.act_bytes)
+        ep_time += _collective_time(etp_bytes, c.etp, hw, _bandwidth(hw, True), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
                        overhead=hw.layer_overhead_us * 1e-6, tp=tp_time, cp=cp_time,
                        ep=ep_time)
@@ -420,25 +451,40 @@ def step_time(job: Job, c: Config) -> StepTime:
                                                job.grad_reduce_bytes)
             pp_time += _collective_time(sync, 2, hw, _bandwidth(hw, _pp_intra(job, c)), ops=1)
 
-    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep)
-    n_dp = c.dp * c.cp
-    dp_time = 0.0
-    if n_dp > 1:
-        per_node = max(1, job.gpus_per_node // (c.tp * c.cp))
-        bw = (_bandwidth(hw, True) if n_dp <= per_node else
-              min(_bandwidth(hw, True), per_node * _bandwidth(hw, False)))
-        if c.sharded_optimizer:
-            vol = (F.allgather_bytes(params * job.grad_reduce_bytes, n_dp)
-                   + F.allgather_bytes(params * PARAM_GATHER_BYTES, n_dp))
-        else:
-            vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n_dp)
-        dp_full = _collective_time(vol, n_dp, hw, bw, ops=2)
-        dp_time = max(0.0, dp_full - _grad_reduce_window(job, c, bwd + lt.tp, rc_layers * rc))
-    opt_params = params / (n_dp if c.sharded_optimizer else 1)
+    params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep, c.etp)
+    expert_params = F.expert_params_per_rank(job.counts(), c.pp, c.ep, c.etp)
+    n_dp, n_edp = c.dp * c.cp, expert_dp_size(c)
+    # Dense gradients are reduced over dp x cp (peers tp x cp ranks apart), expert ones over
+    # the expert-data-parallel group (peers ep x etp ranks apart); the two run back to back.
+    dp_full = (_dp_reduce_time(job, c, params - expert_params, n_dp, c.tp * c.cp)
+               + _dp_reduce_time(job, c, expert_params, n_edp, max(1, c.ep * c.etp)))
+    dp_time = max(0.0, dp_full - _grad_reduce_window(job, c, bwd + lt.tp, rc_layers * rc))
+    opt_params = F.optimizer_state_bytes(params - expert_params, expert_params, n_dp, n_edp,
+                                         c.sharded_optimizer, bytes_per_param=1)
     optimizer = OPTIMIZER_STEP_BYTES * opt_params / (hw.memory_gbps * 1e9)
     return StepTime(compute=m * (per_mb_compute + body_recompute), recompute=m * body_recompute,
                     bubble=bubble, tp=m * per_mb_comm_tp, pp=pp_time, dp=dp_time,
                     cp=m * per_mb_cp, ep=m * per_mb_ep, optimizer=optimizer)
+
+
+def _dp_reduce_time(job: Job, c: Config, params: float, n: int, stride: int) -> float:
+    """The data-parallel gradient reduction of `params` parameters over `n` ranks `stride`
+    ranks apart (a ring [Ring]: the bytes per rank barely depend on n): an all-reduce, or
+    with a sharded optimizer a reduce-scatter of gradients and an all-gather of weights
+    [ZeRO section 7.2.1]. Within a node over NVLink; across nodes each node's `node / stride`
+    members share their NICs."""
+    if n <= 1 or params <= 0:
+        return 0.0
+    hw = job.hardware
+    per_node = max(1, job.gpus_per_node // stride)
+    bw = (_bandwidth(hw, True) if n <= per_node else
+          min(_bandwidth(hw, True), per_node * _bandwidth(hw, False)))
+    if c.sharded_optimizer:
+        vol = (F.allgather_bytes(params * job.grad_reduce_bytes, n)
+               + F.allgather_bytes(params * PARAM_GATHER_BYTES, n))
+    else:
+        vol = F.allreduce_bytes(params * job.grad_reduce_bytes, n)
+    return _collective_time(vol, n, hw, bw, ops=2)
 
 
 def as_dict(obj: Any) -> dict[str, Any]:

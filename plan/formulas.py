@@ -113,15 +113,26 @@ def parameter_counts(
                            num_layers=model.num_layers)
 
 
-def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1) -> int:
+def expert_params_per_rank(counts: ParameterCounts, pp: int, ep: int = 1, etp: int = 1
+                           ) -> float:
+    """Routed-expert parameters one rank holds: its L/p layers' experts split over the ep x etp
+    expert grid (`num_experts / ep` experts, each FFN sliced over etp), as `core.moe.layer`
+    builds them; replicated over tp when ep x etp = 1 (Megatron-Core
+    theoretical_memory_usage.py likewise divides routed experts by the expert grid, not tp)."""
+    return counts.num_layers / pp * counts.layer_experts / (ep * etp)
+
+
+def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1, etp: int = 1
+                    ) -> int:
     """Parameters held by the most loaded rank [PTD-P section 2: tensor parallelism splits every
     layer's weights over t ranks, pipeline parallelism gives each rank L/p layers].
 
     The first pipeline rank holds the embedding, the last the output projection (with tied
     embeddings and p > 1 both hold a copy, as Megatron does); norms are replicated over tp
-    and counted whole (slightly pessimistic). Routed experts split over `ep` and then tp."""
+    and counted whole (slightly pessimistic). Routed experts split over the expert grid
+    (`expert_params_per_rank`), not over tp."""
     layers = counts.num_layers / pp
-    body = layers * (counts.layer_dense / tp + counts.layer_experts / (tp * ep))
+    body = layers * (counts.layer_dense / tp) + expert_params_per_rank(counts, pp, ep, etp)
     emb = counts.embedding / tp
     out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp
     if pp == 1:
@@ -147,6 +158,24 @@ def model_state_bytes(params: float, dp: int = 1, sharded_optimizer: bool = Fals
     weight, grad, opt = (4, 4, 8) if precision == "fp32" else (
         WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)
     return weight * params, grad * params, opt * params / (dp if sharded_optimizer else 1)
+
+
+def optimizer_state_bytes(dense_params: float, expert_params: float, dp_cp: int, edp: int,
+                          sharded_optimizer: bool, bytes_per_param: float = OPTIMIZER_BYTES
+                          ) -> float:
+    """Optimizer-state bytes on one rank holding `dense_params` dense and `expert_params`
+    routed-expert parameters. Unsharded: `bytes_per_param` for each. Sharded (ZeRO stage 1
+    [ZeRO 5.1]): each parameter's state is split over the group its gradient is reduced over,
+    as Megatron-Core's distributed optimizer does (one shard per data-parallel group: the
+    dense buffers over dp x cp, the expert buffers over the expert-data-parallel group) and as
+    Tessera's zero1 does (`core.parallel.data_parallel.build_zero_optimizer`, `experts=`):
+    `dense / (dp cp) + expert / edp`, with `edp = t cp dp / (ep etp)`
+    (`core.parallel.expert_groups.edp_size`). Callers pass `edp = dp_cp` when ep x etp = 1
+    (the experts are then plain replicated parameters)."""
+    b = bytes_per_param
+    if not sharded_optimizer:
+        return b * dense_params + b * expert_params
+    return b * dense_params / dp_cp + b * expert_params / edp
 
 
 # --- activations ---------------------------------------------------------------------------
@@ -407,6 +436,16 @@ def cp_layer_comm_bytes(s: int, b: int, kv_heads: int, head_dim: int, cp: int,
     K and V, `2 s b kv d` bytes x 2, of which it lacks (cp - 1)/cp; the backward
     reduce-scatters dK and dV, the same again."""
     return allgather_bytes(2 * s * b * kv_heads * head_dim * dtype_bytes, cp)
+
+
+def etp_layer_comm_bytes(tokens: float, h: int, experts_per_token: int, etp: int,
+                         dtype_bytes: int = 2) -> float:
+    """Bytes one rank sends per MoE layer forward for expert tensor parallelism
+    [Megatron-Core MoE all-to-all dispatcher; `core.parallel.expert_parallel`]: after the ep
+    exchange a rank holds its `tokens` x top-k copies; it all-gathers its etp peers' copies
+    before the experts and reduce-scatters the partial outputs after, each
+    `(etp - 1)/etp` of the `etp` x larger gathered buffer [Ring]."""
+    return 2 * allgather_bytes(etp * tokens * experts_per_token * h * dtype_bytes, etp)
 
 
 def ep_layer_comm_bytes(tokens: float, h: int, experts_per_token: int, ep: int,

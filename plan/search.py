@@ -10,8 +10,10 @@ sequence parallelism) and re-implements only the schedule arithmetic of
 `core.parallel.pipeline.schedule_problems` (1F1B needs m >= p; the interleaved schedule runs
 micro-batches in rounds of p), which lives beside torch. Search bounds: tp divides the node
 size (tp never spans nodes); cp is a power of two with s/cp >= `MIN_CP_CHUNK` tokens, at most
-one node; micro-batch sizes are powers of two up to `MAX_MICRO_BATCH` unless fixed; ep only for
-MoE models.
+one node; micro-batch sizes are powers of two up to `MAX_MICRO_BATCH` unless fixed; ep and etp
+only for MoE models: ep among the divisors of dp x cp that divide the experts, etp 1 or tp
+(Megatron's default is tp, its parallel-folding guide recommends 1 for fine-grained experts;
+any divisor of tp when fixed), both checked by `Layout.problems` like the rest of the layout.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Fixed:
     virtual_stages: int | None = None
     cp: int | None = None
     ep: int | None = None
+    etp: int | None = None
     micro_batch: int | None = None
     sequence_parallel: bool | None = None
     recompute: str | None = None
@@ -129,6 +132,8 @@ class Candidate(E.Config):
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         parts.append(f"dp{self.dp}")
         if self.sequence_parallel:
             parts.append("sp")
@@ -148,8 +153,8 @@ class Candidate(E.Config):
 
     def parallel_fields(self) -> dict[str, Any]:
         """The `parallel:` section of a `tessera pretrain` config (`Layout` and `TrainSchedule`
-        fields) for this candidate; cp and ep are left out while the training code lacks them
-        (they are 1 then)."""
+        fields) for this candidate; cp, ep and etp are written when above 1 (Layout's defaults
+        are 1), so the run holds the expert shards the estimate counted."""
         schedule = "interleaved-1f1b" if self.virtual_stages > 1 else "1f1b"
         out: dict[str, Any] = {
             "tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages, "dp": self.dp,
@@ -162,6 +167,8 @@ class Candidate(E.Config):
             out["cp"] = self.cp
         if self.ep > 1:
             out["ep"] = self.ep
+        if self.etp > 1:
+            out["etp"] = self.etp
         return out
 
 
@@ -175,7 +182,7 @@ def _config_of(fields_: dict[str, Any], job: TrainingJob) -> E.Config:
     sp = fields_.get("sequence_parallel")
     return E.Config(
         tp=tp, pp=pp, virtual_stages=fields_.get("virtual_stages", 1), cp=cp,
-        ep=fields_.get("ep", 1), dp=dp, micro_batch=fields_.get("micro_batch", 1),
+        ep=fields_.get("ep", 1), etp=fields_.get("etp", 1), dp=dp, micro_batch=fields_.get("micro_batch", 1),
         sequence_parallel=bool(tp > 1 if sp is None else sp),
         recompute=fields_.get("recompute", "none"),
         recompute_layers=fields_.get("recompute_layers"),
@@ -193,7 +200,7 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
         out.append(f"tp {c.tp} must divide the {job.gpus_per_node} GPUs of a node (tensor "
                    "parallelism stays on NVLink)")
     out += [p for p in _layout(c.tp, c.pp, c.virtual_stages, c.sequence_parallel, c.cp,
-                               max(1, c.dp)).problems(model, seq_len=job.seq_len)
+                               max(1, c.dp), c.ep, c.etp).problems(model, seq_len=job.seq_len)
             if p not in out]
     if _LAYOUT_CP:
         pass  # Layout.problems names the cp rules itself
@@ -203,10 +210,6 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     elif c.cp > 1 and c.sequence_parallel and (job.seq_len // c.cp) % c.tp:
         out.append(f"each cp rank's {job.seq_len // c.cp} tokens do not split over tp {c.tp} "
                    "(sequence parallel)")
-    experts, _, _ = E.moe_fields(model)
-    if c.ep > 1 and (not experts or experts % c.ep or (c.dp * c.cp) % c.ep):
-        out.append(f"ep {c.ep} needs an MoE model whose experts ({experts}) and data x context "
-                   f"parallel ranks ({c.dp * c.cp}) it divides")
     if c.recompute not in RECOMPUTE:
         out.append(f"unknown recompute {c.recompute!r}; choose one of {list(RECOMPUTE)}")
     if c.dp < 1 or job.global_batch % c.dp:
@@ -277,9 +280,11 @@ def _check_job(job: TrainingJob) -> None:
                         "learned positions")
 
 
-def _layout(tp: int, pp: int, v: int, sp: bool, cp: int, dp: int = 1) -> Layout:
+def _layout(tp: int, pp: int, v: int, sp: bool, cp: int, dp: int = 1, ep: int = 1,
+            etp: int = 1) -> Layout:
     extra = {"cp": cp} if _LAYOUT_CP else {}
-    return Layout(tp=tp, pp=pp, virtual_stages=v, dp=dp, sequence_parallel=sp, **extra)
+    return Layout(tp=tp, pp=pp, virtual_stages=v, dp=dp, sequence_parallel=sp, ep=ep, etp=etp,
+                  **extra)
 
 
 def _divisors(n: int) -> list[int]:
@@ -310,6 +315,7 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                 if job.global_batch % dp:
                     continue
                 eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
+                etps = sorted({1, tp}) if experts else [1]
                 per_dp = job.global_batch // dp
                 mbs = [b for b in _divisors(per_dp) if b <= MAX_MICRO_BATCH and not b & (b - 1)]
                 if fit_only:
@@ -321,18 +327,22 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                 if fit_only:
                     sps = sps[-1:]
                 recs = ["full"] if fit_only else list(RECOMPUTE)
-                for ep in _choices(fixed.ep, eps[-1:] if fit_only else eps):
+                experts_grid = [(ep, etp) for ep in _choices(fixed.ep, eps)
+                                for etp in _choices(fixed.etp, etps)]
+                if fit_only:  # the most frugal: the largest expert grid
+                    experts_grid = sorted(experts_grid, key=lambda g: g[0] * g[1])[-1:]
+                for ep, etp in experts_grid:
                     for v in _choices(fixed.virtual_stages, vs):
                         for sp in _choices(fixed.sequence_parallel, sps):
-                            lay_ok = not _layout(tp, pp, v, sp, cp).problems(model, seq_len=s)
-                            if not lay_ok:
+                            lay = _layout(tp, pp, v, sp, cp, dp, ep, etp)
+                            if lay.problems(model, seq_len=s):
                                 continue
                             for b in _choices(fixed.micro_batch, mbs):
                                 for rc in _choices(fixed.recompute, recs):
                                     c = E.Config(
-                                        tp=tp, pp=pp, virtual_stages=v, cp=cp, ep=ep, dp=dp,
-                                        micro_batch=b, sequence_parallel=sp, recompute=rc,
-                                        recompute_layers=fixed.recompute_layers,
+                                        tp=tp, pp=pp, virtual_stages=v, cp=cp, ep=ep, etp=etp,
+                                        dp=dp, micro_batch=b, sequence_parallel=sp,
+                                        recompute=rc, recompute_layers=fixed.recompute_layers,
                                         sharded_optimizer=(dp * cp > 1
                                                            if fixed.sharded_optimizer is None
                                                            else fixed.sharded_optimizer))
@@ -382,7 +392,8 @@ def plan_training(job: TrainingJob, fixed: Fixed = Fixed(), top: int | None = No
     cap = job.hardware.memory_gib
     too_big: dict[tuple[Any, ...], int] = {}  # layout -> smallest micro-batch that does not fit
     for c in _configs(job, fixed):
-        key = (c.tp, c.pp, c.cp, c.ep, c.virtual_stages, c.sequence_parallel, c.recompute)
+        key = (c.tp, c.pp, c.cp, c.ep, c.etp, c.virtual_stages, c.sequence_parallel,
+               c.recompute)
         if c.micro_batch > too_big.get(key, c.micro_batch):
             continue  # memory grows with the micro-batch (micro-batches come in ascending order)
         c2 = _settle_recompute_layers(job, c, fixed)
