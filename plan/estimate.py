@@ -455,16 +455,27 @@ def step_time(job: Job, c: Config) -> StepTime:
     expert_params = F.expert_params_per_rank(job.counts(), c.pp, c.ep, c.etp)
     n_dp, n_edp = c.dp * c.cp, expert_dp_size(c)
     # Dense gradients are reduced over dp x cp (peers tp x cp ranks apart), expert ones over
-    # the expert-data-parallel group (peers ep x etp ranks apart); the two run back to back.
+    # the expert-data-parallel group (peers ep x etp ranks apart; with ep x etp = 1 the
+    # experts are plain parameters, reduced with the dense ones); the two run back to back.
+    grid = c.ep * c.etp
     dp_full = (_dp_reduce_time(job, c, params - expert_params, n_dp, c.tp * c.cp)
-               + _dp_reduce_time(job, c, expert_params, n_edp, max(1, c.ep * c.etp)))
+               + _dp_reduce_time(job, c, expert_params, n_edp,
+                                 grid if grid > 1 else c.tp * c.cp))
     dp_time = max(0.0, dp_full - _grad_reduce_window(job, c, bwd + lt.tp, rc_layers * rc))
+    # Routed experts replicated over tp (ep x etp = 1) under sequence parallelism: each tp rank
+    # routed its own chunk, so their partial gradients are summed over tp after the backward,
+    # not overlapped (`core.parallel.pipeline.sync_sequence_parallel_grads`).
+    expert_tp_sync = 0.0
+    if expert_params and grid == 1 and c.sequence_parallel:
+        expert_tp_sync = _collective_time(
+            F.allreduce_bytes(expert_params * job.grad_reduce_bytes, c.tp), c.tp, hw,
+            _bandwidth(hw, True), ops=1)
     opt_params = F.optimizer_state_bytes(params - expert_params, expert_params, n_dp, n_edp,
                                          c.sharded_optimizer, bytes_per_param=1)
     optimizer = OPTIMIZER_STEP_BYTES * opt_params / (hw.memory_gbps * 1e9)
     return StepTime(compute=m * (per_mb_compute + body_recompute), recompute=m * body_recompute,
-                    bubble=bubble, tp=m * per_mb_comm_tp, pp=pp_time, dp=dp_time,
-                    cp=m * per_mb_cp, ep=m * per_mb_ep, optimizer=optimizer)
+                    bubble=bubble, tp=m * per_mb_comm_tp + expert_tp_sync, pp=pp_time,
+                    dp=dp_time, cp=m * per_mb_cp, ep=m * per_mb_ep, optimizer=optimizer)
 
 
 def _dp_reduce_time(job: Job, c: Config, params: float, n: int, stride: int) -> float:

@@ -7,10 +7,12 @@ expert_local_shape`, what the MoE layer allocates), and figures worked by hand.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from tessera.__main__ import main
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.parallel.sharding import expert_local_shape, global_param_shapes, is_expert_param
 from tessera.plan import Fixed, TrainingJob, evaluate, load_hardware, plan_training
@@ -59,6 +61,33 @@ def test_zero1_optimizer_golden_mixtral_8x7b_tp2_ep8_dp32():
     assert (dense_gpu + expert_gpu) / old > 6
 
 
+def test_expert_gradients_reduce_over_edp_golden():
+    """Mixtral 8x7B on one node of 8 H100s, tp2 ep4 dp4 zero1, reduction not overlapped. Dense
+    gradients reduce-scatter (fp32) and weights all-gather (bf16) over dp 4: 3/4 x P x 6 bytes.
+    Experts: at etp 2, edp = 8 / (4 x 2) = 1, nothing to reduce; at etp 1, edp 2 (ranks 4
+    apart, same node), 1/2 x E/4 x 6 bytes. Ring over NVLink at 450 GB/s x 0.8, 20 us a call."""
+    model = ModelConfig.from_name("mixtral-8x7b")
+    job = TrainingJob(model, 8, H100, 256, 4096, overlap_grad_reduce=False)
+    bw, lat = H100.intra_node_gbps * 1e9 * H100.comm_efficiency, H100.link_latency_us * 1e-6
+    assert (bw, lat) == pytest.approx((360e9, 20e-6))
+    dense = (3 / 4 * DENSE_PER_RANK_TP2 * 6) / bw + 2 * lat
+    fields = dict(tp=2, ep=4, sequence_parallel=True, sharded_optimizer=True, recompute="full")
+    assert evaluate(job, {**fields, "etp": 2}).time.dp == pytest.approx(dense, rel=1e-12)
+    experts = (1 / 2 * EXPERTS_ALL / 4 * 6) / bw + 2 * lat
+    assert evaluate(job, {**fields, "etp": 1}).time.dp == pytest.approx(dense + experts,
+                                                                        rel=1e-12)
+    # Replicated experts (ep 1) under sequence parallelism: each tp rank holds partial
+    # gradients of all of them, summed over tp after the backward: 2 x 1/2 x E x 4 bytes, one
+    # call. Beside it the layers' own tp traffic: an MoE layer all-gathers and reduce-scatters
+    # only around attention (1/2 x s b h x 2 bytes each, 2 calls), forward and backward, 32
+    # layers, 256 / dp 4 = 64 micro-batches of one sequence.
+    c = evaluate(job, dict(tp=2, sequence_parallel=True, recompute="full"))
+    assert c.micro_batches == 64
+    sbh = 4096 * 4096 * 2
+    layers = 2 * 32 * 64 * (sbh / bw + 2 * lat)
+    assert c.time.tp == pytest.approx(layers + EXPERTS_ALL * 4 / bw + lat, rel=1e-12)
+
+
 def _mixtral_tiny_job() -> TrainingJob:
     return TrainingJob(ModelConfig.from_name("mixtral-tiny"), 8, H100, 16, 128)
 
@@ -91,6 +120,20 @@ def test_planned_moe_yaml_runs_as_planned(tmp_path):
                    for n in shapes if is_expert_param(n)) / lay.pp
         assert F.expert_params_per_rank(E.counts_of(cfg.model), lay.pp, lay.ep, lay.etp) == held
     assert {e for e, _ in seen} == {1, 2}
+
+
+def test_plan_cli_writes_etp(tmp_path, capsys):
+    """`tessera plan ... --ep 2 --tp 2 --etp 2 --output` writes the etp it planned with."""
+    path = tmp_path / "run.yaml"
+    code = main(["plan", "--model", "mixtral-tiny", "--gpus", "8", "--gpu", "h100-80gb",
+                 "--global-batch", "16", "--seq-len", "128", "--ep", "2", "--tp", "2",
+                 "--etp", "2", "--output", str(path), "--json"])
+    best = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert code == 0 and (best["ep"], best["etp"]) == (2, 2)
+    cfg, _ = load_config(["--config", str(path)])
+    lay = cfg.parallel.layout()
+    assert (lay.tp, lay.ep, lay.etp, lay.dp) == (2, 2, 2, 4)
+    assert lay.problems(cfg.model, world_size=8, seq_len=128) == []
 
 
 def test_moe_candidates_are_layout_valid_and_etp_is_fixable():
