@@ -182,7 +182,8 @@ def _config_of(fields_: dict[str, Any], job: TrainingJob) -> E.Config:
     sp = fields_.get("sequence_parallel")
     return E.Config(
         tp=tp, pp=pp, virtual_stages=fields_.get("virtual_stages", 1), cp=cp,
-        ep=fields_.get("ep", 1), etp=fields_.get("etp", 1), dp=dp, micro_batch=fields_.get("micro_batch", 1),
+        ep=fields_.get("ep", 1), etp=fields_.get("etp", 1), dp=dp,
+        micro_batch=fields_.get("micro_batch", 1),
         sequence_parallel=bool(tp > 1 if sp is None else sp),
         recompute=fields_.get("recompute", "none"),
         recompute_layers=fields_.get("recompute_layers"),

@@ -27,7 +27,9 @@ H100 = load_hardware("h100-80gb")
 # vocabulary 32000 (untied), 32 heads of 128, 8 kv heads, RMSNorm, no biases.
 EXPERTS_ALL = 32 * 8 * 3 * 4096 * 14336  # 45,097,156,608 routed-expert parameters
 LAYER_DENSE = 4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 2 * 4096 + 4096 * 8  # attn, norms, router
-DENSE_PER_RANK_TP2 = 32 * LAYER_DENSE // 2 + 2 * 32000 * 4096 // 2 + 4096  # + emb, out, final norm
+# Per rank at tp 2 as `formulas.params_per_rank` counts it (layers / tp; embedding and output
+# / tp; final norm whole).
+DENSE_PER_RANK_TP2 = 32 * LAYER_DENSE // 2 + 2 * 32000 * 4096 // 2 + 4096
 
 
 def test_zero1_optimizer_golden_mixtral_8x7b_tp2_ep8_dp32():
