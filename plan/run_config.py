@@ -3,7 +3,8 @@
 The `parallel:` section is the candidate's own (`Candidate.parallel_fields()`: Layout and
 TrainSchedule field names, micro-batches per step rather than the planner's micro-batch size).
 Context and expert parallelism (cp, ep) are written only when the core's `Layout` has those
-fields; until it does, a plan that needs either above 1 is refused with a message saying so.
+fields (it has both now, and `etp`, which the candidate writes when above 1); a plan needing a
+field Layout lacks is refused with a message saying so.
 """
 
 from __future__ import annotations
