@@ -165,20 +165,18 @@ class StreamingReader(CheckpointReader):
 
     def read_rows(self, file: str, key: str, row: int, out: torch.Tensor) -> torch.Tensor:
         """Rows `[row, row + len(out))` of tensor `key` of `file`, read into `out`."""
-        handle = self._open(file)
-        try:
-            handle.read_rows_into(key, row, out)
-        except (SafetensorsFormatError, OSError) as exc:
-            raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({exc})") from exc
-        self.bytes_read += out.numel() * out.element_size()
-        return out
+        return self._read_into(file, key, row, out, flat=False)
 
     def read_flat_rows(self, file: str, key: str, row: int, out: torch.Tensor) -> torch.Tensor:
         """Rows `[row, row + len(out))` of tensor `key` of `file` viewed as 2-D (an expert
         bank `(E, R, C)` as `(E * R, C)`), read into `out`."""
+        return self._read_into(file, key, row, out, flat=True)
+
+    def _read_into(self, file: str, key: str, row: int, out: torch.Tensor, *, flat: bool
+                   ) -> torch.Tensor:
         handle = self._open(file)
         try:
-            handle.read_flat_rows_into(key, row, out)
+            (handle.read_flat_rows_into if flat else handle.read_rows_into)(key, row, out)
         except (SafetensorsFormatError, OSError) as exc:
             raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({exc})") from exc
         self.bytes_read += out.numel() * out.element_size()

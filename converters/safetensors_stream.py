@@ -231,12 +231,7 @@ class SafetensorsFile:
                 or not 0 <= row <= row + n <= shape[0] or not out.is_contiguous()):
             raise ValueError(f"{self.path}: cannot read rows {row}.. of {name!r} ({dtype} "
                              f"{shape}) into {out.dtype} {tuple(out.shape)}")
-        size = _nbytes(dtype, out.shape)
-        if size:
-            self._fh.seek(self._data_start + begin + row * _nbytes(dtype, shape[1:]))
-            if self._fh.readinto(out.view(torch.uint8).reshape(-1).numpy()) != size:
-                raise SafetensorsFormatError(f"{self.path}: truncated while reading {name!r}")
-        return out
+        return self._read_at(name, begin + row * _nbytes(dtype, shape[1:]), out)
 
     def read_flat_rows_into(self, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
         """Read rows `[row, row + len(out))` of tensor `name` viewed as 2-D, `(numel / last
@@ -252,9 +247,14 @@ class SafetensorsFile:
                 or not 0 <= row <= row + out.shape[0] <= total or not out.is_contiguous()):
             raise ValueError(f"{self.path}: cannot read flat rows {row}.. of {name!r} ({dtype} "
                              f"{shape}) into {out.dtype} {tuple(out.shape)}")
-        size = _nbytes(dtype, out.shape)
+        return self._read_at(name, begin + row * width * dtype.itemsize, out)
+
+    def _read_at(self, name: str, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill the contiguous `out` with the bytes at `offset` of the data section (one
+        plain read, checked for truncation); returns `out`."""
+        size = _nbytes(out.dtype, out.shape)
         if size:
-            self._fh.seek(self._data_start + begin + row * width * dtype.itemsize)
+            self._fh.seek(self._data_start + offset)
             if self._fh.readinto(out.view(torch.uint8).reshape(-1).numpy()) != size:
                 raise SafetensorsFormatError(f"{self.path}: truncated while reading {name!r}")
         return out
