@@ -101,7 +101,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.n_generated == 0, *_rank(s))):
             if seq in gone:
                 continue
-            n = min(len(seq.tokens) - seq.cached, budget)
+            n = min(len(seq.tokens) + len(seq.draft) - seq.cached, budget)  # drafts: speculation
             if n <= 0:
                 continue
             while not self.space.grow(seq, seq.cached + n):
