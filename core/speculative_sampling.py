@@ -20,6 +20,7 @@ kept, nucleus), so the target and the draft use one definition.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -42,15 +43,26 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_k: int = 0,
     return torch.zeros_like(probs).scatter(-1, order, probs)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from `probs (V,)` by inverse CDF with one uniform draw from `generator`."""
-    u = torch.rand((), generator=generator, dtype=torch.float64)
-    cdf = probs.double().cumsum(dim=-1)
-    index = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
-    index = min(index, probs.shape[-1] - 1)
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def _draw(probs: np.ndarray, u: float) -> int:
+    """Inverse CDF of `probs (V,)` at `u` in [0, 1): a token with positive mass."""
+    cdf = np.cumsum(probs)
+    index = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(probs) - 1)
     while probs[index] <= 0 and index > 0:  # rounding at the top end: step back to a real token
         index -= 1
     return index
+
+
+def _numpy(probs: torch.Tensor) -> np.ndarray:
+    return probs.detach().to("cpu", torch.float64).numpy()
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs (V,)` by inverse CDF with one uniform draw from `generator`."""
+    return _draw(_numpy(probs), _uniform(generator))
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:
@@ -75,23 +87,24 @@ def verify_sampled(target_probs: torch.Tensor, draft: list[int], draft_probs: to
     one uniform per examined draft token, plus one for the rejection's or the bonus's draw.
     Returns the accepted tokens and then the one drawn token (between 1 and k + 1 tokens).
     """
+    target = _numpy(target_probs)
+    proposal = None if draft_probs is None else _numpy(draft_probs)
     out: list[int] = []
     for i, x in enumerate(draft):
-        p = target_probs[i].double()
-        px = float(p[x])
-        qx = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        if qx > 0 and u * qx < px:  # u < p(x) / q(x), without dividing
+        p = target[i]
+        qx = 1.0 if proposal is None else float(proposal[i, x])
+        u = _uniform(generator)
+        if qx > 0 and u * qx < p[x]:  # u < p(x) / q(x), without dividing
             out.append(x)
             continue
-        if draft_probs is None:
-            residual = p.clone()
+        if proposal is None:
+            residual = p.copy()
             residual[x] = 0.0
         else:
-            residual = (p - draft_probs[i].double()).clamp(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
+            residual = np.maximum(p - proposal[i], 0.0)
+        if residual.sum() <= 0.0:  # p == q up to rounding: any draw from p is exact
             residual = p
-        out.append(sample_from(residual, generator))
+        out.append(_draw(residual, _uniform(generator)))
         return out
-    out.append(sample_from(target_probs[len(draft)], generator))
+    out.append(_draw(target[len(draft)], _uniform(generator)))
     return out

@@ -279,6 +279,29 @@ class Speculator:
         self.proposer.accepted(seq, n_before, n_accepted)
 
 
+def config_from_flags(method: str | None, k: int | None, draft_checkpoint: str | None,
+                      ngram_min: int | None, ngram_max: int | None) -> SpeculativeConfig | None:
+    """`tessera serve`'s speculative flags as a config (None when off); a flag that needs
+    another one is refused with what to add."""
+    if method is None:
+        given = [flag for flag, value in (("--num-speculative-tokens", k),
+                                          ("--draft-checkpoint", draft_checkpoint),
+                                          ("--ngram-min", ngram_min), ("--ngram-max", ngram_max))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --speculative ngram or --speculative "
+                             "draft")
+        return None
+    if method == "draft" and (ngram_min is not None or ngram_max is not None):
+        raise ValueError("--ngram-min and --ngram-max are for --speculative ngram")
+    defaults = SpeculativeConfig()
+    return SpeculativeConfig(
+        method, k if k is not None else defaults.num_speculative_tokens,
+        ngram_min if ngram_min is not None else defaults.ngram_min,
+        ngram_max if ngram_max is not None else max(defaults.ngram_max, ngram_min or 0),
+        draft_checkpoint)
+
+
 def check_same_vocabulary(target_vocab: int, draft_vocab: int, target_tok: Any,
                           draft_tok: Any) -> None:
     """Refuse a draft whose vocabulary differs from the target's (sizes, then tokenizers)."""
