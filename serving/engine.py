@@ -28,6 +28,13 @@ Each step:
    batched call fails, rows are retried one by one and only the failing request ends;
 5. per request: stop tokens, stop strings, lengths, incremental text, and an output event.
 
+Speculative decoding (`speculative=`, `serving.speculative`): before planning, each decoding
+request that can speculate gets up to k draft tokens (prompt lookup or a draft model); its row
+runs its last token and the drafts (1 + k tokens, counted by the budget and the KV space), the
+logits of every position are kept, exact rejection sampling decides what is emitted, the KV
+cache is rolled back to the accepted tokens, and those go through step 5 one by one. Greedy
+output is the plain greedy output; sampled output keeps its distribution.
+
 Lengths: a prompt (plus a task's virtual tokens) must leave room for one new token in the
 context (and in the whole KV pool), else the request is refused up front; generation then stops
 at `max_tokens` or at the context (or the pool's size), whichever comes first (finish reason

@@ -9,6 +9,7 @@ computed here from the model's full forward pass over every continuation.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -83,8 +84,10 @@ def _greedy_requests(model, tokenizer, kv) -> list[GenerationRequest]:
                 max_tokens=9, logprobs=2, **greedy))]
 
 
-@pytest.mark.parametrize("name, kind", [("gpt2-tiny", "paged"), ("gpt2-tiny", "slots"),
-                                        ("llama-tiny", "paged"), ("llama-tiny", "slots")])
+@pytest.mark.parametrize("name, kind", [
+    ("gpt2-tiny", "slots"), ("llama-tiny", "paged"),  # both models, both caches, by default
+    pytest.param("gpt2-tiny", "paged", marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "slots", marks=pytest.mark.slow)])
 def test_greedy_output_is_unchanged_by_speculation(name, kind, tokenizer):
     model = _model(name)
     kv = KV[kind]
@@ -217,7 +220,7 @@ def _frequency_check(method: str, n: int, init_std: float = 0.5) -> None:
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampled_tokens_keep_the_model_distribution(method):
-    _frequency_check(method, 240)
+    _frequency_check(method, 200)
 
 
 @pytest.mark.slow
@@ -311,3 +314,83 @@ def test_metrics_expose_the_acceptance_counters():
                          ("spec_verify_steps_total", "spec_decode_num_drafts_total")):
         assert f'tessera:{metric}{{model_name="m"}} {float(stats[stat])}' in text
     assert stats["spec_accepted_tokens_total"] > 0
+
+
+# --------------------------------------------------------------------------- tessera serve
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    from tessera.core.checkpoint import save_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpts")
+    tok = tokenizer.save(root / "tok")
+    target = save_checkpoint(root / "target", _model("llama-tiny"), tokenizer=tok)
+    draft = save_checkpoint(root / "draft", _model("llama-tiny", seed=1, num_layers=1),
+                            tokenizer=tok)
+    other = save_checkpoint(root / "other", _model("llama-tiny", num_layers=1, vocab_size=300))
+    return target, draft, other
+
+
+def _serve(argv, monkeypatch):
+    import sys
+    import types
+
+    import uvicorn
+
+    from tessera.serving.cli import main
+
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.app")
+    app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
+    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+
+    def run(server):
+        seen["speculator"] = seen["engine"].speculator
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    return main(argv), seen
+
+
+def test_serve_speculative_flags(checkpoints, monkeypatch, capsys):
+    from tessera.serving.speculative import DraftProposer, NgramProposer
+
+    target, draft, other = checkpoints
+    code, seen = _serve(["--checkpoint", str(target), "--speculative", "draft",
+                         "--draft-checkpoint", str(draft), "--num-speculative-tokens", "3"],
+                        monkeypatch)
+    assert code == 0 and isinstance(seen["speculator"].proposer, DraftProposer)
+    assert seen["speculator"].k == 3
+    code, seen = _serve(["--checkpoint", str(target), "--speculative", "ngram", "--ngram-max",
+                         "5"], monkeypatch)
+    assert code == 0 and isinstance(seen["speculator"].proposer, NgramProposer)
+    assert seen["speculator"].config == SpeculativeConfig("ngram", 4, 1, 5)
+    capsys.readouterr()
+    for argv, message in ((["--draft-checkpoint", str(draft)], "need --speculative"),
+                          (["--speculative", "draft"], "--draft-checkpoint PATH"),
+                          (["--speculative", "draft", "--draft-checkpoint", str(other)],
+                           "vocabulary \\(300 tokens\\)")):
+        code, _ = _serve(["--checkpoint", str(target), *argv], monkeypatch)
+        assert code == 2
+        assert re.search(message, capsys.readouterr().err), argv
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    from tessera.serving.speculative import check_same_vocabulary
+
+    class Tok:
+        vocab_size = 4
+
+        def __init__(self, pieces):
+            self.pieces = pieces
+
+        def model_bytes(self):
+            return "|".join(self.pieces).encode()
+
+        def token_text(self, i):
+            return self.pieces[i]
+
+    check_same_vocabulary(4, 4, Tok(["a", "b", "c", "d"]), Tok(["a", "b", "c", "d"]))
+    with pytest.raises(ValueError, match="token 2: 'x' vs 'c'"):
+        check_same_vocabulary(4, 4, Tok(["a", "b", "c", "d"]), Tok(["a", "b", "x", "d"]))
