@@ -520,13 +520,14 @@ class LLMEngine:
         to_sample: list[tuple[_Sequence, torch.Tensor]] = []
         to_verify: list[tuple[_Sequence, list[int], torch.Tensor]] = []
         done_prefill: list[_Sequence] = []
-        # Rows of one token (decodes), speculative rows (a decode and its drafts) and longer
-        # prefill chunks run as separate passes, so none pads to another's length. Rows in
-        # slot order: with the lowest free slot taken first, running slots are usually
-        # consecutive and the eager KV cache reads them as a view instead of gathering a copy
-        # (a compiled decode step always gathers).
-        for group in ([r for r in plan if r[1] == 1], [r for r in plan if r[0].draft],
-                      [r for r in plan if r[1] > 1 and not r[0].draft]):
+        # Rows of one token (decodes) and longer prefill chunks run as separate passes, so
+        # neither pads to the other's length. Speculative rows (a decode and its drafts) join
+        # the decodes: padding a decode to 1 + k tokens costs less than a second pass over the
+        # weights. Rows in slot order: with the lowest free slot taken first, running slots are
+        # usually consecutive and the eager KV cache reads them as a view instead of gathering
+        # a copy (a compiled decode step always gathers).
+        decodes = [r for r in plan if r[1] == 1 or r[0].draft]
+        for group in (decodes, [r for r in plan if r[1] > 1 and not r[0].draft]):
             group.sort(key=lambda row: row[0].slot)
             if group:
                 self._run_group(group, to_sample, done_prefill, to_verify)

@@ -84,10 +84,8 @@ def _greedy_requests(model, tokenizer, kv) -> list[GenerationRequest]:
                 max_tokens=9, logprobs=2, **greedy))]
 
 
-@pytest.mark.parametrize("name, kind", [
-    ("gpt2-tiny", "slots"), ("llama-tiny", "paged"),  # both models, both caches, by default
-    pytest.param("gpt2-tiny", "paged", marks=pytest.mark.slow),
-    pytest.param("llama-tiny", "slots", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name, kind", [("gpt2-tiny", "paged"), ("gpt2-tiny", "slots"),
+                                        ("llama-tiny", "paged"), ("llama-tiny", "slots")])
 def test_greedy_output_is_unchanged_by_speculation(name, kind, tokenizer):
     model = _model(name)
     kv = KV[kind]
@@ -220,7 +218,7 @@ def _frequency_check(method: str, n: int, init_std: float = 0.5) -> None:
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampled_tokens_keep_the_model_distribution(method):
-    _frequency_check(method, 200)
+    _frequency_check(method, 300)
 
 
 @pytest.mark.slow
