@@ -654,8 +654,11 @@ class LLMEngine:
             self._counters["spec_draft_tokens_total"] += len(draft)
             self._counters["spec_accepted_tokens_total"] += accepted
             try:
-                for token in tokens:
-                    self._advance(seq, token, None, now)
+                # Row j's logits predicted emitted token j: its logprobs, as plain decoding's.
+                lps = self.sampler.sampled_logprobs([seq] * len(tokens), logits[:len(tokens)],
+                                                    tokens)
+                for token, lp in zip(tokens, lps):
+                    self._advance(seq, token, lp, now)
                     if seq.finished:
                         break
                 else:

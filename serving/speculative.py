@@ -21,9 +21,10 @@ Proposers:
   (temperature, top-k, top-p; argmax for greedy requests), with the request's generator.
 
 What falls back to plain decoding (per request, every step it applies): repetition, presence
-or frequency penalties and `logprobs` (their values depend on the tokens before each position;
-not implemented position by position), and steps where `min_tokens` still bans EOS or stop
-tokens. Everything else speculates, and greedy output equals plain greedy output.
+or frequency penalties (their values depend on the tokens before each position; not
+implemented position by position), and steps where `min_tokens` still bans EOS or stop tokens.
+Everything else speculates (`logprobs` too: each emitted token's come from the raw logits of
+its own position), and greedy output equals plain greedy output.
 
 Reproducibility: a seeded request draws every number from its own generator, so its tokens do
 not depend on its batch as long as each of its steps gets its full K drafts; when the step's
@@ -225,8 +226,7 @@ class Speculator:
         p = seq.params
         return (seq.n_generated > 0 and seq.cached == len(seq.tokens) - 1
                 and p.repetition_penalty == 1.0 and not p.presence_penalty
-                and not p.frequency_penalty and p.logprobs is None
-                and seq.n_generated >= p.min_tokens)
+                and not p.frequency_penalty and seq.n_generated >= p.min_tokens)
 
     def propose(self, running: Sequence[Any], max_step_tokens: int) -> None:
         """Set `draft` on every running sequence ([] for those that do not speculate). The

@@ -59,7 +59,8 @@ def _same(results, reference) -> None:
 
 def _greedy_requests(model, tokenizer, kv) -> list[GenerationRequest]:
     """Repetitive prompts of different lengths; one cut by a stop string and one by a stop
-    token chosen from the middle of its plain output, and two that cannot speculate."""
+    token chosen from the middle of its plain output, one asking for logprobs and one that
+    cannot speculate (a penalty)."""
     g = torch.Generator().manual_seed(5)
     passages = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 9, 13, 7, 6, 8)]
     prompts = [p * 3 for p in passages]
@@ -108,19 +109,27 @@ def test_greedy_output_is_unchanged_by_speculation(name, kind, tokenizer):
             assert stats["spec_accepted_tokens_total"] == stats["spec_draft_tokens_total"]
 
 
-def test_requests_that_cannot_be_verified_exactly_decode_plainly():
+def test_requests_that_cannot_be_verified_exactly_decode_plainly_and_logprobs_speculate():
     model = _model("llama-tiny")
     prompt = [5, 6, 7, 8] * 4
     requests = [GenerationRequest("pen", prompt, SamplingParams(
                     max_tokens=8, temperature=0.8, seed=1, repetition_penalty=1.3)),
-                GenerationRequest("lp", prompt, SamplingParams(max_tokens=8, temperature=0.8,
-                                                               seed=2, logprobs=3)),
                 GenerationRequest("min", prompt, SamplingParams(max_tokens=8, temperature=0.8,
                                                                 seed=3, min_tokens=8))]
     plain, _ = _run(model, requests)
     spec, stats = _run(model, requests, speculative=SpeculativeConfig("ngram", 3))
     _same(spec, plain)
     assert stats["spec_verify_steps_total"] == 0 and stats["spec_draft_tokens_total"] == 0
+    # logprobs do speculate: each emitted token's come from its own position's logits
+    logprobs = [GenerationRequest("lp", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                               logprobs=3, ignore_eos=True))]
+    plain, _ = _run(model, logprobs)
+    spec, stats = _run(model, logprobs, speculative=SpeculativeConfig("draft", 3,
+                                                                      draft_model=model))
+    _same(spec, plain)
+    assert len(spec[0].logprobs) == 12
+    # 11 tokens after the first in rows of 4 + 4 + 3: 8 drafts, all accepted
+    assert stats["spec_accepted_tokens_total"] == stats["spec_draft_tokens_total"] == 8
 
 
 def test_a_seeded_request_does_not_depend_on_its_batch():
