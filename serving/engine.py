@@ -302,7 +302,8 @@ class LLMEngine:
         """Gauges and counters. Paged cache: `kv_cache_usage` is the fraction of usable blocks
         held by requests; `kv_blocks_*`, `prefix_cache_{queries,hits}_tokens_total` (tokens
         of admitted requests that looked up the prefix cache, and of those found there) and
-        `preemptions_total` come with it."""
+        `preemptions_total` come with it. Speculative decoding counts
+        `spec_{draft,accepted}_tokens_total` and `spec_verify_steps_total` (0 without it)."""
         if self.blocks is not None:
             usage = self.blocks.num_used / self.blocks.num_usable
         else:
@@ -542,8 +543,7 @@ class LLMEngine:
     def _run_group(self, group: list[tuple[_Sequence, int]],
                    to_sample: list[tuple[_Sequence, torch.Tensor]],
                    done_prefill: list[_Sequence],
-                   to_verify: list[tuple[_Sequence, list[int], torch.Tensor]] | None = None
-                   ) -> None:
+                   to_verify: list[tuple[_Sequence, list[int], torch.Tensor]]) -> None:
         B, T = len(group), max(n for _, n in group)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         positions = torch.empty((B, T), dtype=torch.long)
@@ -591,7 +591,7 @@ class LLMEngine:
         at = n_wanted
         for seq, _ in drafted:
             draft, seq.draft = seq.draft, []
-            if to_verify is not None and not seq.finished:
+            if not seq.finished:
                 to_verify.append((seq, draft, logits[at:at + len(draft) + 1]))
             at += len(draft) + 1
         self.sampler.score_prompts(wanted, logits)
