@@ -96,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV blocks between requests with a common prefix")
+    # Speculative decoding (serving/speculative.py)
+    p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="speculative decoding: ngram proposes the tokens that followed the "
+                        "last n-gram's earlier occurrence in the request (prompt lookup); "
+                        "draft proposes with --draft-checkpoint. Exact: greedy output is "
+                        "unchanged, sampled output keeps its distribution (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per request and step (default 4)")
+    p.add_argument("--draft-checkpoint", default=None, metavar="DIR",
+                   help="--speculative draft: a smaller Tessera checkpoint with the same "
+                        "tokenizer, run in the serving process with its own KV cache")
+    p.add_argument("--ngram-min", type=int, default=None, metavar="N",
+                   help="--speculative ngram: shortest n-gram looked up (default 1)")
+    p.add_argument("--ngram-max", type=int, default=None, metavar="N",
+                   help="--speculative ngram: longest n-gram looked up, tried first (default 3)")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection whose request headers take longer (slowloris)")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
@@ -173,7 +188,10 @@ def _start(args: argparse.Namespace):
     """This rank's part: the engine on rank 0, the worker loop (then None) elsewhere."""
     from tessera.core.parallel.groups import resolve_device
     from tessera.serving.distributed import start_rank
+    from tessera.serving.speculative import config_from_flags
 
+    speculative = config_from_flags(args.speculative, args.num_speculative_tokens,
+                                    args.draft_checkpoint, args.ngram_min, args.ngram_max)
     tasks = None
     if args.prompts:
         from tessera.tuning.prompt_table import load_prompt_tables
@@ -202,7 +220,7 @@ def _start(args: argparse.Namespace):
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
-                      model_name=served_names(args)[0])
+                      model_name=served_names(args)[0], speculative=speculative)
 
 
 def app_limits(args: argparse.Namespace) -> dict[str, Any]:

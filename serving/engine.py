@@ -28,6 +28,13 @@ Each step:
    batched call fails, rows are retried one by one and only the failing request ends;
 5. per request: stop tokens, stop strings, lengths, incremental text, and an output event.
 
+Speculative decoding (`speculative=`, `serving.speculative`): before planning, each decoding
+request that can speculate gets up to k draft tokens (prompt lookup or a draft model); its row
+runs its last token and the drafts (1 + k tokens, counted by the budget and the KV space), the
+logits of every position are kept, exact rejection sampling decides what is emitted, the KV
+cache is rolled back to the accepted tokens, and those go through step 5 one by one. Greedy
+output is the plain greedy output; sampled output keeps its distribution.
+
 Lengths: a prompt (plus a task's virtual tokens) must leave room for one new token in the
 context (and in the whole KV pool), else the request is refused up front; generation then stops
 at `max_tokens` or at the context (or the pool's size), whichever comes first (finish reason
@@ -83,6 +90,7 @@ from tessera.serving.kv_config import KVCacheConfig
 from tessera.serving.kv_space import KVSpace, PagedSpace, SeqState, SlotSpace
 from tessera.serving.sampler import Sampler
 from tessera.serving.scheduler import Scheduler
+from tessera.serving.speculative import SpeculativeConfig, Speculator, build_speculator
 from tessera.serving.types import (
     FinishReason,
     GenerationOutput,
@@ -167,6 +175,8 @@ class LLMEngine:
             with `compile_decode`. With an executor, its runner's cache is used and only
             `kv.prefix_caching` is read from here. `max_batch` then bounds the requests
             running at once, the pool's blocks their tokens.
+        speculative: speculative decoding (`serving.speculative`): n-gram prompt lookup or a
+            draft model; None (the default) decodes one token per step.
     """
 
     def __init__(self, model: GPTModel | Sequence[GPTModel] | Executor,
@@ -175,7 +185,8 @@ class LLMEngine:
                  max_queue: int = 128, max_step_tokens: int = 512, max_logprobs: int = 20,
                  eos_id: int | None = None, seed: int | None = None,
                  heartbeat_s: float = 1.0, background: bool = True,
-                 compile_decode: bool = False, kv: KVCacheConfig | None = None):
+                 compile_decode: bool = False, kv: KVCacheConfig | None = None,
+                 speculative: SpeculativeConfig | None = None):
         if isinstance(model, (GPTModel, list, tuple)):
             if kv is None:
                 kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
@@ -218,6 +229,15 @@ class LLMEngine:
         # Per-request LoRA: the runner's adapter slots (serving.adapters), None without --lora.
         self.adapters: AdapterRegistry | None = getattr(runner, "adapters", None)
         self._thread: threading.Thread | None = None
+        # Speculative decoding (serving.speculative)
+        self.speculator: Speculator | None = None
+        if speculative is not None:
+            self.speculator = build_speculator(
+                speculative, vocab_size=self.config.vocab_size, max_batch=self.max_batch,
+                context=self.context, pad_id=self.pad_id, tokenizer=tokenizer,
+                dtype=runner.dtype, device=self.device)
+        self._counters.update(spec_draft_tokens_total=0, spec_accepted_tokens_total=0,
+                              spec_verify_steps_total=0)
         if background:
             self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
             self._thread.start()
@@ -292,7 +312,8 @@ class LLMEngine:
         """Gauges and counters. Paged cache: `kv_cache_usage` is the fraction of usable blocks
         held by requests; `kv_blocks_*`, `prefix_cache_{queries,hits}_tokens_total` (tokens
         of admitted requests that looked up the prefix cache, and of those found there) and
-        `preemptions_total` come with it."""
+        `preemptions_total` come with it. Speculative decoding counts
+        `spec_{draft,accepted}_tokens_total` and `spec_verify_steps_total` (0 without it)."""
         if self.blocks is not None:
             usage = self.blocks.num_used / self.blocks.num_usable
         else:
@@ -498,38 +519,55 @@ class LLMEngine:
 
     def _step(self) -> None:
         now = time.monotonic()
+        if self.speculator is not None:  # drafts first: the scheduler counts their tokens
+            self.speculator.propose(self.scheduler.running, self.max_step_tokens)
         step = self.scheduler.schedule()
         for seq in step.admitted:
             if seq.preemptions == 0:
                 self._observe("queue_time_seconds", now - seq.arrival)
         plan = step.rows
+        if self.speculator is not None:
+            self.speculator.fit(plan, self.scheduler.running + step.preempted)
         self._counters["steps_total"] += 1
         to_sample: list[tuple[_Sequence, torch.Tensor]] = []
+        to_verify: list[tuple[_Sequence, list[int], torch.Tensor]] = []
         done_prefill: list[_Sequence] = []
         # Rows of one token (decodes) and longer prefill chunks run as separate passes, so
-        # neither pads to the other's length. Rows in slot order: with the lowest free slot
-        # taken first, running slots are usually consecutive and the eager KV cache reads them
-        # as a view instead of gathering a copy (a compiled decode step always gathers).
-        for group in ([r for r in plan if r[1] == 1], [r for r in plan if r[1] > 1]):
+        # neither pads to the other's length. Speculative rows (a decode and its drafts) join
+        # the decodes: padding a decode to 1 + k tokens costs less than a second pass over the
+        # weights. Rows in slot order: with the lowest free slot taken first, running slots are
+        # usually consecutive and the eager KV cache reads them as a view instead of gathering
+        # a copy (a compiled decode step always gathers).
+        decodes = [r for r in plan if r[1] == 1 or r[0].draft]
+        for group in (decodes, [r for r in plan if r[1] > 1 and not r[0].draft]):
             group.sort(key=lambda row: row[0].slot)
             if group:
-                self._run_group(group, to_sample, done_prefill)
+                self._run_group(group, to_sample, done_prefill, to_verify)
         for seq in done_prefill:  # max_tokens 0: prompt scored, nothing to sample
             self._finish(seq, "length")
         if to_sample:
             self._sample_and_advance(to_sample)
+        if to_verify:
+            self._verify_and_advance(to_verify)
         self._kv_tokens = sum(s.cached for s in self.scheduler.running)
 
     def _run_group(self, group: list[tuple[_Sequence, int]],
                    to_sample: list[tuple[_Sequence, torch.Tensor]],
-                   done_prefill: list[_Sequence]) -> None:
+                   done_prefill: list[_Sequence],
+                   to_verify: list[tuple[_Sequence, list[int], torch.Tensor]]) -> None:
         B, T = len(group), max(n for _, n in group)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         positions = torch.empty((B, T), dtype=torch.long)
         keep: list[int] = []
         wanted: list[tuple[_Sequence, int | None]] = []  # (seq, prompt position or None=sample)
+        drafted: list[tuple[_Sequence, int]] = []  # speculative rows: logits at every position
         for r, (seq, n) in enumerate(group):
             start = seq.cached
+            if seq.draft:  # the last token, then the drafts (n = 1 + len(draft))
+                ids[r, :n] = torch.tensor(seq.tokens[start:] + seq.draft)
+                positions[r] = torch.arange(start, start + T).clamp(max=self.context - 1)
+                drafted.append((seq, r))
+                continue
             ids[r, :n] = torch.tensor(seq.tokens[start:start + n])
             # Padding continues the positions (clipped to the cache): it writes keys nobody
             # attends to, past the row's real tokens, which later tokens overwrite.
@@ -541,6 +579,9 @@ class LLMEngine:
             if start + n == len(seq.tokens):
                 keep.append(r * T + n - 1)
                 wanted.append((seq, None))
+        n_wanted = len(keep)
+        for seq, r in drafted:
+            keep.extend(r * T + j for j in range(len(seq.draft) + 1))
         rows = self._space.rows([s for s, _ in group], int(positions.max()) + 1)
         batch = StepBatch(ids, positions, rows, torch.tensor([s.task for s, _ in group]),
                           torch.tensor(keep, dtype=torch.long), self._adapter_rows(group))
@@ -555,8 +596,15 @@ class LLMEngine:
             return
         for seq, n in group:
             seq.cached += n
-            self._space.computed(seq)
+            if not seq.draft:  # a speculative row publishes blocks once verified
+                self._space.computed(seq)
             self._counters["computed_tokens_total"] += n
+        at = n_wanted
+        for seq, _ in drafted:
+            draft, seq.draft = seq.draft, []
+            if not seq.finished:
+                to_verify.append((seq, draft, logits[at:at + len(draft) + 1]))
+            at += len(draft) + 1
         self.sampler.score_prompts(wanted, logits)
         for i, (seq, t) in enumerate(wanted):
             if t is None and not seq.finished:
@@ -590,6 +638,42 @@ class LLMEngine:
                 continue
             try:
                 self._advance(seq, token, lp, now)
+            except Exception as exc:
+                log.exception("request %s failed", seq.request.request_id)
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+
+    def _verify_and_advance(self, rows: list[tuple[_Sequence, list[int], torch.Tensor]]) -> None:
+        """Speculative rows: verify each request's drafts against the target's logits, cut its
+        KV cache back to the accepted tokens, then advance it token by token (stops and
+        lengths cut exactly where plain decoding would)."""
+        now = time.monotonic()
+        for seq, draft, logits in rows:
+            if seq.finished:
+                continue
+            n_before = len(seq.tokens)
+            try:
+                tokens = self.speculator.verify(seq, draft, logits)
+            except Exception as exc:
+                log.exception("speculative verification failed for %s", seq.request.request_id)
+                self._finish(seq, "error", f"sampling failed: {exc}")
+                continue
+            accepted = len(tokens) - 1
+            # Keys and values of the last token and the accepted drafts stay; rejected go.
+            self._space.rollback(seq, n_before + accepted)
+            self.speculator.accepted(seq, n_before, accepted)
+            self._counters["spec_verify_steps_total"] += 1
+            self._counters["spec_draft_tokens_total"] += len(draft)
+            self._counters["spec_accepted_tokens_total"] += accepted
+            try:
+                # Row j's logits predicted emitted token j: its logprobs, as plain decoding's.
+                lps = self.sampler.sampled_logprobs([seq] * len(tokens), logits[:len(tokens)],
+                                                    tokens)
+                for token, lp in zip(tokens, lps):
+                    self._advance(seq, token, lp, now)
+                    if seq.finished:
+                        break
+                else:
+                    self._space.computed(seq)  # now only verified tokens: publish full blocks
             except Exception as exc:
                 log.exception("request %s failed", seq.request.request_id)
                 self._finish(seq, "error", f"{type(exc).__name__}: {exc}")

@@ -9,8 +9,8 @@ Two kinds, one interface (`KVSpace`), so one scheduler serves both:
   With prefix caching, admission starts a sequence on the cached blocks of its prefix, and
   blocks are registered for others as soon as they are full and computed.
 
-`rollback` cuts a sequence back to fewer cached tokens (freeing trailing blocks): what
-speculative decoding needs to drop rejected draft tokens; the engine does not use it yet.
+`rollback` cuts a sequence back to fewer cached tokens (freeing trailing blocks): speculative
+decoding (`serving.speculative`) drops rejected draft tokens with it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class SeqState:
     reuse_prefix: bool = True  # look cached blocks up at admission (else only register)
     registered: int = 0  # leading blocks registered in the prefix cache
     preemptions: int = 0
+    # Speculative decoding (serving.speculative): draft tokens to run after `tokens` this step,
+    # not yet verified (never part of `tokens`, so never hashed into the prefix cache).
+    draft: list[int] = field(default_factory=list)
 
 
 class KVSpace(Protocol):

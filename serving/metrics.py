@@ -16,6 +16,8 @@ Names follow vLLM's (`tessera:` instead of `vllm:`), so its dashboards carry ove
 | `tessera:kv_cache_blocks_used`, `..._free`, `..._total` | gauge | paged KV cache blocks |
 | `tessera:prefix_cache_queries_total`, `..._hits_total` | counter | prompt tokens looked up, found |
 | `tessera:num_preemptions_total` | counter | requests preempted for lack of KV blocks |
+| `tessera:spec_decode_num_draft_tokens_total`, `..._accepted_...` | counter | drafts verified, accepted |
+| `tessera:spec_decode_num_drafts_total` | counter | speculative rows verified |
 | `tessera:model_requests_total{served_model}` | counter | finished, per BASE, BASE:TASK, BASE:ADAPTER |
 | `tessera:lora_adapters_loaded` | gauge | LoRA adapters loaded now (engines serving adapters) |
 
@@ -52,7 +54,12 @@ _ENGINE_COUNTERS = {
                                           "prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits_tokens_total": ("prefix_cache_hits",
                                        "prompt tokens found in the prefix cache"),
-    "preemptions_total": ("num_preemptions", "requests preempted for lack of KV blocks")}
+    "preemptions_total": ("num_preemptions", "requests preempted for lack of KV blocks"),
+    # speculative decoding (serving.speculative): acceptance rate = accepted / draft tokens
+    "spec_draft_tokens_total": ("spec_decode_num_draft_tokens", "draft tokens verified"),
+    "spec_accepted_tokens_total": ("spec_decode_num_accepted_tokens",
+                                   "draft tokens accepted by verification"),
+    "spec_verify_steps_total": ("spec_decode_num_drafts", "speculative rows verified")}
 _OPTIONAL = {"kv_blocks_used", "kv_blocks_free", "kv_blocks_total"}
 
 

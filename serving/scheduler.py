@@ -1,9 +1,10 @@
 """Which requests run in a step, and how many of their tokens: the engine's scheduler.
 
 Policy (one call of `schedule` per engine step, under a token budget `max_step_tokens`):
-1. Running sequences, decodes first (one token each), then the next prompt chunk of those still
-   prefilling (chunked prefill: a long prompt takes several steps and never stalls decodes
-   beyond one step's budget); within each, by priority, then first come, first served.
+1. Running sequences, decodes first (one token each, plus its `draft` tokens under speculative
+   decoding), then the next prompt chunk of those still prefilling (chunked prefill: a long
+   prompt takes several steps and never stalls decodes beyond one step's budget); within each,
+   by priority, then first come, first served.
 2. A sequence that needs room the KV space cannot give (`KVSpace.grow` fails) preempts the
    newest running sequence (lowest priority, latest arrival; possibly itself): its KV is freed
    and it goes back to the head of the queue (its arrival number keeps its place), to be
@@ -101,7 +102,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.n_generated == 0, *_rank(s))):
             if seq in gone:
                 continue
-            n = min(len(seq.tokens) - seq.cached, budget)
+            n = min(len(seq.tokens) + len(seq.draft) - seq.cached, budget)  # drafts: speculation
             if n <= 0:
                 continue
             while not self.space.grow(seq, seq.cached + n):

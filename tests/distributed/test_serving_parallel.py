@@ -45,11 +45,11 @@ SLOTS = KVCacheConfig(kind="slots")
 TIGHT = KVCacheConfig(block_size=4, num_blocks=16)
 
 
-def _serve(path: str, tp: int, pp: int, kv: KVCacheConfig | None = None):
+def _serve(path: str, tp: int, pp: int, kv: KVCacheConfig | None = None, **engine_kwargs):
     """Every rank: serve the requests. Rank 0 returns its engine and the outputs, others None."""
     tables = {"alpha": torch.randn(4, 64, generator=torch.Generator().manual_seed(0))}
     engine = start_rank(path, tp=tp, pp=pp, max_batch=3, max_step_tokens=16, tasks=tables,
-                        tokenizer=None, kv=kv)
+                        tokenizer=None, kv=kv, **engine_kwargs)
     if engine is None:
         return None
     results = collect(engine, _requests())
@@ -70,6 +70,14 @@ def _body(rank: int, world: int, checkpoints: dict[str, str], layout: tuple[int,
             engine, out[name] = served
             if name == "llama_tight":
                 out["preempted"] = engine.stats()["preemptions_total"]
+            engine.shutdown()
+    if world == 2:  # speculative rows (1 + k tokens, every logit kept) over tensor parallelism
+        from tessera.serving.speculative import SpeculativeConfig
+
+        served = _serve(checkpoints["llama"], tp, pp, speculative=SpeculativeConfig("ngram", 3))
+        if served is not None:
+            engine, out["llama_ngram"] = served
+            out["spec_rows"] = engine.stats()["spec_verify_steps_total"]
             engine.shutdown()
     if world == 2:  # a SIGTERM on a worker stops every rank, rank 0's engine included
         served = _serve(checkpoints["llama"], tp, pp)
@@ -105,6 +113,11 @@ def test_tp2_serving_matches_one_process_and_stops_on_a_worker_signal(checkpoint
     paths, reference = checkpoints
     out = run_ranks(_body, 2, {"llama": paths["llama"]}, (2, 1), timeout=120)[0]
     assert out["llama"] == out["llama_slots"] == reference["llama"]
+    # Speculation: greedy (and penalized, not speculated) outputs unchanged; the seeded sampled
+    # request (r3) draws differently under speculation, so it is left out.
+    assert [o for i, o in enumerate(out["llama_ngram"]) if i != 3] == \
+        [o for i, o in enumerate(reference["llama"]) if i != 3]
+    assert out["spec_rows"] > 0
     assert out["stopped_by_worker"]
 
 
