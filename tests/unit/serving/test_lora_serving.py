@@ -47,6 +47,7 @@ from tessera.serving.connections import server_config  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
 from tessera.serving.executor import LocalExecutor, ModelRunner  # noqa: E402
 from tessera.serving.kv_config import KVCacheConfig  # noqa: E402
+from tessera.serving.speculative import SpeculativeConfig  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.serving_helper import collect, train_tiny_tokenizer  # noqa: E402
 
@@ -113,10 +114,11 @@ def _lora(world, **kwargs) -> LoRAServing:
                                                 base_checkpoint=world["ckpt"]), **kwargs)
 
 
-def _engine(world, tasks=None, **lora_kwargs) -> LLMEngine:
+def _engine(world, tasks=None, speculative=None, **lora_kwargs) -> LLMEngine:
     runner = ModelRunner(load_checkpoint(world["ckpt"]), 4, tasks, kv=KV,
                          lora=_lora(world, **lora_kwargs))
-    return LLMEngine(LocalExecutor(runner), world["tokenizer"], kv=KV, seed=0)
+    return LLMEngine(LocalExecutor(runner), world["tokenizer"], kv=KV, seed=0,
+                     speculative=speculative)
 
 
 # ----------------------------------------------------------------------------- references
@@ -186,6 +188,25 @@ def test_two_adapters_a_task_and_plain_requests_in_one_batch_equal_their_merged_
     assert _reference(world, "base", prompts[1])[0] != mixed[1].token_ids
     # ...and a tasked request with an adapter is the same batched with others as alone.
     assert mixed[3].token_ids == task_alone.token_ids
+
+
+def test_speculative_rows_are_verified_with_their_own_adapter(world):
+    """Prompt-lookup drafts are checked by the target with the request's adapter applied: the
+    outputs stay each merged model's greedy continuation (a verification pass that dropped the
+    adapter rows would turn them into the base model's)."""
+    engine = _engine(world, preload=(("pf", str(world["peft"])), ("nat", str(world["nat"]))),
+                     speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+    # Repeated passages, so prompt lookup has something to propose at every step.
+    prompts = [_prompt(7, 8) * 3, _prompt(8, 7) * 3, _prompt(9, 9) * 2]
+    with engine:
+        got = collect(engine, [_req("pf", prompts[0], "pf"), _req("nat", prompts[1], "nat"),
+                               _req("plain", prompts[2])])
+        stats = engine.stats()
+    assert stats["spec_draft_tokens_total"] > 0
+    for result, which, prompt in zip(got, ("pf", "nat", "base"), prompts):
+        assert result.token_ids == _reference(world, which, prompt)[0], which
+        if which != "base":  # the adapter matters here, so the check above can fail
+            assert result.token_ids != _reference(world, "base", prompt)[0], which
 
 
 def test_registry_limits_names_ranks_and_refuses_to_unload_in_use(world):
