@@ -43,6 +43,12 @@ from tessera.converters.hf_moe import (
     moe_name_maps,
     qwen2_moe_config,
 )
+from tessera.converters.hf_qwen3 import (
+    QK_NORM_NAMES,
+    qwen3_config,
+    qwen3_config_to_hf,
+    qwen3_moe_config,
+)
 from tessera.core.config import ModelConfig
 from tessera.core.parallel.sharding import global_param_shapes, shard_spec
 
@@ -111,6 +117,7 @@ NAME_MAPS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 NAME_MAPS.update(moe_name_maps(_LLAMA_LIKE))  # Mixture-of-Experts families (converters.hf_moe)
+NAME_MAPS["qwen3"] = {**NAME_MAPS["llama"], **QK_NORM_NAMES}  # Qwen3 (converters.hf_qwen3)
 
 # HF tensors stored `(in, out)` (GPT-2's Conv1D): transposed on the way in and out.
 TRANSPOSED = frozenset(f"transformer.h.{{}}.{leaf}.weight"
@@ -219,6 +226,7 @@ _FROM_HF: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gpt2": _gpt2_config, "llama": _llama_config, "mistral": _llama_config,
     "nemotron": _nemotron_config, "t5": _t5_config, "bert": bert_config_from_hf,
     "mixtral": mixtral_config, "qwen2_moe": qwen2_moe_config,
+    "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config,  # converters.hf_qwen3
 }
 SUPPORTED_MODEL_TYPES = tuple(_FROM_HF)
 
@@ -246,6 +254,8 @@ _FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", rotary_fraction=1.0),
     "nemotron": dict(norm="layernorm1p", activation="squared_relu", position="rope"),
     "bert": BERT_TRAITS,
+    "qwen3": dict(norm="rmsnorm", activation="swiglu", position="rope", rotary_fraction=1.0,
+                  bias=False, qk_norm=True),  # converters.hf_qwen3
 }
 
 
@@ -293,6 +303,8 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
         out = bert_config_to_hf(c)
     elif c.family in MOE_FAMILIES:  # Mixture-of-Experts (converters.hf_moe)
         out = moe_config_to_hf(c)
+    elif c.family == "qwen3":  # converters.hf_qwen3
+        out = qwen3_config_to_hf(c)
     elif c.family == "gpt2":
         out = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size,
                    n_embd=c.hidden_size, n_layer=c.num_layers, n_head=c.num_heads,

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tessera.converters.hf_qwen3 import QK_NORM_NAMES, qwen3_moe_fields
 from tessera.core.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # qwen3_moe: converters.hf_qwen3
 # How Hugging Face pools the load-balancing loss of these families (see the module docstring).
 HF_AUX_LOSS_POOLING = "model"
 
@@ -65,6 +66,13 @@ MOE_NAME_MAPS: dict[str, dict[str, tuple[str, ...]]] = {
             f"{_QWEN_MLP}.shared_expert.down_proj.weight",),
         "layers.{}.feed_forward.shared_expert_gate.weight": (
             f"{_QWEN_MLP}.shared_expert_gate.weight",),
+    },
+    "qwen3_moe": {  # Qwen2-MoE without the shared expert, plus the q/k norms
+        **QK_NORM_NAMES,
+        "layers.{}.feed_forward.router.weight": (f"{_QWEN_MLP}.gate.weight",),
+        "layers.{}.feed_forward.experts.w1": (f"{_QWEN_MLP}.experts.{{e}}.gate_proj.weight",
+                                              f"{_QWEN_MLP}.experts.{{e}}.up_proj.weight"),
+        "layers.{}.feed_forward.experts.w2": (f"{_QWEN_MLP}.experts.{{e}}.down_proj.weight",),
     },
 }
 
@@ -154,6 +162,10 @@ def check_moe_exportable(config: ModelConfig) -> list[str]:
     if c.moe_router_score != "softmax" or c.moe_capacity_factor is not None or (
             c.moe_expert_bias or c.moe_z_loss_coef):
         out.append("router must be softmax, dropless, without expert bias or z-loss")
+    if c.qk_norm != (c.family == "qwen3_moe"):  # Qwen3's per-head q/k norm (core.qk_norm)
+        out.append(f"qk_norm must be {c.family == 'qwen3_moe'} for {c.family}")
+    if c.family == "qwen3_moe" and c.moe_shared_ffn_hidden_size:
+        out.append("Qwen3-MoE has no shared expert: set moe_shared_ffn_hidden_size to 0")
     if c.family == "qwen2_moe" and not c.moe_shared_ffn_hidden_size:
         out.append("Qwen2-MoE always has a shared expert: set moe_shared_ffn_hidden_size")
     if c.family == "mixtral":
@@ -176,7 +188,9 @@ def moe_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         rms_norm_eps=c.norm_eps, attention_dropout=c.dropout, rope_parameters=rope,
         rope_theta=c.rope_theta, num_experts_per_tok=c.moe_top_k,
         router_aux_loss_coef=c.moe_aux_loss_coef, output_router_logits=False)
-    if c.family == "mixtral":
+    if c.family == "qwen3_moe":  # converters.hf_qwen3
+        out.update(qwen3_moe_fields(c))
+    elif c.family == "mixtral":
         out.update(architectures=["MixtralForCausalLM"], num_local_experts=c.num_experts,
                    router_jitter_noise=0.0, sliding_window=None)
     else:

@@ -80,6 +80,9 @@ class ModelConfig:
     # mean over layers (Megatron); "model" = one loss over all MoE layers' tokens (Hugging Face's
     # `load_balancing_loss_func`; needs pp = 1 in training).
     moe_aux_loss_pooling: str = "layer"
+    # Qwen3 (issue 14, `core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
+    # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -105,6 +108,9 @@ class ModelConfig:
             from tessera.core.bert_config import check_bert_config
 
             check_bert_config(self)
+        if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
+            raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
+                              f"not {self.norm!r}")
         if self.num_experts:
             from tessera.core.moe.validate import moe_problems
 

@@ -37,6 +37,7 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
+from tessera.core.qk_norm import HeadNorm
 
 
 class Norm(nn.Module):
@@ -94,6 +95,9 @@ class Attention(nn.Module):
                                          groups.tp_group, sp)
         self.wo = RowParallelLinear(self.n_heads * self.head_dim, config.hidden_size, config.bias,
                                     groups.tp_group, sp)
+        self.qk_norm = config.qk_norm  # Qwen3: per-head RMSNorm of q and k (core.qk_norm)
+        if self.qk_norm:
+            self.q_norm, self.k_norm = HeadNorm(config, tp), HeadNorm(config, tp)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, seq: SequenceContext | None = None) -> torch.Tensor:
@@ -116,6 +120,8 @@ class Attention(nn.Module):
         q = q.reshape(T, B, self.n_heads, hd).permute(1, 2, 0, 3)  # (B, nh, T, hd)
         k = k.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
         v = v.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
+        if self.qk_norm:  # before RoPE, as Qwen3 does
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None

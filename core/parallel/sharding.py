@@ -110,6 +110,9 @@ def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         norm(f"layers.{i}.attention_norm")
         linear(f"layers.{i}.attention.wqkv", qkv_rows, c)
         linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
+        if config.qk_norm:  # Qwen3 per-head q/k RMSNorm (core.qk_norm): replicated over tp
+            shapes[f"layers.{i}.attention.q_norm.weight"] = (hd,)
+            shapes[f"layers.{i}.attention.k_norm.weight"] = (hd,)
         norm(f"layers.{i}.ffn_norm")
         if is_moe_layer(config, i):  # Mixture-of-Experts: router, experts (core.moe.shapes)
             shapes.update(moe_param_shapes(config, i))

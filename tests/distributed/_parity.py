@@ -150,8 +150,9 @@ def _run_case(case: Case) -> dict[str, Any]:
             (losses[-1] / n_mb).backward()
         loss = torch.stack([x.detach() for x in losses]).mean()
     sync_tied_embedding_grads(models, groups)
-    if lay.sequence_parallel:
-        sync_sequence_parallel_grads(models, groups)
+    # As the training loop does: every tp-partial replicated gradient (the norms under SP,
+    # Qwen3's q/k norms always) is summed over tp; a no-op when nothing is marked.
+    sync_sequence_parallel_grads(models, groups)
     sync_kv_replica_grads(models, groups)
     if lay.pp > 1 and sched.data_parallel != "fsdp":
         allreduce_gradients(models, groups)

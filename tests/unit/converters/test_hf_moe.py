@@ -1,11 +1,13 @@
 """Mixture-of-Experts Hugging Face import/export against the real transformers models.
 
-Random-weight fp32 `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (with a shared expert and a
-dense layer between MoE layers), built locally and saved with `save_pretrained`, are imported
-with `tessera convert --from hf`: logits, loss, the router's load-balancing loss (pooled over the
-MoE layers as HF pools it) and the router gradients of the total loss must equal HF's, and the
-export must give back HF's tensors bit for bit in a directory transformers loads.
-Both on-disk expert layouts are read (per-expert keys, and the fused `experts.gate_up_proj`).
+Random-weight fp32 `MixtralForCausalLM`, `Qwen2MoeForCausalLM` (with a shared expert and a
+dense layer between MoE layers) and `Qwen3MoeForCausalLM` (per-head q/k norm, head_dim !=
+hidden / heads, a dense layer between MoE layers), built locally and saved with
+`save_pretrained`, are imported with `tessera convert --from hf`: logits, loss, the router's
+load-balancing loss (pooled over the MoE layers as HF pools it) and the router gradients of the
+total loss must equal HF's, and the export must give back HF's tensors bit for bit in a
+directory transformers loads. Both on-disk expert layouts are read (per-expert keys, and the
+fused `experts.gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ _FAMILIES = {
                                          num_experts=8, moe_intermediate_size=16,
                                          shared_expert_intermediate_size=40,
                                          decoder_sparse_step=2, qkv_bias=False,
+                                         router_aux_loss_coef=0.01)),
+    # Qwen3-MoE: q/k norm, head_dim 12 != 32 / 4, no shared expert, normalized top-k; layers
+    # 0, 2 dense, 1, 3 MoE.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(**_COMMON, intermediate_size=64, num_hidden_layers=4,
+                                         head_dim=12, num_experts=4, moe_intermediate_size=16,
+                                         decoder_sparse_step=2, norm_topk_prob=True,
                                          router_aux_loss_coef=0.01)),
 }
 
@@ -173,6 +181,14 @@ def test_unconvertible_fields_are_named(tmp_path):
         config_from_hf({**qwen, "qkv_bias": True})
     with pytest.raises(ConversionError, match="mlp_only_layers"):
         config_from_hf({**qwen, "mlp_only_layers": [1]})
+    qwen3 = _hf_model("qwen3_moe").config.to_dict()  # decoder_sparse_step 2: 0, 2 dense
+    assert config_from_hf({**qwen3, "mlp_only_layers": [0, 2]}) == config_from_hf(qwen3)
+    with pytest.raises(ConversionError, match=r"mlp_only_layers makes layers \[3\] dense"):
+        config_from_hf({**qwen3, "mlp_only_layers": [2, 3]})
+    with pytest.raises(ConversionError, match="attention_bias"):
+        config_from_hf({**qwen3, "attention_bias": True})
+    with pytest.raises(ConversionError, match="use_sliding_window"):
+        config_from_hf({**qwen3, "use_sliding_window": True})
     mixtral = json.loads(_hf_model("mixtral").config.to_json_string())
     with pytest.raises(ConversionError, match="router_jitter_noise"):
         config_from_hf({**mixtral, "router_jitter_noise": 0.1})

@@ -1,9 +1,10 @@
 """Hugging Face import/export against the real transformers models, built locally.
 
-Random-weight GPT-2, Llama (grouped-query, untied) and Nemotron (partial rotary) models are
-saved with `save_pretrained`, imported with `tessera convert --from hf`, and must give HF's
-logits and loss; exporting back must give HF's own tensors bit for bit, an equal config, and a
-directory transformers loads (sharded or not). Nothing is downloaded.
+Random-weight GPT-2, Llama (grouped-query, untied), Nemotron (partial rotary) and Qwen3 (per-head
+q/k norm, head_dim != hidden / heads) models are saved with `save_pretrained`, imported with
+`tessera convert --from hf`, and must give HF's logits and loss; exporting back must give HF's
+own tensors bit for bit, an equal config, and a directory transformers loads (sharded or not).
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ _FAMILIES = {
                                       num_key_value_heads=2)),
     "nemotron": ("NemotronConfig", dict(**_COMMON, intermediate_size=256, num_hidden_layers=2,
                                         num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # Qwen3: per-head q/k RMSNorm (ModelConfig.qk_norm), head_dim != hidden / heads.
+    "qwen3": ("Qwen3Config", dict(**_COMMON, intermediate_size=96, num_hidden_layers=2,
+                                  num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-5)),
 }
 
 
@@ -83,7 +87,7 @@ def _convert(*argv: str) -> None:
     assert main([*map(str, argv)]) == 0
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama", "nemotron"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "nemotron", "qwen3"])
 def imported(request, tmp_path_factory):
     """(family, HF model, root) with `root/hf` saved by transformers, `root/ckpt` imported."""
     family, root = request.param, tmp_path_factory.mktemp(request.param)
