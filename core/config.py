@@ -248,6 +248,23 @@ BERT_PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS.update(BERT_PRESETS)
 
+# Qwen3-MoE (issue 14, `core.qk_norm`): Qwen2-MoE without the shared expert, with per-head q/k
+# RMSNorm, normalized top-k and an explicit head_dim. A tiny one for tests and Qwen3-30B-A3B's
+# real sizes for planning (its config.json: 48 layers, 128 experts, top-8).
+_QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", qk_norm=True, moe_norm_topk=True,
+                  moe_aux_loss_coef=0.001)
+PRESETS.update({
+    "qwen3-moe-tiny": {**_QWEN3_MOE, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
+                       "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "ffn_hidden_size": 128,
+                       "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
+                       "max_position_embeddings": 256},
+    "qwen3-30b-a3b": {**_QWEN3_MOE, "vocab_size": 151936, "hidden_size": 2048, "num_layers": 48,
+                      "num_heads": 32, "num_kv_heads": 4, "head_dim": 128,
+                      "ffn_hidden_size": 6144, "num_experts": 128, "moe_top_k": 8,
+                      "moe_ffn_hidden_size": 768, "max_position_embeddings": 40960,
+                      "rope_theta": 1e6, "norm_eps": 1e-6},
+})
+
 
 Placement = Literal["looped", "v"]
 DataParallel = Literal["ddp", "fsdp", "zero1"]

@@ -92,6 +92,7 @@ def parameter_counts(
     h, hd = model.hidden_size, model.head_dim
     qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
     attn = h * qkv_out + model.num_heads * hd * h + ((qkv_out + h) if model.bias else 0)
+    attn += 2 * hd if model.qk_norm else 0  # Qwen3's per-head q/k norm weights (core.qk_norm)
     norm = h * (1 if model.norm == "rmsnorm" else 2)
     dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
     if num_experts:
