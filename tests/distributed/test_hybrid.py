@@ -23,6 +23,10 @@ HYBRID = [
     Case("tp2xpp2-llama-gqa-zbv", "llama-tiny",
          {"tp": 2, "pp": 2, "schedule": "zbv", "virtual_stages": 2, **MB4},
          model={"num_heads": 8, "num_kv_heads": 2}),
+    # Qwen3's per-head q/k norm (tp-partial gradients of replicated weights) across stages.
+    Case("tp2xpp2-qknorm-sp-1f1b", "llama-tiny",
+         {"tp": 2, "pp": 2, "sequence_parallel": True, **MB4},
+         model={"num_kv_heads": 2, "qk_norm": True, "head_dim": 12}),
     Case("tp2xdp2-llama-gqa-v1003-ddp", "llama-tiny", {"tp": 2, "dp": 2},
          model={"vocab_size": 1003, "num_kv_heads": 2}),
     Case("tp2xdp2-gpt2-sp-fsdp", "gpt2-tiny",
