@@ -1,7 +1,8 @@
 """The Hugging Face <-> Tessera contract of the Mixture-of-Experts families, as data.
 
-Families (`ModelConfig.family`, equal to the HF `model_type`): `mixtral` (`MixtralForCausalLM`)
-and `qwen2_moe` (`Qwen2MoeForCausalLM`). Attention, norms, embeddings and (Qwen's) dense layers
+Families (`ModelConfig.family`, equal to the HF `model_type`): `mixtral` (`MixtralForCausalLM`),
+`qwen2_moe` (`Qwen2MoeForCausalLM`) and `qwen3_moe` (`Qwen3MoeForCausalLM`: no shared expert,
+per-head q/k norm; its config in `converters.hf_qwen3`). Attention, norms, embeddings and (Qwen's) dense layers
 map as for Llama; the MoE weights (names in `core.moe.shapes`) map as follows.
 
 Two on-disk layouts of the routed experts exist; both are read, the first is written (it is what
