@@ -2,8 +2,9 @@
 
 Config: `config_from_hf(config.json dict) -> ModelConfig` for model types gpt2, llama, mistral
 (a Llama with an optional sliding window, accepted only when the window covers every position)
-and nemotron (and those of `converters.hf_moe`, `hf_qwen3`, `hf_t5`, `hf_bert`); `config_to_hf(ModelConfig) -> dict` is the inverse, a config.json that
-`transformers.AutoConfig` reads. Anything the Tessera model cannot compute exactly (rope scaling,
+and nemotron (and those of `converters.hf_moe`, `hf_qwen3`, `hf_t5`, `hf_bert`);
+`config_to_hf(ModelConfig) -> dict` is the inverse, a config.json that `transformers.AutoConfig`
+reads. Anything the Tessera model cannot compute exactly (rope scaling,
 a real sliding window, separate attention/MLP bias flags, other activations) is an error that
 names the field, never a silent approximation.
 
