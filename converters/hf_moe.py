@@ -2,8 +2,9 @@
 
 Families (`ModelConfig.family`, equal to the HF `model_type`): `mixtral` (`MixtralForCausalLM`),
 `qwen2_moe` (`Qwen2MoeForCausalLM`) and `qwen3_moe` (`Qwen3MoeForCausalLM`: no shared expert,
-per-head q/k norm; its config in `converters.hf_qwen3`). Attention, norms, embeddings and (Qwen's) dense layers
-map as for Llama; the MoE weights (names in `core.moe.shapes`) map as follows.
+per-head q/k norm; its config in `converters.hf_qwen3`). Attention, norms, embeddings and
+(Qwen's) dense layers map as for Llama; the MoE weights (names in `core.moe.shapes`) map as
+follows.
 
 Two on-disk layouts of the routed experts exist; both are read, the first is written (it is what
 transformers 5.x `save_pretrained` writes, and what every version loads):
