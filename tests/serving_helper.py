@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,3 +85,27 @@ def full_forward_greedy(model, prompt: list[int], n: int) -> tuple[list[int], to
         logits = model(torch.tensor([ids]))[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):], model(torch.tensor([ids[:-1]]))[0]
+
+
+@contextlib.contextmanager
+def running_server(app, **config) -> Iterator[int]:
+    """A real uvicorn server for `app` on 127.0.0.1 and a free port, in a thread; yields the
+    port once it accepts connections and stops the server afterwards. `config` goes to
+    `serving.connections.server_config` (timeouts, connection limits)."""
+    import uvicorn
+
+    from tessera.serving.connections import server_config
+
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="error",
+                                          **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -12,8 +12,6 @@ Skipped where lm-eval (the `eval` extra) is not installed.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +22,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("datasets")
 
-import uvicorn  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.serving.app import create_app  # noqa: E402
-from tessera.serving.connections import server_config  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
-from tests.serving_helper import full_forward_greedy, train_tiny_tokenizer  # noqa: E402
+from tests.serving_helper import (  # noqa: E402
+    full_forward_greedy,
+    running_server,
+    train_tiny_tokenizer,
+)
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 MC_TASK = f"""task: tessera_mc
@@ -71,17 +71,8 @@ def served(tmp_path_factory):
     model = build_model(ModelConfig.from_name("llama-tiny", init_std=0.1), seed=5).eval()
     with LLMEngine(model, tokenizer, max_batch=4, seed=0) as engine:
         app = create_app(engine, model_name="tessera")
-        server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="error"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield model, tokenizer, f"http://127.0.0.1:{port}"
-        server.should_exit = True
-        thread.join(10)
+        with running_server(app) as port:
+            yield model, tokenizer, f"http://127.0.0.1:{port}"
 
 
 def _loglikelihood(model, context: list[int], continuation: list[int]) -> float:

@@ -11,8 +11,6 @@ continuations by argmax of the full forward pass, with the chosen tokens' logpro
 from __future__ import annotations
 
 import functools
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -43,13 +41,12 @@ from tessera.core.lora_format import (  # noqa: E402
 from tessera.core.parallel.sharding import global_param_shapes  # noqa: E402
 from tessera.serving.adapters import AdapterBusy, AdapterRegistry, LoRAServing  # noqa: E402
 from tessera.serving.app import create_app  # noqa: E402
-from tessera.serving.connections import server_config  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
 from tessera.serving.executor import LocalExecutor, ModelRunner  # noqa: E402
 from tessera.serving.kv_config import KVCacheConfig  # noqa: E402
 from tessera.serving.speculative import SpeculativeConfig  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
-from tests.serving_helper import collect, train_tiny_tokenizer  # noqa: E402
+from tests.serving_helper import collect, running_server, train_tiny_tokenizer  # noqa: E402
 
 VOCAB = 512
 CONFIG = ModelConfig(name="lora-serve", vocab_size=VOCAB, hidden_size=64, num_layers=2,
@@ -247,17 +244,8 @@ def served(world):
     """A uvicorn server over a LoRA engine with runtime loading on and an API key."""
     with _engine(world, max_loras=2, allow_runtime=True) as engine:
         app = create_app(engine, model_name="tiny", api_key=API_KEY, allow_runtime_lora=True)
-        server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="error"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield engine, f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
-        server.should_exit = True
-        thread.join(10)
+        with running_server(app) as port:
+            yield engine, f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"
 
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

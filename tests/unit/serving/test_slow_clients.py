@@ -5,14 +5,12 @@ the limit are answered 503."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 
 from tessera.serving.app import create_app
-from tessera.serving.connections import server_config
+from tests.serving_helper import running_server
 
 from .fake_engine import FakeEngine
 
@@ -22,18 +20,9 @@ TIMEOUT = 0.5
 @pytest.fixture(scope="module")
 def port():
     app = create_app(FakeEngine(), model_name="fake", body_timeout_s=TIMEOUT)
-    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="error",
-                                          header_timeout_s=TIMEOUT, keep_alive_s=TIMEOUT,
-                                          max_connections=6))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield server.servers[0].sockets[0].getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    with running_server(app, header_timeout_s=TIMEOUT, keep_alive_s=TIMEOUT,
+                        max_connections=6) as port:
+        yield port
 
 
 def _connect(port: int) -> socket.socket:
