@@ -33,13 +33,13 @@ drops a fused module's input once, PEFT each of q/k/v's separately. Inference is
 
 Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bias`),
 `modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
-initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with no
-Tessera LoRA equivalent (embeddings, `lm_head`, norms), and factors whose shapes do not fit the
-base (an adapter trained on another model). PEFT records no fingerprint of the base; export puts
-the Tessera base's fingerprint in the safetensors metadata (`tessera_base_fingerprint`, which
-peft ignores), so an exported adapter imported onto another same-shaped base is refused too. A
-LoRA saved by peft itself cannot be checked beyond its shapes; the Tessera adapter written gets
-the fingerprint of the base checkpoint given.
+initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with
+no Tessera LoRA equivalent (embeddings, `lm_head`, norms, Mixture-of-Experts experts), and
+factors whose shapes do not fit the base (an adapter trained on another model). PEFT records no
+fingerprint of the base; export puts the Tessera base's fingerprint in the safetensors metadata
+(`tessera_base_fingerprint`, which peft ignores), so an exported adapter imported onto another
+same-shaped base is refused too. A LoRA saved by peft itself cannot be checked beyond its
+shapes; the Tessera adapter written gets the fingerprint of the base checkpoint given.
 
 Nothing here imports `peft`: both formats are JSON plus safetensors. Outputs are atomic.
 """

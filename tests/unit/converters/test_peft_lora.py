@@ -1,10 +1,11 @@
 """LoRA adapters to and from Hugging Face `peft`, checked against peft itself.
 
 Tiny random Tessera bases (Llama with grouped-query attention, GPT-2 with its fused Conv1D
-`c_attn`) are exported with `tessera convert --to hf`. A random adapter with nonzero B (so a
-wrong mapping shows) exported with `--to peft` must give, in `peft.PeftModel` on that export, the
-logits of Tessera's merged checkpoint; peft's own `merge_and_unload` must give our merged weights.
-A LoRA trained a few steps with peft imports with `--from peft` and must give peft's logits.
+`c_attn`, Qwen3 with q/k norms, Qwen3-MoE with its attention only) are exported with `tessera
+convert --to hf`. A random adapter with nonzero B (so a wrong mapping shows) exported with `--to
+peft` must give, in `peft.PeftModel` on that export, the logits of Tessera's merged checkpoint;
+peft's own `merge_and_unload` must give our merged weights. A LoRA trained a few steps with peft
+imports with `--from peft` and must give peft's logits.
 """
 
 from __future__ import annotations
