@@ -21,6 +21,8 @@ Only the four linear layers of every block are quantized (`weight_format.quantiz
 rule Tessera's own FP8 checkpoints follow); embeddings, norms and the output layer keep the
 export dtype and are listed in `modules_to_not_convert` (`ignore` for compressed-tensors). The
 quantizer is `core.fp8.quantize` (scale `448 / amax`); its reciprocal is what is stored.
+Families: `FP8_FAMILIES` (Qwen3's per-head q/k norms are norms, so not converted either). The
+Mixture-of-Experts families are refused: their experts are grouped weights, not such linears.
 
 Import (`dequantizing_reader`) reads either form, and vLLM's per-tensor `quant_method: "fp8"`
 too, dequantizing each weight to fp32 exactly as the loaders do (`q.float() * scale`).
@@ -42,7 +44,7 @@ from tessera.core.parallel.weight_format import quantizable
 
 SCHEMES = ("block", "tensor")
 DEFAULT_BLOCK = 128
-FP8_FAMILIES = ("llama", "nemotron")  # their HF linears are nn.Linear (GPT-2's are Conv1D)
+FP8_FAMILIES = ("llama", "nemotron", "qwen3")  # their HF linears are nn.Linear (GPT-2's: Conv1D)
 _SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 _INPUT_SCALE_NAMES = ("input_scale", "activation_scale")
 
@@ -75,6 +77,11 @@ class Fp8Export:
 def check_fp8_exportable(config: ModelConfig, spec: Fp8Export) -> None:
     """Raise ConversionError if `config` cannot be written in `spec`'s form: a family whose HF
     linears the FP8 loaders do not quantize, or a dimension the block does not divide."""
+    if config.num_experts:  # experts are grouped weights; `quantizable` covers dense linears
+        raise ConversionError(
+            f"FP8 Hugging Face export supports the dense families {', '.join(FP8_FAMILIES)}, "
+            f"not the Mixture-of-Experts family {config.family!r}: its experts would stay "
+            "unquantized; export it without --fp8")
     if config.family not in FP8_FAMILIES:
         raise ConversionError(
             f"FP8 Hugging Face export supports the families {', '.join(FP8_FAMILIES)}, not "

@@ -33,13 +33,13 @@ drops a fused module's input once, PEFT each of q/k/v's separately. Inference is
 
 Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bias`),
 `modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
-initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with no
-Tessera LoRA equivalent (embeddings, `lm_head`, norms), and factors whose shapes do not fit the
-base (an adapter trained on another model). PEFT records no fingerprint of the base; export puts
-the Tessera base's fingerprint in the safetensors metadata (`tessera_base_fingerprint`, which
-peft ignores), so an exported adapter imported onto another same-shaped base is refused too. A
-LoRA saved by peft itself cannot be checked beyond its shapes; the Tessera adapter written gets
-the fingerprint of the base checkpoint given.
+initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with
+no Tessera LoRA equivalent (embeddings, `lm_head`, norms, Mixture-of-Experts experts), and
+factors whose shapes do not fit the base (an adapter trained on another model). PEFT records no
+fingerprint of the base; export puts the Tessera base's fingerprint in the safetensors metadata
+(`tessera_base_fingerprint`, which peft ignores), so an exported adapter imported onto another
+same-shaped base is refused too. A LoRA saved by peft itself cannot be checked beyond its
+shapes; the Tessera adapter written gets the fingerprint of the base checkpoint given.
 
 Nothing here imports `peft`: both formats are JSON plus safetensors. Outputs are atomic.
 """
@@ -62,6 +62,7 @@ from tessera.core.checkpoint import atomic_directory, read_manifest
 from tessera.core.config import ModelConfig
 from tessera.core.files import save_safetensors
 from tessera.core.fingerprint import base_fingerprint
+from tessera.core.lora import adaptable_modules
 from tessera.core.lora_format import CONFIG_FILE as ADAPTER_CONFIG
 from tessera.core.lora_format import (
     AdapterConfig,
@@ -129,6 +130,9 @@ def hf_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:
     if not m or m.group(2) not in LORA_LINEARS or int(m.group(1)) >= config.num_layers:
         raise PeftLoraError(f"{module} is not a linear layer of this {config.num_layers}-layer "
                             f"model; LoRA modules are layers.N.{{{','.join(LORA_LINEARS)}}}")
+    if module not in adaptable_modules(config):  # an MoE layer's w1 / w2: grouped experts
+        raise PeftLoraError(f"{module} is a Mixture-of-Experts layer's expert weight, which "
+                            "LoRA does not adapt in Tessera; only that layer's attention maps")
     layer, leaf = m.groups()
     targets = _linear_map(config)[leaf]
     parts = shard_spec(f"{module}.weight", config).parts
@@ -137,13 +141,11 @@ def hf_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:
 
 
 def _hf_index(config: ModelConfig) -> dict[str, tuple[str, int]]:
-    """HF module -> (Tessera module, its part index) for every layer."""
+    """HF module -> (Tessera module, its part index) for every module LoRA may adapt."""
     index = {}
-    for i in range(config.num_layers):
-        for leaf in LORA_LINEARS:
-            module = f"layers.{i}.{leaf}"
-            for part, (name, _) in enumerate(hf_modules(config, module)):
-                index[name] = (module, part)
+    for module in adaptable_modules(config):  # MoE layers' experts are not LoRA modules
+        for part, (name, _) in enumerate(hf_modules(config, module)):
+            index[name] = (module, part)
     return index
 
 

@@ -30,7 +30,7 @@ class ModelConfig:
     """The global shape of a GPT-style decoder. Defaults describe a tiny Llama-style model."""
 
     name: str = "custom"
-    family: str = "llama"  # gpt2 | llama | nemotron | mixtral | qwen2_moe: the HF mapping only
+    family: str = "llama"  # gpt2|llama|nemotron|qwen3|mixtral|qwen2_moe|qwen3_moe|t5|bert: HF map
     vocab_size: int = 512  # the true vocabulary; TP padding is a layout detail, never saved
     hidden_size: int = 64
     num_layers: int = 2

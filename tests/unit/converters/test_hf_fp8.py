@@ -22,6 +22,7 @@ from safetensors import safe_open  # noqa: E402
 
 from tessera.converters.cli import main  # noqa: E402
 from tessera.converters.hf_fp8 import dequantize_hf  # noqa: E402
+from tessera.converters.hf_mapping import export_tensors  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
 
 VOCAB, BLOCK = 1000, 32
@@ -247,6 +248,12 @@ def test_bad_input_is_refused_and_nothing_is_written(root, tmp_path, capsys):
     err = _fails(capsys, "--to", "hf", "--fp8", "block", "--fp8-block", 16, "--input", gpt2,
                  "--output", out)
     assert "GPT-2 stores its linear layers as Conv1D" in err and not out.exists()
+    # Nor a Mixture-of-Experts family (Qwen3-MoE): its experts are not quantized linears.
+    moe = save_checkpoint(tmp_path / "moe", build_model(ModelConfig.from_name(
+        "qwen3-moe-tiny", num_layers=1, num_experts=2, max_position_embeddings=32), seed=0))
+    err = _fails(capsys, "--to", "hf", "--fp8", "block", "--fp8-block", 16, "--input", moe,
+                 "--output", out)
+    assert "not the Mixture-of-Experts family 'qwen3_moe'" in err and not out.exists()
 
 
 def test_nemotron_block_export_loads_in_transformers(tmp_path):
@@ -264,3 +271,56 @@ def test_nemotron_block_export_loads_in_transformers(tmp_path):
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, load_checkpoint(tmp_path / "back")(ids))
+
+
+@pytest.mark.parametrize("scheme", ["block", "tensor"])
+def test_qwen3_export_loads_in_transformers(tmp_path, scheme):
+    """Qwen3 (per-head q/k RMSNorm, head_dim 32 != hidden / heads): the q/k norms stay in the
+    export dtype and are listed as not converted; transformers' dequantized model equals
+    Tessera's import of the export, its linears within FP8 rounding of the originals."""
+    from tessera.core import ModelConfig, build_model
+    from tessera.core.checkpoint import save_checkpoint
+
+    if scheme == "tensor":
+        pytest.importorskip("compressed_tensors")
+    config = ModelConfig(name="fp8-qwen3", family="qwen3", vocab_size=512, hidden_size=64,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                         ffn_hidden_size=96, max_position_embeddings=64, qk_norm=True)
+    model = build_model(config, seed=4)
+    torch.manual_seed(4)
+    with torch.no_grad():  # norms away from their ones init, so a quantized norm would show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ckpt = save_checkpoint(tmp_path / "ckpt", model)
+    out = tmp_path / "fp8"
+    _convert("--to", "hf", "--fp8", scheme, *(["--fp8-block", 32] if scheme == "block" else []),
+             "--input", ckpt, "--output", out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    skipped = qc["modules_to_not_convert" if scheme == "block" else "ignore"]
+    norms = ["model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"]
+    assert set(norms) <= set(skipped)
+    t = _tensors(out)
+    state = model.state_dict()
+    for hf_name, name in zip(norms, ("q_norm", "k_norm"), strict=True):
+        assert torch.equal(t[f"{hf_name}.weight"], state[f"layers.0.attention.{name}.weight"])
+    q = t["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (128, 64)
+    kwargs = ({} if scheme == "block" else
+              dict(quantization_config=transformers.CompressedTensorsConfig(dequantize=True)))
+    hf = _hf_load(out, **kwargs)
+    _convert("--from", "hf", "--input", out, "--output", tmp_path / "back")
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fp8_logits, ref_logits = hf(ids).logits, model(ids)
+        assert torch.equal(fp8_logits, load_checkpoint(tmp_path / "back")(ids))
+    # Near the fp32 model's: each weight is off by at most 2^-4 of its block's amax, and the
+    # errors of the linears in series stay well inside 1/8 of the logits' range (about 1/16).
+    assert (fp8_logits - ref_logits).abs().max() <= ref_logits.abs().max() / 8
+    hf_state = dict(hf.state_dict())
+    original = dict(export_tensors(config, state.__getitem__))
+    for name, ref in original.items():
+        w = hf_state[name]
+        if name.endswith(tuple(f"{leaf}.weight" for leaf in LINEARS)):
+            assert not torch.equal(w, ref) and (w - ref).abs().max() <= ref.abs().max() / 16, name
+        else:  # embeddings, norms (the q/k norms too), lm_head: not quantized
+            assert torch.equal(w, ref), name
