@@ -132,3 +132,16 @@ def test_memory_sums_dense_and_moe_layers():
               + 2 * F.moe_layer_activation_bytes(QWEN_FREQ2, 64, 2))
     ends = F.embedding_activation_bytes(64, 2, 64) + F.logits_activation_bytes(64, 2, 64, 512)
     assert c.memory.activations * F.GIB == pytest.approx(layers + ends, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,ops", [("mixtral-tiny", 2), ("qwen-moe-tiny", 4)])
+def test_shared_expert_adds_its_tensor_parallel_collectives(name, ops):
+    """tp 2 with sequence parallelism, s 128, b 1, h 64: an MoE layer gathers and scatters the
+    s b h x 2 = 16,384 bytes around attention (1/2 of them each, 2 calls); the shared expert,
+    split over tp like the dense MLP (`core.moe.layer.SharedExpert`), adds the same pair
+    around itself (4 calls, 32,768 bytes). Ring over NVLink at 450 GB/s x 0.8, 20 us a call."""
+    job = TrainingJob(ModelConfig.from_name(name), 2, H100, 2, 128)
+    c = evaluate(job, dict(tp=2, sequence_parallel=True))
+    bw, lat = 360e9, 20e-6
+    assert E._layer_times(job._estimate, c.config).tp == pytest.approx(
+        ops / 2 * 16_384 / bw + ops * lat, rel=1e-12)
