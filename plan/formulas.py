@@ -319,7 +319,8 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
 
     Tessera's own layer keeps somewhat more today (measured with
     `torch.autograd.graph.saved_tensors_hooks` on `qwen-moe-tiny` / `mixtral-tiny` in bf16,
-    128 tokens: the MoE block saves 331 / 344 kB against the 250 / 281 kB counted here): an
+    128 tokens, fused SwiGLU: the MoE block saves 331 / 344 kB against the 250 / 281 kB counted
+    here; eager SwiGLU also keeps `silu(gate)`, 2 f bytes a copy): an
     fp32 copy of the router input (4 h bytes a token), a third h-sized copy per routed token
     (the weighted expert output `index_add` keeps), the int64 routing indices and the load
     balancing loss's own copy of the scores. Those are implementation details a fused
