@@ -189,3 +189,15 @@ def test_moe_block_activations_against_autograd(name, counted):
     assert attention_side == sbh * (u.replicated - 2 + u.split + u.scores * 4 * 64 / 64)
     saved = _saved_bytes(config, 64, 2)
     assert counted <= saved <= 1.6 * counted
+
+
+def test_serving_holds_every_expert():
+    """Serving Mixtral 8x7B holds all 46,702,792,704 parameters (every expert; before, the
+    serving planner counted the MoE model as dense): 10.87 GiB a GPU in bf16 at tp 8, and on
+    one 80 GB H100 it does not fit (87 GiB of weights)."""
+    from tessera.plan import plan_serving
+
+    model = ModelConfig.from_name("mixtral-8x7b")
+    tp8 = next(o for o in plan_serving(model, 8, H100).options if (o.tp, o.pp) == (8, 1))
+    assert tp8.weights_gib * F.GIB == pytest.approx(2 * 46_702_792_704 / 8, rel=1e-12)
+    assert not plan_serving(model, 1, H100).fits
