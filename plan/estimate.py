@@ -35,7 +35,9 @@ MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe_layer_fre
 top-k routed experts and the shared expert, with its own activations
 (`formulas.moe_layer_activation_bytes`) and collectives; per-layer times and activations are the
 model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
-`moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer).
+`moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
+the parameters, gradients and optimizer states are those of the stage holding the most MoE
+layers (`formulas.max_stage_moe_layers`).
 
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no

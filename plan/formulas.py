@@ -63,6 +63,7 @@ class ParameterCounts:
     moe_layer_dense: int = 0
     moe_layer_experts: int = 0
     moe_layer_active: int = 0
+    moe_layer_freq: int = 1
 
     @property
     def num_dense_layers(self) -> int:
@@ -133,6 +134,7 @@ def parameter_counts(
         moe_dense = attn + 2 * norm + router + shared
         # Layers i with (i + 1) % freq == 0 in range(L): L // freq of them.
         moe = dict(num_moe_layers=model.num_layers // model.moe_layer_freq,
+                   moe_layer_freq=model.moe_layer_freq,
                    moe_layer_dense=moe_dense, moe_layer_experts=E * expert,
                    moe_layer_active=moe_dense + k * expert)
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
@@ -143,18 +145,28 @@ def parameter_counts(
                            num_layers=model.num_layers, **moe)
 
 
+def max_stage_moe_layers(counts: ParameterCounts, pp: int) -> float:
+    """MoE layers on the pipeline stage holding the most of them, stages taking contiguous
+    blocks of L/p layers (`core.parallel.sharding.stage_layers`) and layer i being MoE when
+    (i + 1) % freq == 0: stage j has `floor((j + 1) L/(p freq)) - floor(j L/(p freq))`.
+    When every stage holds as many (all layers alike, or freq dividing L/p) this is the
+    average `num_moe_layers / p`, returned as that float. Virtual stages (interleaving) are
+    not modelled: a rank is taken to hold one contiguous block."""
+    m, L, freq = counts.num_moe_layers, counts.num_layers, counts.moe_layer_freq
+    per_stage = L // pp
+    if m in (0, L) or per_stage % freq == 0:
+        return m / pp
+    return float(max((j + 1) * per_stage // freq - j * per_stage // freq for j in range(pp)))
+
+
 def expert_params_per_rank(counts: ParameterCounts, pp: int, ep: int = 1, etp: int = 1
                            ) -> float:
-    """Routed-expert parameters one rank holds: its stage's MoE layers' experts split over the
-    ep x etp expert grid (`num_experts / ep` experts, each FFN sliced over etp), as
-    `core.moe.layer` builds them; replicated over tp when ep x etp = 1 (Megatron-Core
-    theoretical_memory_usage.py likewise divides routed experts by the expert grid, not tp).
-
-    A stage holds `num_moe_layers / pp` MoE layers: the average. It is exact when every stage
-    holds the same number (all layers MoE, or `moe_layer_freq` dividing the layers per stage);
-    otherwise (e.g. freq 2 with an odd number of layers per stage) stages differ by one MoE
-    layer and the heaviest is undercounted by at most one layer's experts / (ep etp)."""
-    return counts.num_moe_layers / pp * counts.moe_layer_experts / (ep * etp)
+    """Routed-expert parameters one rank holds: the MoE layers of the stage holding the most
+    (`max_stage_moe_layers`), their experts split over the ep x etp expert grid
+    (`num_experts / ep` experts, each FFN sliced over etp), as `core.moe.layer` builds them;
+    replicated over tp when ep x etp = 1 (Megatron-Core theoretical_memory_usage.py likewise
+    divides routed experts by the expert grid, not tp)."""
+    return max_stage_moe_layers(counts, pp) * counts.moe_layer_experts / (ep * etp)
 
 
 def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1, etp: int = 1
@@ -166,11 +178,16 @@ def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1, etp:
     embeddings and p > 1 both hold a copy, as Megatron does); norms are replicated over tp
     and counted whole (slightly pessimistic). A layer's non-routed parameters split over tp
     (the shared expert as the dense MLP; the router and the shared expert's gate, replicated
-    in Tessera, are counted split too: (E + 1) h per layer, negligible); each stage holds the
-    model average of dense and MoE layers (`expert_params_per_rank` says when that is exact).
-    Routed experts split over the expert grid (`expert_params_per_rank`), not over tp."""
+    in Tessera, are counted split too: (E + 1) h per layer, negligible). With dense and MoE
+    layers mixed the body is that of the stage holding the most MoE layers
+    (`max_stage_moe_layers`), and that stage is given the larger end (embedding or output): an
+    upper bound, exact when the heaviest stage is an end stage. Routed experts split over the
+    expert grid (`expert_params_per_rank`), not over tp."""
     layers = counts.num_layers / pp
-    per_layer = counts.body_dense / counts.num_layers  # exact when all layers are alike
+    moe = max_stage_moe_layers(counts, pp)
+    per_layer = (counts.body_dense / counts.num_layers if moe * pp == counts.num_moe_layers
+                 else ((layers - moe) * counts.layer_dense + moe * counts.moe_layer_dense)
+                 / layers)  # the first form is exact when all stages are alike
     body = layers * (per_layer / tp) + expert_params_per_rank(counts, pp, ep, etp)
     emb = counts.embedding / tp
     out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp

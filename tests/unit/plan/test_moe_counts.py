@@ -201,3 +201,23 @@ def test_serving_holds_every_expert():
     tp8 = next(o for o in plan_serving(model, 8, H100).options if (o.tp, o.pp) == (8, 1))
     assert tp8.weights_gib * F.GIB == pytest.approx(2 * 46_702_792_704 / 8, rel=1e-12)
     assert not plan_serving(model, 1, H100).fits
+
+
+def test_pipeline_stage_with_most_moe_layers():
+    """qwen-moe-tiny with 6 layers, freq 2 (MoE layers 1, 3, 5), pp 2: stage 0 holds layers
+    0-2 (one MoE layer) and the embedding, stage 1 layers 3-5 (two) with the final norm and
+    the output. The planner's most loaded rank is stage 1, exactly as Tessera builds it
+    (`GPTModel` of stage 1 on the meta device); its experts are two layers' worth."""
+    from tessera.core.config import Layout
+    from tessera.core.parallel.groups import ParallelGroups
+
+    config = ModelConfig.from_name("qwen-moe-tiny", num_layers=6, moe_layer_freq=2)
+    counts = F.parameter_counts(config)
+    assert F.max_stage_moe_layers(counts, 2) == 2 and F.max_stage_moe_layers(counts, 3) == 1
+    with torch.device("meta"):
+        stages = [GPTModel(config, Layout(pp=2), ParallelGroups(pp_rank=j, pp_size=2), j, 2)
+                  for j in range(2)]
+    held = [sum(p.numel() for p in stage.parameters()) for stage in stages]
+    assert held[1] > held[0] and F.params_per_rank(counts, tp=1, pp=2) == held[1]
+    experts = sum(p.numel() for n, p in stages[1].named_parameters() if ".experts." in n)
+    assert F.expert_params_per_rank(counts, pp=2) == experts == 2 * counts.moe_layer_experts
