@@ -31,6 +31,14 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
   `no_sync` only its no-pipeline schedule used, so its pipelined runs reduced after the
   backward with its local DDP); and the optimizer step, memory bound.
 
+MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe_layer_freq`-th) its
+top-k routed experts and the shared expert, with its own activations
+(`formulas.moe_layer_activation_bytes`) and collectives; per-layer times and activations are the
+model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
+`moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
+the parameters, gradients and optimizer states are those of the stage holding the most MoE
+layers (`formulas.max_stage_moe_layers`).
+
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no
 tensor-parallel communication overlap, no network contention between concurrent groups beyond
@@ -170,9 +178,21 @@ def moe_fields(model: ModelConfig) -> tuple[int, int, int | None]:
 
 
 def counts_of(model: ModelConfig) -> F.ParameterCounts:
-    experts, topk, ffn = moe_fields(model)
-    return F.parameter_counts(model, num_experts=experts, experts_per_token=topk,
-                              moe_ffn_hidden_size=ffn)
+    """`formulas.parameter_counts` of `model` (dense and MoE layers from its fields)."""
+    return F.parameter_counts(model)
+
+
+def _mix(counts: F.ParameterCounts, dense: float, moe: float) -> float:
+    """The model's average per layer of a quantity worth `dense` on a dense layer and `moe` on
+    an MoE layer: each pipeline rank is taken to hold the model's mix of the two kinds
+    (`formulas.expert_params_per_rank` says when that is exact). Returns the one value
+    untouched when all layers are of one kind."""
+    m, L = counts.num_moe_layers, counts.num_layers
+    if m == 0:
+        return dense
+    if m == L:
+        return moe
+    return ((L - m) * dense + m * moe) / L
 
 
 def expert_dp_size(c: Config) -> int:
@@ -199,16 +219,26 @@ def memory(job: Job, c: Config) -> Memory:
     o = F.optimizer_state_bytes(params - experts, experts, c.dp * c.cp, expert_dp_size(c),
                                 c.sharded_optimizer, _optimizer_bytes(job))
 
-    def act(recompute: str) -> float:
-        return F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
-                                        c.cp, job.flash_attention, job.units())
+    def act(recompute: str, peak: bool = False) -> float:
+        """One layer's stored activations: the model's average of its dense and MoE layers
+        (`_mix`), or with `peak` the larger of the two (the layer being recomputed)."""
+        dense = F.layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
+                                         c.cp, job.flash_attention, job.units())
+        counts = job.counts()
+        if not counts.num_moe_layers:
+            return dense
+        moe = F.moe_layer_activation_bytes(model, s, b, c.tp, c.sequence_parallel, recompute,
+                                           c.cp, job.flash_attention, c.etp)
+        if peak:
+            return moe if counts.num_moe_layers == L else max(dense, moe)
+        return _mix(counts, dense, moe)
 
     layers_per_chunk = L // (c.pp * c.virtual_stages)
     if c.recompute == "full":
         n = layers_per_chunk if c.recompute_layers is None else min(c.recompute_layers,
                                                                    layers_per_chunk)
         chunk = n * act("full") + (layers_per_chunk - n) * act("none")
-        working = act("none") if n else 0.0  # one layer's activations while recomputing it
+        working = act("none", peak=True) if n else 0.0  # a layer's, while recomputing it
     else:
         chunk = layers_per_chunk * act(c.recompute)
         working = act("none") - act("selective") if c.recompute == "selective" else 0.0
@@ -267,6 +297,27 @@ class _LayerTimes:
 
 
 def _layer_times(job: Job, c: Config) -> _LayerTimes:
+    """Forward times of the model's average layer (`_mix` of its dense and MoE layers)."""
+    counts = job.counts()
+    if counts.num_moe_layers == 0:
+        return _kind_times(job, c, moe=False)
+    moe = _kind_times(job, c, moe=True)
+    if counts.num_moe_layers == counts.num_layers:
+        return moe
+    dense = _kind_times(job, c, moe=False)
+    return _LayerTimes(**{k: _mix(counts, getattr(dense, k), getattr(moe, k))
+                          for k in _LayerTimes.__dataclass_fields__})
+
+
+def _mlp_gemm_time(T: float, h: int, f: float, up: int, peak: float, hw: Hardware) -> float:
+    """The two GEMMs of an MLP of (per-rank) FFN size f on T tokens: `h -> up f -> h`."""
+    return (_gemm_time(2 * T * h * up * f, (T, up * f, h), peak, hw)
+            + _gemm_time(2 * T * f * h, (T, h, f), peak, hw))
+
+
+def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
+    """Forward times of one dense layer, or with `moe` one MoE layer (the top-k routed experts
+    and the shared expert in place of the dense MLP)."""
     model, hw, s, b = job.model, job.hardware, job.seq_len, c.micro_batch
     peak = hw.peak(job.precision) * 1e12
     h, hd, a, kv = model.hidden_size, model.head_dim, model.num_heads, model.num_kv_heads
@@ -274,6 +325,7 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     sl = s // cp
     T = b * sl  # tokens of one micro-batch on this rank
     experts, topk, moe_ffn = moe_fields(model)
+    shared = model.moe_shared_ffn_hidden_size if moe else 0
     qkv_n = (a + 2 * kv) * hd / tp
     gemm = (_gemm_time(2 * T * h * qkv_n, (T, qkv_n, h), peak, hw)
             + _gemm_time(2 * T * a * hd / tp * h, (T, h, a * hd / tp), peak, hw))
@@ -282,13 +334,15 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     # sequence parallelism (required with tp > 1 and ep x etp > 1), else the whole micro-batch
     # (at ep x etp = 1 every tp rank then runs every expert on every token).
     n_moe = T / tp if c.sequence_parallel else T
-    if experts:
+    if moe:
         f = moe_ffn or model.ffn_hidden_size
         # Balanced routing: the ep exchange brings a rank n_moe x top-k copies, the etp gather
         # etp x as many, through its E / ep experts' f / etp slices: n_moe k (up + 1) f h MACs.
         per_expert_tokens = n_moe * topk * c.ep * c.etp / experts
         mlp_flops = 2 * n_moe * topk * (up + 1) * f * h
         gemm += _gemm_time(mlp_flops, (per_expert_tokens, f / c.etp, h), peak, hw)
+        if shared:  # Qwen2-MoE's shared expert: a dense MLP split over tp, on every token
+            gemm += _mlp_gemm_time(T, h, shared / tp, up, peak, hw)
     else:
         f = model.ffn_hidden_size
         gemm += (_gemm_time(2 * T * h * up * f / tp, (T, up * f / tp, h), peak, hw)
@@ -300,8 +354,12 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         attention = att_flops / (peak * hw.unfused_attention_efficiency)
     gemm += attention
 
-    stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
-                                      job.flash_attention, job.units())
+    if moe:
+        stored = F.moe_layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
+                                              job.flash_attention, c.etp)
+    else:
+        stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
+                                          job.flash_attention, job.units())
     bw_hbm = hw.memory_gbps * 1e9
     elementwise = ELEMENTWISE_PASSES * stored * job.act_scale / bw_hbm
     u = job.units()
@@ -310,8 +368,8 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
     node = job.gpus_per_node
     tp_bytes = F.tp_layer_comm_bytes(sl, b, h, tp, c.sequence_parallel, job.act_bytes)
     tp_ops = 4 if c.sequence_parallel else 2
-    if experts:  # the routed experts take the rank's tokens as they are: attention's half only
-        tp_bytes, tp_ops = tp_bytes / 2, tp_ops // 2
+    if moe and not shared:  # the routed experts take the rank's tokens as they are:
+        tp_bytes, tp_ops = tp_bytes / 2, tp_ops // 2  # attention's half only
     tp_time = _collective_time(tp_bytes, tp, hw, _bandwidth(hw, True), ops=tp_ops)
     cp_time = 0.0
     if cp > 1:
@@ -320,11 +378,11 @@ def _layer_times(job: Job, c: Config) -> _LayerTimes:
         comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
         cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
     ep_time = 0.0
-    if experts and c.ep > 1:  # the ep group spans ep x etp consecutive ranks of the stage
+    if moe and c.ep > 1:  # the ep group spans ep x etp consecutive ranks of the stage
         ep_bytes = F.ep_layer_comm_bytes(n_moe, h, topk, c.ep, job.act_bytes)
         ep_time = _collective_time(ep_bytes, c.ep, hw, _bandwidth(hw, c.ep * c.etp <= node),
                                    ops=2)
-    if experts and c.etp > 1:  # etp peers are neighbours, as tp peers
+    if moe and c.etp > 1:  # etp peers are neighbours, as tp peers
         etp_bytes = F.etp_layer_comm_bytes(n_moe, h, topk, c.etp, job.act_bytes)
         ep_time += _collective_time(etp_bytes, c.etp, hw, _bandwidth(hw, True), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
@@ -362,17 +420,25 @@ def hardware_flops(job: Job, recompute: str) -> float:
 
 
 def _step_flops(job: Job, recompute: str) -> float:
+    """Dense layers run the dense MLP, MoE layers their top-k routed experts and the shared
+    expert (`formulas.moe_active_mlp_weights`); the router and the shared expert's gate
+    (E + 1 logits a token) are not counted, as in Megatron-LM's
+    `num_floating_point_operations`."""
     model = job.model
     tokens = job.global_batch * job.seq_len
-    experts, topk, moe_ffn = moe_fields(model)
-    active_mlp = None
-    if experts:
-        f = moe_ffn or model.ffn_hidden_size
-        active_mlp = topk * f * model.hidden_size * (3 if model.gated else 2)
-    lf = F.layer_forward_flops(model, tokens, job.seq_len, active_mlp)
-    extra = {"none": 0.0, "selective": lf.attention, "full": lf.total}[recompute]
+    counts = job.counts()
     logits = F.logits_forward_flops(tokens, model.hidden_size, model.vocab_size)
-    return model.num_layers * (3 * lf.total + extra) + 3 * logits
+
+    def layers(n: int, active_mlp: float | None) -> float:
+        lf = F.layer_forward_flops(model, tokens, job.seq_len, active_mlp)
+        extra = {"none": 0.0, "selective": lf.attention, "full": lf.total}[recompute]
+        return n * (3 * lf.total + extra)
+
+    dense = counts.num_dense_layers
+    flops = layers(dense, None) if dense else 0.0
+    if counts.num_moe_layers:
+        flops += layers(counts.num_moe_layers, F.moe_active_mlp_weights(model))
+    return flops + 3 * logits
 
 
 def overlaps_grad_reduce(job: Job, c: Config) -> bool:

@@ -43,28 +43,52 @@ def ptdp_parameters(num_layers: int, hidden: int, vocab: int, seq_len: int) -> f
 
 @dataclass(frozen=True)
 class ParameterCounts:
-    """Parameters of a model by where they live. `layer_dense` is one layer's attention, norms
-    and dense MLP (or shared experts); `layer_experts` one layer's routed experts (all of them);
-    `layer_active` what one token uses in one layer."""
+    """Parameters of a model by where they live.
+
+    A model has `num_layers` layers, `num_moe_layers` of them MoE layers (every
+    `moe_layer_freq`-th, `core.moe.shapes.is_moe_layer`), the rest dense. Per layer kind:
+    `layer_dense` is one dense layer (attention, norms, dense MLP); `moe_layer_dense` one MoE
+    layer's parameters outside the routed experts (attention, norms, router, the shared expert
+    and its gate); `moe_layer_experts` its routed experts (all of them); `moe_layer_active`
+    what one token uses in one MoE layer (the non-routed part and k routed experts). The
+    `body_*` properties sum them over the model's layers."""
 
     embedding: int  # token (and learned position) embeddings
     word_embedding: int  # the token embedding alone (V h), what a tied output layer copies
     output: int  # output projection, 0 when tied to the embedding
     final_norm: int
     layer_dense: int
-    layer_experts: int
-    layer_active: int
     num_layers: int
+    num_moe_layers: int = 0
+    moe_layer_dense: int = 0
+    moe_layer_experts: int = 0
+    moe_layer_active: int = 0
+    moe_layer_freq: int = 1
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def body_dense(self) -> int:
+        """Every layer's parameters outside the routed experts (what tp splits)."""
+        return self.num_dense_layers * self.layer_dense + self.num_moe_layers * self.moe_layer_dense
+
+    @property
+    def body_experts(self) -> int:
+        """Every MoE layer's routed experts."""
+        return self.num_moe_layers * self.moe_layer_experts
 
     @property
     def total(self) -> int:
-        return (self.embedding + self.output + self.final_norm
-                + self.num_layers * (self.layer_dense + self.layer_experts))
+        return self.embedding + self.output + self.final_norm + self.body_dense + self.body_experts
 
     @property
     def active(self) -> int:
         """Parameters one token passes through (MoE: only its top-k experts)."""
-        return self.embedding + self.output + self.final_norm + self.num_layers * self.layer_active
+        return (self.embedding + self.output + self.final_norm
+                + self.num_dense_layers * self.layer_dense
+                + self.num_moe_layers * self.moe_layer_active)
 
 
 def mlp_parameters(hidden: int, ffn: int, gated: bool, bias: bool) -> int:
@@ -75,19 +99,22 @@ def mlp_parameters(hidden: int, ffn: int, gated: bool, bias: bool) -> int:
 
 def parameter_counts(
     model: ModelConfig,
-    num_experts: int = 0,
-    experts_per_token: int = 0,
+    num_experts: int | None = None,
+    experts_per_token: int | None = None,
     moe_ffn_hidden_size: int | None = None,
-    shared_experts: int = 0,
 ) -> ParameterCounts:
     """Parameter counts of `model` by shape, as `core.parallel.sharding.global_param_shapes`
     lays the weights out (fused QKV with kv heads, gated MLP halves, norm biases for layernorm).
 
-    MoE (designed in ahead of the ModelConfig fields): with `num_experts` > 0 each layer's MLP
-    is replaced by a router (h x E), `num_experts` routed experts of FFN size
-    `moe_ffn_hidden_size` (default `ffn_hidden_size`) and `shared_experts` always-on experts;
-    a token uses `experts_per_token` routed experts [Megatron-Core
-    theoretical_memory_usage.py counts routed, active and shared expert parameters alike].
+    MoE, from `model`'s fields (`num_experts`, `moe_top_k`, `moe_ffn_hidden_size`,
+    `moe_shared_ffn_hidden_size`, `moe_layer_freq`, `moe_expert_bias`; the arguments, when
+    given, override the first three): every `moe_layer_freq`-th layer (counting from 1,
+    `core.moe.shapes.is_moe_layer`) replaces its MLP with a router (E x h, and an (E,) routing
+    bias with `moe_expert_bias`), E routed experts of FFN size `moe_ffn_hidden_size` (no
+    biases, `core.moe.shapes.moe_param_shapes`) and, with `moe_shared_ffn_hidden_size` = Fs,
+    Qwen2-MoE's shared expert (a bias-free MLP of FFN size Fs) with its (1, h) sigmoid gate; a
+    token uses `moe_top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
+    routed, active and shared expert parameters alike]. The other layers are dense.
     """
     h, hd = model.hidden_size, model.head_dim
     qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
@@ -95,32 +122,51 @@ def parameter_counts(
     attn += 2 * hd if model.qk_norm else 0  # Qwen3's per-head q/k norm weights (core.qk_norm)
     norm = h * (1 if model.norm == "rmsnorm" else 2)
     dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
-    if num_experts:
-        f = moe_ffn_hidden_size or model.ffn_hidden_size
-        expert = mlp_parameters(h, f, model.gated, model.bias)
-        layer_dense = attn + 2 * norm + h * num_experts + shared_experts * expert
-        layer_experts = num_experts * expert
-        layer_active = layer_dense + experts_per_token * expert
-    else:
-        layer_dense = attn + 2 * norm + dense_mlp
-        layer_experts = 0
-        layer_active = layer_dense
+    E = model.num_experts if num_experts is None else num_experts
+    k = model.moe_top_k if experts_per_token is None else experts_per_token
+    moe: dict[str, int] = {}
+    if E:
+        f = moe_ffn_hidden_size or model.moe_ffn_hidden_size or model.ffn_hidden_size
+        expert = mlp_parameters(h, f, model.gated, False)
+        fs = model.moe_shared_ffn_hidden_size
+        shared = (mlp_parameters(h, fs, model.gated, False) + h) if fs else 0
+        router = h * E + (E if model.moe_expert_bias else 0)
+        moe_dense = attn + 2 * norm + router + shared
+        # Layers i with (i + 1) % freq == 0 in range(L): L // freq of them.
+        moe = dict(num_moe_layers=model.num_layers // model.moe_layer_freq,
+                   moe_layer_freq=model.moe_layer_freq,
+                   moe_layer_dense=moe_dense, moe_layer_experts=E * expert,
+                   moe_layer_active=moe_dense + k * expert)
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
                                         if model.position == "learned" else 0)
     output = 0 if model.tied_embeddings else model.vocab_size * h
     return ParameterCounts(embedding=embedding, word_embedding=model.vocab_size * h,
-                           output=output, final_norm=norm, layer_dense=layer_dense,
-                           layer_experts=layer_experts, layer_active=layer_active,
-                           num_layers=model.num_layers)
+                           output=output, final_norm=norm, layer_dense=attn + 2 * norm + dense_mlp,
+                           num_layers=model.num_layers, **moe)
+
+
+def max_stage_moe_layers(counts: ParameterCounts, pp: int) -> float:
+    """MoE layers on the pipeline stage holding the most of them, stages taking contiguous
+    blocks of L/p layers (`core.parallel.sharding.stage_layers`) and layer i being MoE when
+    (i + 1) % freq == 0: stage j has `floor((j + 1) L/(p freq)) - floor(j L/(p freq))`.
+    When every stage holds as many (all layers alike, or freq dividing L/p) this is the
+    average `num_moe_layers / p`, returned as that float. Virtual stages (interleaving) are
+    not modelled: a rank is taken to hold one contiguous block."""
+    m, L, freq = counts.num_moe_layers, counts.num_layers, counts.moe_layer_freq
+    per_stage = L // pp
+    if m in (0, L) or per_stage % freq == 0:
+        return m / pp
+    return float(max((j + 1) * per_stage // freq - j * per_stage // freq for j in range(pp)))
 
 
 def expert_params_per_rank(counts: ParameterCounts, pp: int, ep: int = 1, etp: int = 1
                            ) -> float:
-    """Routed-expert parameters one rank holds: its L/p layers' experts split over the ep x etp
-    expert grid (`num_experts / ep` experts, each FFN sliced over etp), as `core.moe.layer`
-    builds them; replicated over tp when ep x etp = 1 (Megatron-Core
-    theoretical_memory_usage.py likewise divides routed experts by the expert grid, not tp)."""
-    return counts.num_layers / pp * counts.layer_experts / (ep * etp)
+    """Routed-expert parameters one rank holds: the MoE layers of the stage holding the most
+    (`max_stage_moe_layers`), their experts split over the ep x etp expert grid
+    (`num_experts / ep` experts, each FFN sliced over etp), as `core.moe.layer` builds them;
+    replicated over tp when ep x etp = 1 (Megatron-Core theoretical_memory_usage.py likewise
+    divides routed experts by the expert grid, not tp)."""
+    return max_stage_moe_layers(counts, pp) * counts.moe_layer_experts / (ep * etp)
 
 
 def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1, etp: int = 1
@@ -130,10 +176,19 @@ def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1, etp:
 
     The first pipeline rank holds the embedding, the last the output projection (with tied
     embeddings and p > 1 both hold a copy, as Megatron does); norms are replicated over tp
-    and counted whole (slightly pessimistic). Routed experts split over the expert grid
-    (`expert_params_per_rank`), not over tp."""
+    and counted whole (slightly pessimistic). A layer's non-routed parameters split over tp
+    (the shared expert as the dense MLP; the router and the shared expert's gate, replicated
+    in Tessera, are counted split too: (E + 1) h per layer, negligible). With dense and MoE
+    layers mixed the body is that of the stage holding the most MoE layers
+    (`max_stage_moe_layers`), and that stage is given the larger end (embedding or output): an
+    upper bound, exact when the heaviest stage is an end stage. Routed experts split over the
+    expert grid (`expert_params_per_rank`), not over tp."""
     layers = counts.num_layers / pp
-    body = layers * (counts.layer_dense / tp) + expert_params_per_rank(counts, pp, ep, etp)
+    moe = max_stage_moe_layers(counts, pp)
+    per_layer = (counts.body_dense / counts.num_layers if moe * pp == counts.num_moe_layers
+                 else ((layers - moe) * counts.layer_dense + moe * counts.moe_layer_dense)
+                 / layers)  # the first form is exact when all stages are alike
+    body = layers * (per_layer / tp) + expert_params_per_rank(counts, pp, ep, etp)
     emb = counts.embedding / tp
     out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp
     if pp == 1:
@@ -218,19 +273,20 @@ class LayerActivations:
     scores: float
 
 
-def layer_activation_units(model: ModelConfig, flash_attention: bool = False
-                           ) -> LayerActivations:
+def layer_activation_units(model: ModelConfig, flash_attention: bool = False,
+                           ffn: int | None = None) -> LayerActivations:
     """Korthikanti's per-layer count [section 4.1] for any `ModelConfig`:
 
     replicated 10 = two norm inputs (4) + QKV input (2) + MLP input (2) + two dropout masks (2);
     split 24 = Q, K (4) + V (2) + projection input (2) + the MLP's activation input and output
     (2 ffn/h each, 16 at ffn = 4h). With grouped-query attention K and V shrink to kv/a of Q;
     a gated MLP also stores its two halves (6 ffn/h in all). A fused (flash) attention kernel
-    keeps no s^2 scores but its output's softmax statistics (negligible)."""
+    keeps no s^2 scores but its output's softmax statistics (negligible). `ffn`: the FFN size
+    of the tp-split MLP (default `ffn_hidden_size`; an MoE layer's shared expert, 0 for none)."""
     h = model.hidden_size
     q = model.num_heads * model.head_dim / h
     kv = model.num_kv_heads * model.head_dim / h
-    mlp = (6 if model.gated else 4) * model.ffn_hidden_size / h
+    mlp = (6 if model.gated else 4) * (model.ffn_hidden_size if ffn is None else ffn) / h
     split = 2 * q + 4 * kv + 2 * q + mlp
     return LayerActivations(replicated=10.0, split=split, scores=0.0 if flash_attention else 5.0)
 
@@ -252,6 +308,55 @@ def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
     scores = 0.0 if recompute == "selective" else u.scores * model.num_heads * s / model.hidden_size
     replicated = u.replicated / (t if sequence_parallel else 1)
     return sbh * (replicated + (u.split + scores) / t)
+
+
+def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               cp: int = 1, flash_attention: bool = False, etp: int = 1
+                               ) -> float:
+    """Stored activation bytes of one MoE layer on one rank, counted Korthikanti's way
+    [Korthikanti section 4.1: every tensor a backward needs, 2 bytes an element] over the
+    tensors Tessera's MoE layer keeps for its backward (`core.moe.layer`, `core.moe.permute`,
+    `core.moe.experts`; Megatron-Core's MoE layer keeps the same set: its `moe_layer`
+    permute, grouped GEMMs and unpermute):
+
+    - attention, the norms, the MLP input and the dropout masks as a dense layer
+      (`layer_activation_bytes`), the dense MLP replaced by the shared expert when there is one
+      (an MLP of `moe_shared_ffn_hidden_size`, split over tp like the dense MLP: its
+      `6 Fs/h` or `4 Fs/h` units) plus the shared expert's output that its gate multiplies,
+      `2 s b h` (split over t with sequence parallelism);
+    - for the n tokens the rank routes (`s b / cp`, divided by t under sequence parallelism;
+      at ep x etp = 1 without it every tp rank routes all of them): the router's fp32 scores
+      `4 E` bytes a token; and per routed copy (k a token): the permuted input, `2 h` bytes
+      (x etp after the expert-tensor-parallel all-gather), the expert FFN intermediate of
+      `6 f` bytes gated (`[gate; up]` and the activation output) or `4 f` (slices of f/etp on
+      etp x the copies: the same total), and the expert output the unpermute weighs, `2 h`.
+
+    Full recomputation keeps only the layer input, as a dense layer.
+
+    Tessera's own layer keeps somewhat more today (measured with
+    `torch.autograd.graph.saved_tensors_hooks` on `qwen-moe-tiny` / `mixtral-tiny` in bf16,
+    128 tokens, fused SwiGLU: the MoE block saves 331 / 344 kB against the 250 / 281 kB counted
+    here; eager SwiGLU also keeps `silu(gate)`, 2 f bytes a copy): an
+    fp32 copy of the router input (4 h bytes a token), a third h-sized copy per routed token
+    (the weighted expert output `index_add` keeps), the int64 routing indices and the load
+    balancing loss's own copy of the scores. Those are implementation details a fused
+    permute/unpermute drops (Megatron-Core's), not counted here."""
+    if recompute == "full":
+        return layer_activation_bytes(model, s, b, t, sequence_parallel, recompute, cp)
+    h = model.hidden_size
+    fs = model.moe_shared_ffn_hidden_size
+    units = layer_activation_units(model, flash_attention, ffn=fs)
+    split_by = t if sequence_parallel else 1
+    local = s / cp * b  # tokens of this rank's micro-batch
+    base = layer_activation_bytes(model, s, b, t, sequence_parallel, recompute, cp,
+                                  flash_attention, units)
+    shared_out = 2 * local * h / split_by if fs else 0.0
+    n = local / split_by
+    f = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    per_copy = 2 * h * etp + (6 if model.gated else 4) * f + 2 * h
+    routed = n * (4 * model.num_experts + model.moe_top_k * per_copy)
+    return base + shared_out + routed
 
 
 def inflight_microbatches(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
@@ -332,6 +437,16 @@ def layer_forward_flops(model: ModelConfig, tokens: float, s: int, active_mlp_pa
              else model.ffn_hidden_size * h * (3 if model.gated else 2))
     return LayerFlops(dense=2 * tokens * (attn_w + mlp_w),
                       attention=4 * tokens * s * model.num_heads * hd)
+
+
+def moe_active_mlp_weights(model: ModelConfig) -> int:
+    """MLP weights one token multiplies by in an MoE layer: `moe_top_k` routed experts and the
+    shared expert, each `(2 if gated else 1) f h + f h` (no biases; `core.moe.shapes`). The
+    router's (E x h) and the gate's (1 x h) logits are left out, as Megatron-LM's
+    `num_floating_point_operations` leaves out the router."""
+    up = 3 if model.gated else 2
+    f = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    return up * model.hidden_size * (model.moe_top_k * f + model.moe_shared_ffn_hidden_size)
 
 
 def logits_forward_flops(tokens: float, h: int, vocab: int) -> float:

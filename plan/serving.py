@@ -64,7 +64,7 @@ def _weight_bytes(model: ModelConfig, precision: str) -> tuple[float, float, flo
         raise PlanError(f"unknown serving precision {precision!r}; choose one of "
                         f"{sorted(WEIGHT_BYTES)}")
     counts = F.parameter_counts(model)
-    body = counts.num_layers * (counts.layer_dense + counts.layer_experts) + counts.final_norm
+    body = counts.body_dense + counts.body_experts + counts.final_norm
     edge_bytes = 2.0 if precision == "fp8" else WEIGHT_BYTES[precision]
     return (body * WEIGHT_BYTES[precision], counts.embedding * edge_bytes,
             counts.output * edge_bytes)
