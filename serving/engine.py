@@ -42,13 +42,13 @@ at `max_tokens` or at the context (or the pool's size), whichever comes first (f
 
 Prefix caching (paged): a request starts on the cached blocks of its prefix (same tokens, same
 task, same `cache_salt`, same LoRA adapter weights) and computes the rest; the output is the
-same as without the cache.
+same as without the cache. Requests asking for prompt logprobs compute their whole prompt (they
+still publish blocks).
 
 Per-request LoRA (`serving.adapters`, with a runner built with `lora=`): a request names a
 loaded adapter (`GenerationRequest.adapter`); its rows carry the adapter's slot in the step's
 `StepBatch.adapters`, so one pass mixes adapters, tasks and plain rows. `load_adapter` /
-`unload_adapter` change the loaded set while serving (one process only).
-Requests asking for prompt logprobs compute their whole prompt (they still publish blocks).
+`unload_adapter` (`serving.engine_adapters`) change the loaded set while serving, on every rank.
 
 Metrics: `stats()` returns gauges and counters; `add_observer(fn)` registers `fn(name, value)`,
 called from the engine thread (keep it cheap and thread-safe, e.g. a Prometheus histogram's
@@ -69,15 +69,15 @@ from pathlib import Path
 
 import torch
 
-from tessera.core.lora_format import AdapterError
 from tessera.core.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.sampling import choose_tokens, uniforms_from
 from tessera.core.tokenizer import Tokenizer
-from tessera.serving.adapters import AdapterRegistry, UnknownAdapter
+from tessera.serving.adapters import AdapterRegistry
 from tessera.serving.block_manager import BlockHasher, BlockManager
 from tessera.serving.bridge import RequestStream, Sink
 from tessera.serving.detokenize import OutputText
+from tessera.serving.engine_adapters import AdapterOps
 from tessera.serving.executor import (
     Executor,
     LocalExecutor,
@@ -153,7 +153,7 @@ class _Sequence(SeqState):
         return self.n_input - self.n_virtual
 
 
-class LLMEngine:
+class LLMEngine(AdapterOps):
     """Continuous-batching generation over one executor (one process, or rank 0 of many).
 
     Args:
@@ -751,70 +751,3 @@ class LLMEngine:
                 fn(name, float(value))
             except Exception:
                 log.exception("metrics observer failed on %s", name)
-
-    # ----------------------------------------------------------------- per-request LoRA
-
-    def adapter_names(self) -> list[str]:
-        """The LoRA adapters loaded now (`serving.adapters`), by name."""
-        return self.adapters.names() if self.adapters is not None else []
-
-    def load_adapter(self, name: str, path: str | Path) -> str:
-        """Load the adapter directory `path` as `name` while serving; returns its ident. Over
-        several ranks, every rank loads it (from `path` on its own machine) before the next
-        step; call it then from another thread than the step loop's.
-
-        Raises `AdapterError` (not served with adapters, a bad adapter, a name taken by a
-        task) or `AdapterBusy` (name loaded, no free slot)."""
-        registry = self._registry()
-        if name in self._task_len:
-            raise AdapterError(f"{name!r} is a prompt-tuned task of this server; give the "
-                               "adapter another name")
-        if isinstance(self.executor, LocalExecutor):
-            return registry.load(name, path)
-        registry.check_room(name)  # rank 0's answer (409) before the ranks try
-        self._on_every_rank("load", name, str(path))
-        return registry.ident_of(name)
-
-    def unload_adapter(self, name: str) -> None:
-        """Free adapter `name`'s slot (on every rank). Raises `UnknownAdapter`, or
-        `AdapterBusy` while unfinished requests use it (unload again once they are done)."""
-        registry = self._registry()
-        if isinstance(self.executor, LocalExecutor):
-            registry.unload(name)
-        else:
-            self._on_every_rank("unload", name, None)
-
-    def _on_every_rank(self, op: str, name: str, path: str | None) -> None:
-        """A load or unload that the engine thread applies on every rank before its next step
-        (`distributed.DistributedExecutor.change_adapters`); waits for it."""
-        change = getattr(self.executor, "change_adapters", None)
-        if change is None:
-            raise AdapterError("this executor cannot change adapters while serving")
-        try:
-            change(op, name, path).result(timeout=300)
-        except TimeoutError:
-            raise AdapterError(f"the ranks did not {op} adapter {name!r} within 300 s "
-                               "(is the engine running?)") from None
-
-    def _registry(self) -> AdapterRegistry:
-        if self.adapters is None:
-            raise AdapterError("this engine serves no LoRA adapters: start it with --lora "
-                               "NAME=PATH or --allow-runtime-lora (a ModelRunner with lora=...)")
-        return self.adapters
-
-    def _bind_adapter(self, seq: _Sequence) -> str:
-        """Point `seq` at its adapter's slot (counted as in use); the load's ident."""
-        name = seq.request.adapter
-        if self.adapters is None:
-            raise RequestError(f"no LoRA adapter named {name!r}: this server serves none")
-        try:
-            seq.adapter, ident = self.adapters.acquire(name, seq)
-        except UnknownAdapter as exc:
-            raise RequestError(str(exc)) from None
-        return ident
-
-    def _adapter_rows(self, group: list[tuple[_Sequence, int]]) -> torch.Tensor | None:
-        """`StepBatch.adapters` of a group: each row's slot, None when no row has one."""
-        if all(s.adapter < 0 for s, _ in group):
-            return None
-        return torch.tensor([s.adapter for s, _ in group], dtype=torch.long)
