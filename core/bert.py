@@ -43,6 +43,7 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_shape, stage_layers
+from tessera.core.stage import init_stage
 
 
 class BertAttention(Attention):
@@ -123,12 +124,8 @@ class BertModel(nn.Module):
                  groups: ParallelGroups | None = None, stage_id: int = 0, num_stages: int = 1,
                  schedule: TrainSchedule | None = None):
         super().__init__()
-        self.config, self.layout = config, layout or Layout()
-        self.train_schedule = schedule or TrainSchedule()
-        self.groups = groups or ParallelGroups()
+        init_stage(self, config, layout, groups, stage_id, num_stages, schedule)
         g, sp, rc = self.groups, self.layout.sequence_parallel, self.train_schedule
-        self.stage_id, self.num_stages = stage_id, num_stages
-        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.layer_ids = list(stage_layers(stage_id, num_stages, config.num_layers))
         vocab_rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]
         c = config.hidden_size

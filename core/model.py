@@ -38,6 +38,7 @@ from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
 from tessera.core.qk_norm import HeadNorm
+from tessera.core.stage import init_stage
 
 
 class Norm(nn.Module):
@@ -218,13 +219,8 @@ class GPTModel(nn.Module):
                  groups: ParallelGroups | None = None, stage_id: int = 0, num_stages: int = 1,
                  schedule: TrainSchedule | None = None):
         super().__init__()
-        self.config, self.layout = config, layout or Layout()
-        # How a training step runs; only its recomputation matters to the model.
-        self.train_schedule = schedule or TrainSchedule()
-        self.groups = groups or ParallelGroups()
+        init_stage(self, config, layout, groups, stage_id, num_stages, schedule)
         g, sp, rc = self.groups, self.layout.sequence_parallel, self.train_schedule
-        self.stage_id, self.num_stages = stage_id, num_stages
-        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.layer_ids = list(stage_layers(stage_id, num_stages, config.num_layers))
         if self.is_first:
             rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]

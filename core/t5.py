@@ -55,6 +55,7 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import local_shape
+from tessera.core.stage import init_stage
 from tessera.core.t5_layout import t5_model_problems, t5_stage_layers, t5_stage_split
 
 
@@ -279,17 +280,13 @@ class T5Model(nn.Module):
         problems = t5_model_problems(config)
         if problems:
             raise ConfigError("not a T5 configuration:\n  - " + "\n  - ".join(problems))
-        self.config, self.layout = config, layout or Layout()
-        self.train_schedule = schedule or TrainSchedule()
+        init_stage(self, config, layout, groups, stage_id, num_stages, schedule)
         if self.train_schedule.recompute != "none":
             raise NotImplementedError("T5 runs without activation recomputation (recompute "
                                       f"{self.train_schedule.recompute!r}); use 'none'")
-        self.groups = g = groups or ParallelGroups()
-        sp = self.layout.sequence_parallel
-        self.stage_id, self.num_stages = stage_id, num_stages
+        g, sp = self.groups, self.layout.sequence_parallel
         self.split = t5_stage_split(config, num_stages, encoder_stages)
         enc_ids, dec_ids = t5_stage_layers(stage_id, num_stages, config, self.split)
-        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.has_encoder, self.has_decoder = len(enc_ids) > 0, len(dec_ids) > 0
         self.last_encoder = self.has_encoder and stage_id == (0 if num_stages == 1
                                                               else self.split - 1)
