@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import record  # noqa: E402
@@ -65,6 +66,19 @@ def _config(args) -> ModelConfig:
                                  max_position_embeddings=args.seq)
 
 
+def _best_time(model, step, steps: int) -> float:
+    """The fastest of `steps` timed forward + backward passes of `step()` (after a warm-up the
+    caller ran), every rank starting together."""
+    best = float("inf")
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        tic = time.perf_counter()
+        step().backward()
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
 def _saved_bytes(model: torch.nn.Module, step) -> int:
     """Bytes of the distinct storages autograd saves for backward while `step()` runs its
     forward (parameters excluded); `step` must return the loss, whose backward is then run."""
@@ -72,7 +86,10 @@ def _saved_bytes(model: torch.nn.Module, step) -> int:
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        # The allgather exchange's functional collectives save their async wrapper, which has
+        # no storage of its own: count the tensor it holds (waiting for it is harmless here).
+        plain = t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+        storage = plain.untyped_storage()
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
@@ -99,14 +116,7 @@ def _body(rank: int, world_size: int, comms: list[str], args) -> list[dict]:
                             seed=0).train()
         step = functools.partial(model, ids, labels=labels)
         saved = _saved_bytes(model, step)  # also the warm-up
-        best = float("inf")
-        for _ in range(args.steps):
-            model.zero_grad(set_to_none=True)
-            torch.distributed.barrier()
-            tic = time.perf_counter()
-            step().backward()
-            best = min(best, time.perf_counter() - tic)
-        out.append({"comm": comm, "saved": saved, "time": best})
+        out.append({"comm": comm, "saved": saved, "time": _best_time(model, step, args.steps)})
     return out
 
 
@@ -168,14 +178,7 @@ def _dynamic_body(rank: int, world_size: int, args) -> dict[str, list[float]]:
             step = functools.partial(_packed_step, model, dynamic, mode == "dynamic-masked",
                                      ids, labels, docs)
             step().backward()  # warm-up
-            best = float("inf")
-            for _ in range(args.steps):
-                model.zero_grad(set_to_none=True)
-                torch.distributed.barrier()
-                tic = time.perf_counter()
-                step().backward()
-                best = min(best, time.perf_counter() - tic)
-            times.append(best)
+            times.append(_best_time(model, step, args.steps))
         out[mode] = times
     return out
 
