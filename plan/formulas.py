@@ -359,6 +359,80 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
     return base + shared_out + routed
 
 
+
+# --- MoE routing and token dispatch (memory-bound work the FLOPs formula leaves out) --------
+
+
+def moe_dispatch_bytes(tokens: float, h: int, experts_per_token: int, local_experts: int,
+                       etp: int = 1, dtype_bytes: int = 2) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of one MoE layer's token permutation on one rank,
+    counted kernel by kernel as Megatron-Core's all-to-all dispatcher runs them (v0.9, the
+    release behind its "468 TFLOPS" Mixtral 8x7B figure; `moe_utils.permute` / `unpermute`,
+    `moe_gather` / `moe_scatter`, `sort_chunks_by_idxs`; each kernel reads its inputs and
+    writes its outputs once). With `n = tokens` the rank routes, `c = n k` routed copies and
+    a row `h x dtype_bytes` bytes, in rows:
+
+    forward
+    - permute (a gather of the k copies into expert order): read c, write c -> 2 c;
+    - unpermute: zero a c-row buffer (c), scatter the expert outputs back into it (read c,
+      write c), weight by the router probabilities (read c, write c), sum each token's k
+      copies (read c, write n) -> 6 c + n;
+    backward (autograd's mirror)
+    - the weighting's backward: the broadcast output gradient times the probabilities (read c,
+      write c), the probabilities' gradient from it and the saved copies (read 2 c) -> 4 c;
+    - the scatter's backward, a gather: read c, write c -> 2 c;
+    - the permute's backward, a scatter-add into a zeroed n-row buffer: write n, read c,
+      write c -> 2 c + n;
+
+    so `8 c + n` rows each way. With more than one local expert (`num_experts / ep > 1`) the
+    received copies (`etp` x c after the expert-tensor-parallel all-gather) are also sorted
+    by local expert before the expert GEMMs and back after (a split and a concatenation each,
+    read and write): `4 etp c` rows more each way. With one expert per rank Megatron skips
+    that step (MoE README: when "EP size increased to the number of expert, the local token
+    permutation/un-permutation for experts computation are omitted"). A fused permute kernel
+    (Megatron's later `--moe-permute-fusion`) moves less; not modelled."""
+    c = tokens * experts_per_token
+    rows = 8 * c + tokens + (4 * etp * c if local_experts > 1 else 0)
+    row = h * dtype_bytes
+    return rows * row, rows * row
+
+
+def moe_router_flops(tokens: float, h: int, num_experts: int) -> float:
+    """Forward FLOPs of the router's gating GEMM, `2 n h E` (its backward twice that).
+    Megatron-LM's `num_floating_point_operations` leaves the router out of the model FLOPs
+    behind MFU, so this is time the planner charges, not FLOPs it credits."""
+    return 2 * tokens * h * num_experts
+
+
+def moe_router_bytes(tokens: float, h: int, num_experts: int, dtype_bytes: int = 2
+                     ) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of one MoE layer's routing on one rank, per token
+    (Megatron-Core v0.9 `TopKRouter` with `aux_loss` balancing, `moe_utils.
+    topk_softmax_with_capacity`, `switch_load_balancing_loss_func`; d = `dtype_bytes`,
+    E = `num_experts`; the O(k) top-k values, indices and counts are left out):
+
+    - forward: the gating GEMM reads the token (h d) and writes its logits (E d); top-k
+      reads them (E d); the load-balancing loss's fp32 softmax reads them (E d) and writes
+      fp32 scores (4 E), which its per-expert sum reads (4 E): `h d + 3 E d + 8 E`;
+    - backward: the loss's softmax backward reads its output and the broadcast gradient and
+      writes the logits' gradient (3 x 4 E); top-k's backward scatters into a zeroed logits
+      row (E d, E d) and the two gradients are added (read 4 E + E d, write E d); the GEMM's
+      input gradient writes h d and its weight gradient reads the input again (h d), both
+      reading the logits' gradient (2 E d): `2 h d + 6 E d + 16 E`."""
+    d, E = dtype_bytes, num_experts
+    return tokens * (h * d + 3 * E * d + 8 * E), tokens * (2 * h * d + 6 * E * d + 16 * E)
+
+
+def moe_routed_row_bytes(tokens: float, h: int, experts_per_token: int, etp: int = 1
+                         ) -> float:
+    """The h-sized per-copy tensors among an MoE layer's stored activations
+    (`moe_layer_activation_bytes`: the permuted input, `etp` x after the expert-tensor-parallel
+    gather, and the expert output, 2 bytes an element): `2 h (etp + 1)` bytes a routed copy.
+    The permutation kernels write and read them (`moe_dispatch_bytes`), so a time model that
+    charges one memory-bound pass over the stored activations and also the dispatch leaves
+    these out of the former."""
+    return tokens * experts_per_token * 2 * h * (etp + 1)
+
 def inflight_microbatches(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Micro-batches of a stage's activations the first pipeline rank holds at its peak, in
     units of one micro-batch through all L/p of its layers [Korthikanti section 4.2.3]:
