@@ -37,12 +37,24 @@ top-k routed experts and the shared expert, with its own activations
 model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
 `moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
 the parameters, gradients and optimizer states are those of the stage holding the most MoE
-layers (`formulas.max_stage_moe_layers`).
+layers (`formulas.max_stage_moe_layers`). An MoE layer also pays, as memory-bound time not
+counted in the model FLOPs (Megatron-LM's MFU leaves the router out), its token permutation
+(`formulas.moe_dispatch_bytes`: Megatron-Core v0.9's unfused permute / unpermute, forward and
+backward, plus the sort by local expert when a rank holds several) and its router (the thin
+E-output gating GEMM at the slower of its shape-rule rate and its input's HBM read, the score
+passes of top-k and the load-balancing loss, `formulas.moe_router_bytes`); the permuted input
+and expert output are then left out of the one-pass elementwise charge. The routed experts'
+GEMMs are rated per expert (M = the tokens routed to one expert; Megatron's grouped GEMM
+launches one GEMM per local expert).
 
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no
 tensor-parallel communication overlap, no network contention between concurrent groups beyond
-one NIC per GPU, and MoE load imbalance is ignored (perfectly balanced routing).
+one NIC per GPU. MoE: routing is perfectly balanced (no published max/mean expert load under
+aux-loss balancing was found to charge the most loaded ep rank with), no per-kernel launch cost
+or host synchronisation (Megatron's all-to-all dispatcher waits for the split sizes on the
+host), no fused permutation; Mixtral 8x7B at Megatron-LM's published layout is over-predicted
+by ~10% (52.3% MFU against 47.3%, tests/unit/plan/test_moe_costs.py).
 """
 
 from __future__ import annotations

@@ -195,3 +195,30 @@ def test_published_mixtral_mfu_bounded():
     assert c.mfu == pytest.approx(0.5227, abs=5e-4)
     over = c.mfu / PUBLISHED_MFU - 1
     assert 0.08 < over < 0.13, over
+
+
+def test_expert_gemm_shape_is_the_per_expert_gemm(monkeypatch):
+    """Megatron's `--moe-grouped-gemm` (TE GroupedLinear, v0.9: "launch multiple local GEMM
+    kernels in multiple streams", MoE README) runs one GEMM per local expert, so the shape
+    rule sees each expert's own GEMM: M = the tokens routed to it. Balanced, at the published
+    layout a rank receives 4096 tokens x k 2 x ep 8 / E 8 = 8192 copies for its one expert:
+    (8192 x 4096) @ (4096 x 2 x 14336) and (8192 x 14336) @ (14336 x 4096), 6 x 8192 x 4096
+    x 14336 FLOPs together. The weight gradient's inner dimension is those 8192 tokens; the
+    rule takes the smallest side, so forward and backward shapes rate alike. Qwen3-30B-A3B at
+    ep 8 (128 experts, 16 a rank, k 8): 4096 x 8 x 8 / 128 = 2048 tokens an expert."""
+    seen = []
+    real = E._gemm_time
+
+    def spy(flops, shape, peak, hw):
+        seen.append((flops, tuple(shape)))
+        return real(flops, shape, peak, hw)
+
+    monkeypatch.setattr(E, "_gemm_time", spy)
+    job = _mixtral_job()
+    E._kind_times(job._estimate, evaluate(job, PUBLISHED).config, moe=True)
+    assert (2 * 8192 * 3 * 14336 * 4096, (8192, 14336, 4096)) in seen
+    seen.clear()
+    qwen = TrainingJob(ModelConfig.from_name("qwen3-30b-a3b"), 64, H100, 256, 4096)
+    c = evaluate(qwen, dict(tp=1, pp=1, ep=8, micro_batch=1, recompute="none"))
+    E._kind_times(qwen._estimate, c.config, moe=True)
+    assert (2 * 4096 * 8 * 3 * 768 * 2048, (2048, 768, 2048)) in seen
