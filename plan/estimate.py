@@ -37,12 +37,24 @@ top-k routed experts and the shared expert, with its own activations
 model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
 `moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
 the parameters, gradients and optimizer states are those of the stage holding the most MoE
-layers (`formulas.max_stage_moe_layers`).
+layers (`formulas.max_stage_moe_layers`). An MoE layer also pays, as memory-bound time not
+counted in the model FLOPs (Megatron-LM's MFU leaves the router out), its token permutation
+(`formulas.moe_dispatch_bytes`: Megatron-Core v0.9's unfused permute / unpermute, forward and
+backward, plus the sort by local expert when a rank holds several) and its router (the thin
+E-output gating GEMM at the slower of its shape-rule rate and its input's HBM read, the score
+passes of top-k and the load-balancing loss, `formulas.moe_router_bytes`); the permuted input
+and expert output are then left out of the one-pass elementwise charge. The routed experts'
+GEMMs are rated per expert (M = the tokens routed to one expert; Megatron's grouped GEMM
+launches one GEMM per local expert).
 
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no
 tensor-parallel communication overlap, no network contention between concurrent groups beyond
-one NIC per GPU, and MoE load imbalance is ignored (perfectly balanced routing).
+one NIC per GPU. MoE: routing is perfectly balanced (no published max/mean expert load under
+aux-loss balancing was found to charge the most loaded ep rank with), no per-kernel launch cost
+or host synchronisation (Megatron's all-to-all dispatcher waits for the split sizes on the
+host), no fused permutation; Mixtral 8x7B at Megatron-LM's published layout is over-predicted
+by ~10% (52.3% MFU against 47.3%, tests/unit/plan/test_moe_costs.py).
 """
 
 from __future__ import annotations
@@ -294,6 +306,8 @@ class _LayerTimes:
     tp: float  # forward tensor-parallel collectives
     cp: float  # forward context-parallel exchange, exposed
     ep: float  # forward expert all-to-alls
+    routing: float = 0.0  # MoE: forward router and token permutation (memory bound)
+    routing_bwd: float = 0.0  # MoE: their backward (not 2 x forward: see `_routing_times`)
 
 
 def _layer_times(job: Job, c: Config) -> _LayerTimes:
@@ -354,9 +368,14 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
         attention = att_flops / (peak * hw.unfused_attention_efficiency)
     gemm += attention
 
+    routing = routing_bwd = 0.0
     if moe:
         stored = F.moe_layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
                                               job.flash_attention, c.etp)
+        # The permuted input and expert output are the dispatch's to move (`_routing_times`),
+        # not the generic one-pass-per-stored-tensor rule's.
+        stored -= F.moe_routed_row_bytes(n_moe, h, topk, c.etp)
+        routing, routing_bwd = _routing_times(job, c, n_moe, peak)
     else:
         stored = F.layer_activation_bytes(model, s, b, tp, c.sequence_parallel, "none", cp,
                                           job.flash_attention, job.units())
@@ -387,7 +406,27 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
         ep_time += _collective_time(etp_bytes, c.etp, hw, _bandwidth(hw, True), ops=2)
     return _LayerTimes(gemm=gemm, attention=attention, elementwise=elementwise, scores=scores,
                        overhead=hw.layer_overhead_us * 1e-6, tp=tp_time, cp=cp_time,
-                       ep=ep_time)
+                       ep=ep_time, routing=routing, routing_bwd=routing_bwd)
+
+
+def _routing_times(job: Job, c: Config, tokens: float, peak: float) -> tuple[float, float]:
+    """(forward, backward) seconds of an MoE layer's routing and token permutation on one
+    rank routing `tokens` tokens: the permute / unpermute kernels
+    (`formulas.moe_dispatch_bytes`) and the router's score passes over HBM, and the gating
+    GEMM (`formulas.moe_router_flops`, E outputs a token: a thin GEMM) at the slower of its
+    shape-rule rate and its input's HBM traffic (`formulas.moe_router_bytes` counts that
+    traffic; taken once, as a roofline). Backward: the GEMM's two gradients."""
+    model, hw = job.model, job.hardware
+    experts, topk, _ = moe_fields(model)
+    h, d = model.hidden_size, job.act_bytes
+    bw = hw.memory_gbps * 1e9
+    disp_f, disp_b = F.moe_dispatch_bytes(tokens, h, topk, experts // c.ep, c.etp, d)
+    route_f, route_b = F.moe_router_bytes(tokens, h, experts, d)
+    gemm_f = _gemm_time(F.moe_router_flops(tokens, h, experts), (tokens, experts, h), peak, hw)
+    input_f, input_b = tokens * h * d, 2 * tokens * h * d  # the GEMM's share of route_*
+    fwd = disp_f / bw + (route_f - input_f) / bw + max(gemm_f, input_f / bw)
+    bwd = disp_b / bw + (route_b - input_b) / bw + max(2 * gemm_f, input_b / bw)
+    return fwd, bwd
 
 
 def _pp_intra(job: Job, c: Config) -> bool:
@@ -465,8 +504,8 @@ def step_time(job: Job, c: Config) -> StepTime:
     model, hw = job.model, job.hardware
     peak = hw.peak(job.precision) * 1e12
     lt = _layer_times(job, c)
-    fwd = lt.gemm + lt.elementwise + lt.overhead
-    bwd = 2 * fwd
+    fwd = lt.gemm + lt.elementwise + lt.overhead + lt.routing
+    bwd = 2 * (lt.gemm + lt.elementwise + lt.overhead) + lt.routing_bwd
     layers_per_chunk = model.num_layers // (c.pp * c.virtual_stages)
     layers_rank = model.num_layers // c.pp
     if c.recompute == "full":

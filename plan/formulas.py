@@ -359,6 +359,86 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
     return base + shared_out + routed
 
 
+
+# --- MoE routing and token dispatch (memory-bound work the FLOPs formula leaves out) --------
+
+
+def moe_dispatch_bytes(tokens: float, h: int, experts_per_token: int, local_experts: int,
+                       etp: int = 1, dtype_bytes: int = 2) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of one MoE layer's token permutation on one rank, as
+    Megatron-Core's all-to-all dispatcher runs it (v0.9, the release behind its "468 TFLOPS"
+    Mixtral 8x7B figure: `moe_utils.permute` / `unpermute` over `moe_gather` / `moe_scatter`,
+    `sort_chunks_by_idxs`), each kernel reading each of its input tensors and writing its
+    output once (a broadcast input read once; index tensors and the (n, k) probabilities
+    left out). With `n = tokens` the rank routes, `c = n k` routed copies and a row of
+    `h x dtype_bytes` bytes, in rows:
+
+    forward, `8 c + 2 n`
+    - permute, a gather of each token's k copies into expert order: read n, write c;
+    - unpermute: a zeroed c-row buffer (write c) the expert outputs are scatter-added into
+      (read the buffer and the outputs, write the buffer: 3 c), weighted by the router
+      probabilities (read c, write c), each token's k copies summed (read c, write n);
+    backward (PyTorch's autograd for the same ops, Megatron's `moe_gather` / `moe_scatter`
+    backward are the same kernels), `7 c + 5 n`
+    - the weighting: the probabilities' gradient, the broadcast output gradient times the
+      saved copies (read n + c, write c) summed over h (read c); the copies' gradient, the
+      output gradient times the probabilities (read n, write c);
+    - the scatter's backward, a gather: read c, write c;
+    - the permute's backward, a scatter-add of the c copy gradients into a zeroed n-row
+      buffer: write n, then read n + c, write n.
+
+    With more than one local expert (`num_experts / ep > 1`) the received copies (`etp` x c
+    after the expert-tensor-parallel all-gather) are also sorted by local expert before the
+    expert GEMMs and back after, a concatenation each (read and write; its backward another):
+    `4 etp c` rows more each way. With one expert per rank Megatron skips that step (MoE
+    README: when "EP size increased to the number of expert, the local token permutation/
+    un-permutation for experts computation are omitted"). Megatron's later fused permute
+    (`--moe-permute-fusion`) moves less; not modelled. Checked against PyTorch's own kernels
+    (tests/unit/plan/test_moe_costs.py counts the bytes of every op autograd runs)."""
+    n, c = tokens, tokens * experts_per_token
+    sort = 4 * etp * c if local_experts > 1 else 0
+    row = h * dtype_bytes
+    return (8 * c + 2 * n + sort) * row, (7 * c + 5 * n + sort) * row
+
+
+def moe_router_flops(tokens: float, h: int, num_experts: int) -> float:
+    """Forward FLOPs of the router's gating GEMM, `2 n h E` (its backward twice that).
+    Megatron-LM's `num_floating_point_operations` leaves the router out of the model FLOPs
+    behind MFU, so this is time the planner charges, not FLOPs it credits."""
+    return 2 * tokens * h * num_experts
+
+
+def moe_router_bytes(tokens: float, h: int, num_experts: int, dtype_bytes: int = 2
+                     ) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of one MoE layer's routing on one rank (Megatron-Core
+    v0.9 `TopKRouter` with `aux_loss` balancing: `topk_softmax_with_capacity`,
+    `switch_load_balancing_loss_func`), per token, each kernel reading its inputs and writing
+    its outputs once as `moe_dispatch_bytes` counts (d = `dtype_bytes`, E = `num_experts`;
+    the O(k) top-k values, indices and counts and the E x h weight left out):
+
+    - forward, `h d + 3 E d + 8 E`: the gating GEMM reads the token (h d) and writes its
+      logits (E d); top-k reads them (E d); the load-balancing loss's softmax reads them
+      (E d) and writes fp32 scores (4 E, `dtype=float32` converts inside the CUDA kernel),
+      which its per-expert sum reads (4 E);
+    - backward, `2 h d + 9 E d + 4 E`: the softmax backward reads its saved scores (4 E; the
+      gradient is a broadcast row) and writes the logits' gradient (E d); top-k's backward
+      scatters into a zeroed logits row (write E d, read E d, write E d); the two gradients
+      are added (read 2 E d, write E d); the GEMM's input gradient reads them and writes
+      the token's (E d + h d), its weight gradient reads them and the token (E d + h d)."""
+    d, E = dtype_bytes, num_experts
+    return tokens * (h * d + 3 * E * d + 8 * E), tokens * (2 * h * d + 9 * E * d + 4 * E)
+
+
+def moe_routed_row_bytes(tokens: float, h: int, experts_per_token: int, etp: int = 1
+                         ) -> float:
+    """The h-sized per-copy tensors among an MoE layer's stored activations
+    (`moe_layer_activation_bytes`: the permuted input, `etp` x after the expert-tensor-parallel
+    gather, and the expert output, 2 bytes an element): `2 h (etp + 1)` bytes a routed copy.
+    The permutation kernels write and read them (`moe_dispatch_bytes`), so a time model that
+    charges one memory-bound pass over the stored activations and also the dispatch leaves
+    these out of the former."""
+    return tokens * experts_per_token * 2 * h * (etp + 1)
+
 def inflight_microbatches(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Micro-batches of a stage's activations the first pipeline rank holds at its peak, in
     units of one micro-batch through all L/p of its layers [Korthikanti section 4.2.3]:
