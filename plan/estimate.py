@@ -50,7 +50,11 @@ launches one GEMM per local expert).
 Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
 attention rates), no
 tensor-parallel communication overlap, no network contention between concurrent groups beyond
-one NIC per GPU. MoE: routing is perfectly balanced (no published max/mean expert load under
+one NIC per GPU. Pipeline sends are blocking, as in the 2021 Megatron-LM the model was checked
+on; schedules that overlap them with compute (Megatron-Core's interleaved
+`overlap_p2p_comm`, torch.distributed.pipelining's asynchronous sends, which `tessera pretrain`
+uses) hide part of `StepTime.pp`, so pipelined layouts are predicted conservatively by up to that
+term. MoE: routing is perfectly balanced (no published max/mean expert load under
 aux-loss balancing was found to charge the most loaded ep rank with), no per-kernel launch cost
 or host synchronisation (Megatron's all-to-all dispatcher waits for the split sizes on the
 host), no fused permutation; Mixtral 8x7B at Megatron-LM's published layout is over-predicted
