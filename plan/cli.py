@@ -49,7 +49,9 @@ examples:
 --json prints one object: {"candidates": [...], "training_days": D or null}, candidates best \
 first, each with tp, pp, virtual_stages, dp, cp, ep, etp, micro_batch, sequence_parallel, \
 recompute, recompute_layers, memory_gib (peak per GPU), step_time_s, tflops_per_gpu, mfu \
-(and more). With --measure each candidate also has "measured": {ok, step_time_s, \
+(and more), and within_model_error: true when #1 is predicted at most the model's error \
+(6.5%, its worst on published runs) faster, too close for the model to rank (marked next \
+to the rank in the table; true for #1). With --measure each candidate also has "measured": {ok, step_time_s, \
 tokens_per_s, peak_memory_gib, step_times_s, error, cpu_share}, and the object has \
 "spearman".
 

@@ -71,6 +71,7 @@ def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
 def _train(args: argparse.Namespace) -> int:
     from tessera.plan import plan_training
     from tessera.plan.report import plan_json, plan_text
+    from tessera.plan.search import within_model_error
 
     missing = [f for f, v in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len))
                if v is None]
@@ -110,7 +111,8 @@ def _train(args: argparse.Namespace) -> int:
     header = (f"tessera plan: {model.name} on {gpus} x {hw.name} ({hw.memory_gib:.1f} GiB, "
               f"{per_node} per node), global batch {args.global_batch} x {args.seq_len} tokens, "
               f"{precision}")
-    print(plan_text(header, shown, len(fitting), why, args.tokens))
+    ties = sum(within_model_error(fitting[0], c) for c in fitting)
+    print(plan_text(header, shown, len(fitting), why, args.tokens, ties))
     if measured is not None:
         from tessera.plan.calibrate import cpu_cores, cpu_isa
 

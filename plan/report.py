@@ -5,10 +5,12 @@ object `--json` prints instead (its keys are documented in `tessera plan --help`
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from tessera.core.units import human_count
+from tessera.plan.search import MODEL_ERROR, within_model_error
 
 # Candidate columns: header, and the text of one cell.
 _COLUMNS: tuple[tuple[str, Any], ...] = (
@@ -45,12 +47,29 @@ def table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
     return out
 
 
+def tie_mark() -> str:
+    """The mark of a candidate within the model's error of the best: `≈`, or `~` where stdout
+    cannot encode it (a Latin-1 terminal)."""
+    try:
+        "\u2248".encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return "~"
+    return "\u2248"
+
+
+def _rank_text(i: int, candidates: Sequence[Any]) -> str:
+    if i == 0:
+        return "1*"
+    return f"{i + 1}{tie_mark() if within_model_error(candidates[0], candidates[i]) else ''}"
+
+
 def candidates_table(candidates: Sequence[Any], days: bool) -> list[str]:
-    """Rank, the `_COLUMNS` and (with `days`) the predicted training days; `*` marks the best."""
+    """Rank, the `_COLUMNS` and (with `days`) the predicted training days; `*` marks the best,
+    `tie_mark()` those within the model's error of it (`search.within_model_error`)."""
     head = ["#", *(h for h, _ in _COLUMNS)] + (["days"] if days else [])
     rows = [head]
     for i, c in enumerate(candidates):
-        row = [f"{i + 1}{'*' if i == 0 else ''}", *(cell(c) for _, cell in _COLUMNS)]
+        row = [_rank_text(i, candidates), *(cell(c) for _, cell in _COLUMNS)]
         if days:
             row.append(f"{c.days:.1f}" if c.days is not None else "-")
         rows.append(row)
@@ -78,12 +97,25 @@ def breakdown(c: Any) -> list[str]:
     return lines
 
 
+def tie_legend(ties: int, fitting: int) -> str:
+    """The line under the table explaining `tie_mark()`: `ties` of the `fitting`
+    configurations (the best included) are within the model's error of the best."""
+    return (f"  {tie_mark()} #1 is predicted at most {100 * MODEL_ERROR:.1f}% faster, within the "
+            f"model's error on published runs ({ties:,} of the {fitting:,} configurations, #1 "
+            "included): too close to call, measure them (--measure) to decide")
+
+
 def plan_text(header: str, candidates: Sequence[Any], fitting: int, why: str | None,
-              tokens: float | None) -> str:
-    """The whole plain-text answer of a training plan."""
+              tokens: float | None, ties: int | None = None) -> str:
+    """The whole plain-text answer of a training plan. `ties`: how many of the `fitting`
+    configurations are within the model's error of the best (default: count the shown)."""
     shown = len(candidates)
     lines = [header, f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:", ""]
     lines += candidates_table(candidates, days=tokens is not None)
+    if any(within_model_error(candidates[0], c) for c in candidates[1:]):
+        if ties is None:
+            ties = sum(within_model_error(candidates[0], c) for c in candidates)
+        lines.append(tie_legend(ties, fitting))
     lines.append("")
     if why:
         lines += [f"why #1: {why}", ""]
@@ -129,10 +161,13 @@ def measured_text(candidates: Sequence[Any], measured: Sequence[Any], rho: float
 def plan_json(candidates: Sequence[Any], measured: Sequence[Any] | None = None,
               rho: float | None = None) -> dict[str, Any]:
     """`{"candidates": [...], "training_days": D or null}` (plus "spearman" with measurements):
-    candidates best first, each `Candidate.to_dict()` with its `rank`, and `measured`."""
+    candidates best first, each `Candidate.to_dict()` with its `rank`, `layout`,
+    `within_model_error` (`search.within_model_error` against the best; true for the best)
+    and, with measurements, `measured`."""
     out = []
     for i, c in enumerate(candidates):
-        row = {"rank": i + 1, "layout": c.layout, **c.to_dict()}
+        row = {"rank": i + 1, "layout": c.layout, **c.to_dict(),
+               "within_model_error": within_model_error(candidates[0], c)}
         if measured is not None:
             row["measured"] = measured[i].to_dict()
         out.append(row)
