@@ -31,6 +31,14 @@ def _recompute_text(c: Any) -> str:
     return c.recompute
 
 
+def _duration(days: float) -> str:
+    """Days as days, else hours, minutes or seconds (a short run is not "0.0 days")."""
+    for unit, size in (("days", 1.0), ("hours", 1 / 24), ("minutes", 1 / 1440)):
+        if days >= size:
+            return f"{days / size:.1f} {unit}"
+    return f"{days * 86400:.1f} seconds"
+
+
 def _seconds(s: float) -> str:
     return f"{s:.3g}" if s < 100 else f"{s:,.0f}"
 
@@ -121,7 +129,7 @@ def plan_text(header: str, candidates: Sequence[Any], fitting: int, why: str | N
         lines += [f"why #1: {why}", ""]
     lines += breakdown(candidates[0])
     if tokens is not None and candidates[0].days is not None:
-        lines.append(f"  training time   {candidates[0].days:.1f} days for "
+        lines.append(f"  training time   {_duration(candidates[0].days)} for "
                      f"{human_count(tokens, digits=1)} tokens")
     return "\n".join(lines)
 

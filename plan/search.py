@@ -458,11 +458,16 @@ def _nothing_fits(job: TrainingJob, fixed: Fixed, seen: int, smallest: Candidate
                   ) -> str:
     hw = job.hardware
     if not seen:
-        return (f"no valid configuration of {job.model.name} on {job.gpus} GPUs with global "
-                f"batch {job.global_batch} and sequence {job.seq_len}{_fixed_text(fixed)}: "
-                "no tp x pp x cp x dp split satisfies the divisibility rules (check that the "
-                "batch divides by the data-parallel sizes the GPU count leaves, and the fixed "
-                "dimensions)")
+        from tessera.plan.diagnose import fixed_alternatives
+
+        head = (f"no valid configuration of {job.model.name} on {job.gpus} GPUs with global "
+                f"batch {job.global_batch} and sequence {job.seq_len}{_fixed_text(fixed)}")
+        culprits = fixed_alternatives(job, fixed)
+        if culprits:
+            return head + ":\n  - " + "\n  - ".join(culprits)
+        return (head + ": no tp x pp x cp x dp split satisfies the divisibility rules (check "
+                "that the batch divides by the data-parallel sizes the GPU count leaves, and "
+                "the fixed dimensions together)")
     msg = (f"{job.model.name} does not fit on {job.gpus} x {hw.name} ({hw.memory_gib:.1f} GiB) "
            f"with global batch {job.global_batch}{_fixed_text(fixed)}: the most frugal "
            f"configuration ({smallest.layout}, micro-batch {smallest.micro_batch}, recompute "

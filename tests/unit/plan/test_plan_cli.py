@@ -334,3 +334,15 @@ def test_tie_mark_falls_back_to_ascii_on_a_latin1_stdout(monkeypatch):
 
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="latin-1"))
     assert tie_mark() == "~"
+
+
+def test_a_short_run_is_timed_in_hours_or_seconds_not_zero_days(capsys):
+    job = TrainingJob(ModelConfig.from_name("llama-1b"), gpus=16,
+                      hardware=load_hardware("a100-80gb"), global_batch=256, seq_len=2048,
+                      tokens=1e9)
+    best = plan_training(job, Fixed(), top=1)[0]
+    code, out, _ = _plan(capsys, *GPU_JOB, "--tokens", "1e9", "--top", "1")
+    assert code == 0 and best.days < 1 / 24  # 1B tokens at ~530K tokens/s: ~31 minutes
+    assert f"training time   {best.days * 1440:.1f} minutes for 1.0B tokens" in out
+    code, out, _ = _plan(capsys, *GPU_JOB, "--tokens", "1e12", "--top", "1")
+    assert f"training time   {best.days * 1000:.1f} days for 1.0T tokens" in out
