@@ -51,6 +51,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise PlanError(f"{', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} for --serve "
                         "only: add --serve to plan inference, or drop "
                         f"{'it' if len(wrong) == 1 else 'them'} to plan training")
+    if args.nproc_per_node is not None and not args.measure:
+        raise PlanError(f"--nproc-per-node {args.nproc_per_node} sets the local ranks of "
+                        "--measure; add --measure, or give the cluster with --gpus")
     if args.recompute_layers is not None:
         if args.recompute_layers < 0:
             raise PlanError(f"--recompute-layers must be >= 0 (layers per pipeline stage), got "

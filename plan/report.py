@@ -105,25 +105,28 @@ def breakdown(c: Any) -> list[str]:
     return lines
 
 
-def tie_legend(ties: int, fitting: int) -> str:
+def tie_legend(ties: int, fitting: int, cpu: bool = False) -> str:
     """The line under the table explaining `tie_mark()`: `ties` of the `fitting`
-    configurations (the best included) are within the model's error of the best."""
+    configurations (the best included) are within the model's error of the best. `cpu`: the
+    error was validated on GPU runs; on CPU ranks it is larger (README, `--measure`)."""
+    runs = "published GPU runs; larger on CPU ranks" if cpu else "published runs"
     return (f"  {tie_mark()} #1 is predicted at most {100 * MODEL_ERROR:.1f}% faster, within the "
-            f"model's error on published runs ({ties:,} of the {fitting:,} configurations, #1 "
+            f"model's error on {runs} ({ties:,} of the {fitting:,} configurations, #1 "
             "included): too close to call, measure them (--measure) to decide")
 
 
 def plan_text(header: str, candidates: Sequence[Any], fitting: int, why: str | None,
-              tokens: float | None, ties: int | None = None) -> str:
+              tokens: float | None, ties: int | None = None, cpu: bool = False) -> str:
     """The whole plain-text answer of a training plan. `ties`: how many of the `fitting`
-    configurations are within the model's error of the best (default: count the shown)."""
+    configurations are within the model's error of the best (default: count the shown);
+    `cpu`: planned for CPU ranks (the legend says the error there is larger)."""
     shown = len(candidates)
     lines = [header, f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:", ""]
     lines += candidates_table(candidates, days=tokens is not None)
     if any(within_model_error(candidates[0], c) for c in candidates[1:]):
         if ties is None:
             ties = sum(within_model_error(candidates[0], c) for c in candidates)
-        lines.append(tie_legend(ties, fitting))
+        lines.append(tie_legend(ties, fitting, cpu))
     lines.append("")
     if why:
         lines += [f"why #1: {why}", ""]

@@ -126,8 +126,9 @@ def plan_serving(
             f"at most {max_latency_ms:g} ms per output token" if max_latency_ms else "",
             f"at least {min_throughput:,.0f} tokens/s" if min_throughput else "") if t)
         message = (f"{name} fits on {gpus} x {hardware.name}, but no layout meets the latency "
-                   f"/ throughput limits ({asked}) at {batch} sequence(s) per replica: the fastest, tp {fastest.tp} pp "
-                   f"{fastest.pp}, takes {fastest.time_per_token_s * 1e3:.2f} ms per token; "
+                   f"/ throughput limits ({asked}) at {batch} sequence(s) per replica: the "
+                   f"fastest, tp {fastest.tp} pp {fastest.pp}, takes "
+                   f"{fastest.time_per_token_s * 1e3:.2f} ms per token; "
                    f"the most tokens/s, tp {most.tp} pp {most.pp}, gives "
                    f"{most.tokens_per_s:,.0f}. Relax the limit to that, raise --concurrency "
                    "for throughput, or add GPUs")

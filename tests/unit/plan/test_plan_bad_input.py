@@ -86,10 +86,12 @@ def test_fixed_dimensions_at_fault_only_together_are_named_together(capsys):
     ([*SERVE, "--seq-len", "2048"], "for serving use --seq-len -> --context"),
     ([*SERVE, "--output", "run.yaml"], "--output is for planning training, not --serve"),
     (["--calibrate", "--serve"], "--calibrate only measures this CPU and exits; run it alone"),
+    ([*JOB, "--nproc-per-node", "4"], "--nproc-per-node 4 sets the local ranks of --measure; "
+     "add --measure, or give the cluster with --gpus"),
 ], ids=["layers-selective", "layers-none", "layers-negative", "layers-too-many",
         "sp-tp1", "v-pp1", "serving-flags-for-training", "latency-for-training",
         "training-flags-for-serving", "seq-len-for-serving", "output-for-serving",
-        "calibrate-serve"])
+        "calibrate-serve", "nproc-without-measure"])
 def test_contradictory_flags_are_refused_before_planning(capsys, argv, message):
     code, out, err = _plan(capsys, *argv)
     assert code == 2 and out == "" and "Traceback" not in err

@@ -202,6 +202,8 @@ def test_cpu_profile_shares_the_machine_between_its_ranks(capsys, tmp_path):
     assert code == 0
     assert out.startswith("tessera plan: llama-tiny on 4 x cpu (4.0 GiB, 4 per node), global "
                           "batch 16 x 64 tokens, fp32")
+    # The band is the error on GPU runs; the legend says the CPU model is less sure.
+    assert "within the model's error on published GPU runs; larger on CPU ranks (" in out
     code, _, err = _plan(capsys, "--gpu", "cpu", "--calibration-file", str(calibration),
                          "--model", "llama-tiny", "--gpus", "4", "--global-batch", "16",
                          "--seq-len", "64", "--measure", "--nproc-per-node", "2")
