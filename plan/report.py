@@ -19,7 +19,7 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("recompute", lambda c: _recompute_text(c)),
     ("GiB/GPU", lambda c: f"{c.memory_gib:.1f} / {c.memory_capacity_gib:.0f}"),
     ("step s", lambda c: _seconds(c.step_time_s)),
-    ("TFLOP/s/GPU", lambda c: f"{c.tflops_per_gpu:.3g}"),
+    ("TFLOP/s/GPU", lambda c: _seconds(c.tflops_per_gpu, 1000)),
     ("MFU", lambda c: f"{100 * c.mfu:.1f}%"),
     ("tokens/s", lambda c: human_count(c.tokens_per_s, digits=1)),
 )
@@ -39,8 +39,9 @@ def _duration(days: float) -> str:
     return f"{days * 86400:.1f} seconds"
 
 
-def _seconds(s: float) -> str:
-    return f"{s:.3g}" if s < 100 else f"{s:,.0f}"
+def _seconds(s: float, whole_from: float = 100) -> str:
+    """Three significant digits, whole numbers (never 1.15e+03) from `whole_from` up."""
+    return f"{s:.3g}" if s < whole_from else f"{s:,.0f}"
 
 
 def table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:

@@ -342,9 +342,25 @@ def test_a_short_run_is_timed_in_hours_or_seconds_not_zero_days(capsys):
     job = TrainingJob(ModelConfig.from_name("llama-1b"), gpus=16,
                       hardware=load_hardware("a100-80gb"), global_batch=256, seq_len=2048,
                       tokens=1e9)
-    best = plan_training(job, Fixed(), top=1)[0]
-    code, out, _ = _plan(capsys, *GPU_JOB, "--tokens", "1e9", "--top", "1")
+    fix = ("--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "8")
+    best = plan_training(job, Fixed(tp=1, pp=1, cp=1, micro_batch=8), top=1)[0]
+    code, out, _ = _plan(capsys, *GPU_JOB, *fix, "--tokens", "1e9", "--top", "1")
     assert code == 0 and best.days < 1 / 24  # 1B tokens at ~530K tokens/s: ~31 minutes
     assert f"training time   {best.days * 1440:.1f} minutes for 1.0B tokens" in out
-    code, out, _ = _plan(capsys, *GPU_JOB, "--tokens", "1e12", "--top", "1")
+    code, out, _ = _plan(capsys, *GPU_JOB, *fix, "--tokens", "1e12", "--top", "1")
     assert f"training time   {best.days * 1000:.1f} days for 1.0T tokens" in out
+
+
+def test_fp8_tflops_print_whole_not_in_exponent_form(capsys):
+    # H200 fp8 runs above 1,000 TFLOP/s per GPU; `.3g` alone would print 1.15e+03.
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpus", "16", "--gpu", "h200",
+                         "--global-batch", "64", "--seq-len", "8192", "--precision", "fp8",
+                         "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2",
+                         "--recompute", "none", "--json")
+    tflops = json.loads(out)["candidates"][0]["tflops_per_gpu"]
+    assert code == 0 and tflops > 1000
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpus", "16", "--gpu", "h200",
+                         "--global-batch", "64", "--seq-len", "8192", "--precision", "fp8",
+                         "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2",
+                         "--recompute", "none")
+    assert f" {tflops:,.0f} " in out and "e+0" not in out
