@@ -16,10 +16,20 @@ from __future__ import annotations
 from tessera.plan.errors import PlanError
 from tessera.plan.estimate import Memory, StepTime
 from tessera.plan.hardware import PROFILES, Hardware, load_hardware
-from tessera.plan.search import Candidate, Fixed, TrainingJob, evaluate, explain, plan_training
+from tessera.plan.search import (
+    MODEL_ERROR,
+    Candidate,
+    Fixed,
+    TrainingJob,
+    evaluate,
+    explain,
+    plan_training,
+    within_model_error,
+)
 from tessera.plan.serving import ServingOption, ServingPlan, plan_serving
 
 __all__ = [
+    "MODEL_ERROR",
     "PROFILES",
     "Candidate",
     "Fixed",
@@ -35,4 +45,5 @@ __all__ = [
     "load_hardware",
     "plan_serving",
     "plan_training",
+    "within_model_error",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from tessera.core.help import HelpFormatter
 
@@ -49,7 +50,9 @@ examples:
 --json prints one object: {"candidates": [...], "training_days": D or null}, candidates best \
 first, each with tp, pp, virtual_stages, dp, cp, ep, etp, micro_batch, sequence_parallel, \
 recompute, recompute_layers, memory_gib (peak per GPU), step_time_s, tflops_per_gpu, mfu \
-(and more). With --measure each candidate also has "measured": {ok, step_time_s, \
+(and more), and within_model_error: true when #1 is predicted at most the model's error \
+(6.5%, its worst on published runs) faster, too close for the model to rank (marked next \
+to the rank in the table; true for #1). With --measure each candidate also has "measured": {ok, step_time_s, \
 tokens_per_s, peak_memory_gib, step_times_s, error, cpu_share}, and the object has \
 "spearman".
 
@@ -64,16 +67,32 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _number(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'a whole number' if kind is int else 'a number (e.g. 300e9)'}, got "
+            f"{text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _count(text: str) -> float:
     """A count that may be written 1e12 or 300e9."""
-    value = float(text)
+    value = _number(text, float)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -122,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="activation recomputation: selective recomputes core attention, full "
                      "recomputes whole layers (all, or --recompute-layers of each stage)")
     fix.add_argument("--recompute-layers", type=int, metavar="N", default=None,
-                     help="with --recompute full: recompute only the first N layers per stage")
+                     help="recompute only the first N layers per stage (--recompute full; "
+                     "implied when --recompute is not given)")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=_positive, metavar="K", default=5,
                      help="candidates to show (and to run with --measure)")
@@ -131,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the best candidate as a `tessera pretrain --config` YAML")
     serve = p.add_argument_group("serving (--serve)")
     serve.add_argument("--serve", action="store_true",
-                       help="plan serving instead: tp/pp, weight format, batch and KV cache")
+                       help="plan serving instead: tp/pp (--tp/--pp fix them), weight format, "
+                       "batch and KV cache")
     serve.add_argument("--precision", "--dtype", choices=("bf16", "fp8", "fp32"), default=None,
                        help="number format: of the weights when serving (default: bf16), of "
                        "the compute when training (default: bf16 on GPUs, fp32 on cpu)")
@@ -140,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--concurrency", type=_positive, metavar="K", default=None,
                        help="sequences decoded at once per replica, for the time per token "
                        "and the KV cache (default: 1; the table also shows the most that fit)")
-    serve.add_argument("--max-latency-ms", type=float, metavar="L", default=None,
+    serve.add_argument("--max-latency-ms", type=_positive_float, metavar="L", default=None,
                        help="largest acceptable time per output token")
-    serve.add_argument("--min-throughput", type=float, metavar="X", default=None,
+    serve.add_argument("--min-throughput", type=_positive_float, metavar="X", default=None,
                        help="smallest acceptable output tokens/s over all requests")
     local = p.add_argument_group("this machine")
     local.add_argument("--calibrate", action="store_true",

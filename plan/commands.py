@@ -19,6 +19,9 @@ from tessera.plan import Fixed, Hardware, PlanError, TrainingJob, explain, load_
 
 
 def run(args: argparse.Namespace) -> int:
+    from tessera.plan.flag_checks import check_flags
+
+    check_flags(args)
     if args.calibrate:
         from tessera.plan.calibrate import calibrate
 
@@ -71,6 +74,7 @@ def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
 def _train(args: argparse.Namespace) -> int:
     from tessera.plan import plan_training
     from tessera.plan.report import plan_json, plan_text
+    from tessera.plan.search import within_model_error
 
     missing = [f for f, v in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len))
                if v is None]
@@ -85,6 +89,9 @@ def _train(args: argparse.Namespace) -> int:
                         f"equal --nproc-per-node ({args.nproc_per_node}), or be left out")
     per_node = args.gpus_per_node or (gpus if args.gpu == "cpu" else 8)
     model, model_fields = _model(args)
+    from tessera.plan.flag_checks import check_recompute_layers
+
+    check_recompute_layers(args, model.num_layers)
     hw = _hardware(args, min(gpus, per_node))
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
     # CPU ranks run Tessera's own loop, which averages the gradients after the backward
@@ -94,7 +101,10 @@ def _train(args: argparse.Namespace) -> int:
                       precision=precision, overlap_grad_reduce=args.gpu != "cpu")
     fixed = Fixed(tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages, cp=args.cp,
                   ep=args.ep, etp=args.etp, micro_batch=args.micro_batch,
-                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                  sequence_parallel=args.sequence_parallel,
+                  # --recompute-layers N alone means full recomputation of N layers a stage.
+                  recompute=args.recompute or ("full" if args.recompute_layers is not None
+                                               else None),
                   recompute_layers=args.recompute_layers)
     fitting = plan_training(job, fixed)
     shown = fitting[:args.top]
@@ -110,7 +120,8 @@ def _train(args: argparse.Namespace) -> int:
     header = (f"tessera plan: {model.name} on {gpus} x {hw.name} ({hw.memory_gib:.1f} GiB, "
               f"{per_node} per node), global batch {args.global_batch} x {args.seq_len} tokens, "
               f"{precision}")
-    print(plan_text(header, shown, len(fitting), why, args.tokens))
+    ties = sum(within_model_error(fitting[0], c) for c in fitting)
+    print(plan_text(header, shown, len(fitting), why, args.tokens, ties, args.gpu == "cpu"))
     if measured is not None:
         from tessera.plan.calibrate import cpu_cores, cpu_isa
 
@@ -195,7 +206,7 @@ def _serve(args: argparse.Namespace) -> int:
     plan = plan_serving(model, args.gpus, hw, precision=args.precision or "bf16",
                         batch=args.concurrency or 1, context=args.context,
                         gpus_per_node=per_node, max_latency_ms=args.max_latency_ms,
-                        min_throughput=args.min_throughput)
+                        min_throughput=args.min_throughput, tp=args.tp, pp=args.pp)
     if args.json:
         print(json.dumps(serving_json(plan), indent=2))
     else:

@@ -5,10 +5,12 @@ object `--json` prints instead (its keys are documented in `tessera plan --help`
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from tessera.core.units import human_count
+from tessera.plan.search import MODEL_ERROR, within_model_error
 
 # Candidate columns: header, and the text of one cell.
 _COLUMNS: tuple[tuple[str, Any], ...] = (
@@ -17,7 +19,7 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("recompute", lambda c: _recompute_text(c)),
     ("GiB/GPU", lambda c: f"{c.memory_gib:.1f} / {c.memory_capacity_gib:.0f}"),
     ("step s", lambda c: _seconds(c.step_time_s)),
-    ("TFLOP/s/GPU", lambda c: f"{c.tflops_per_gpu:.3g}"),
+    ("TFLOP/s/GPU", lambda c: _seconds(c.tflops_per_gpu, 1000)),
     ("MFU", lambda c: f"{100 * c.mfu:.1f}%"),
     ("tokens/s", lambda c: human_count(c.tokens_per_s, digits=1)),
 )
@@ -29,8 +31,17 @@ def _recompute_text(c: Any) -> str:
     return c.recompute
 
 
-def _seconds(s: float) -> str:
-    return f"{s:.3g}" if s < 100 else f"{s:,.0f}"
+def _duration(days: float) -> str:
+    """Days as days, else hours, minutes or seconds (a short run is not "0.0 days")."""
+    for unit, size in (("days", 1.0), ("hours", 1 / 24), ("minutes", 1 / 1440)):
+        if days >= size:
+            return f"{days / size:.1f} {unit}"
+    return f"{days * 86400:.1f} seconds"
+
+
+def _seconds(s: float, whole_from: float = 100) -> str:
+    """Three significant digits, whole numbers (never 1.15e+03) from `whole_from` up."""
+    return f"{s:.3g}" if s < whole_from else f"{s:,.0f}"
 
 
 def table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
@@ -45,12 +56,29 @@ def table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
     return out
 
 
+def tie_mark() -> str:
+    """The mark of a candidate within the model's error of the best: `≈`, or `~` where stdout
+    cannot encode it (a Latin-1 terminal)."""
+    try:
+        "\u2248".encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return "~"
+    return "\u2248"
+
+
+def _rank_text(i: int, candidates: Sequence[Any]) -> str:
+    if i == 0:
+        return "1*"
+    return f"{i + 1}{tie_mark() if within_model_error(candidates[0], candidates[i]) else ''}"
+
+
 def candidates_table(candidates: Sequence[Any], days: bool) -> list[str]:
-    """Rank, the `_COLUMNS` and (with `days`) the predicted training days; `*` marks the best."""
+    """Rank, the `_COLUMNS` and (with `days`) the predicted training days; `*` marks the best,
+    `tie_mark()` those within the model's error of it (`search.within_model_error`)."""
     head = ["#", *(h for h, _ in _COLUMNS)] + (["days"] if days else [])
     rows = [head]
     for i, c in enumerate(candidates):
-        row = [f"{i + 1}{'*' if i == 0 else ''}", *(cell(c) for _, cell in _COLUMNS)]
+        row = [_rank_text(i, candidates), *(cell(c) for _, cell in _COLUMNS)]
         if days:
             row.append(f"{c.days:.1f}" if c.days is not None else "-")
         rows.append(row)
@@ -78,18 +106,34 @@ def breakdown(c: Any) -> list[str]:
     return lines
 
 
+def tie_legend(ties: int, fitting: int, cpu: bool = False) -> str:
+    """The line under the table explaining `tie_mark()`: `ties` of the `fitting`
+    configurations (the best included) are within the model's error of the best. `cpu`: the
+    error was validated on GPU runs; on CPU ranks it is larger (README, `--measure`)."""
+    runs = "published GPU runs; larger on CPU ranks" if cpu else "published runs"
+    return (f"  {tie_mark()} #1 is predicted at most {100 * MODEL_ERROR:.1f}% faster, within the "
+            f"model's error on {runs} ({ties:,} of the {fitting:,} configurations, #1 "
+            "included): too close to call, measure them (--measure) to decide")
+
+
 def plan_text(header: str, candidates: Sequence[Any], fitting: int, why: str | None,
-              tokens: float | None) -> str:
-    """The whole plain-text answer of a training plan."""
+              tokens: float | None, ties: int | None = None, cpu: bool = False) -> str:
+    """The whole plain-text answer of a training plan. `ties`: how many of the `fitting`
+    configurations are within the model's error of the best (default: count the shown);
+    `cpu`: planned for CPU ranks (the legend says the error there is larger)."""
     shown = len(candidates)
     lines = [header, f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:", ""]
     lines += candidates_table(candidates, days=tokens is not None)
+    if any(within_model_error(candidates[0], c) for c in candidates[1:]):
+        if ties is None:
+            ties = sum(within_model_error(candidates[0], c) for c in candidates)
+        lines.append(tie_legend(ties, fitting, cpu))
     lines.append("")
     if why:
         lines += [f"why #1: {why}", ""]
     lines += breakdown(candidates[0])
     if tokens is not None and candidates[0].days is not None:
-        lines.append(f"  training time   {candidates[0].days:.1f} days for "
+        lines.append(f"  training time   {_duration(candidates[0].days)} for "
                      f"{human_count(tokens, digits=1)} tokens")
     return "\n".join(lines)
 
@@ -129,10 +173,13 @@ def measured_text(candidates: Sequence[Any], measured: Sequence[Any], rho: float
 def plan_json(candidates: Sequence[Any], measured: Sequence[Any] | None = None,
               rho: float | None = None) -> dict[str, Any]:
     """`{"candidates": [...], "training_days": D or null}` (plus "spearman" with measurements):
-    candidates best first, each `Candidate.to_dict()` with its `rank`, and `measured`."""
+    candidates best first, each `Candidate.to_dict()` with its `rank`, `layout`,
+    `within_model_error` (`search.within_model_error` against the best; true for the best)
+    and, with measurements, `measured`."""
     out = []
     for i, c in enumerate(candidates):
-        row = {"rank": i + 1, "layout": c.layout, **c.to_dict()}
+        row = {"rank": i + 1, "layout": c.layout, **c.to_dict(),
+               "within_model_error": within_model_error(candidates[0], c)}
         if measured is not None:
             row["measured"] = measured[i].to_dict()
         out.append(row)

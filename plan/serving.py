@@ -81,6 +81,8 @@ def plan_serving(
     kv_precision: str | None = None,
     max_latency_ms: float | None = None,
     min_throughput: float | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
 ) -> ServingPlan:
     """Whether `model` fits on `gpus` x `hardware` for inference in `precision`, and how.
 
@@ -88,45 +90,21 @@ def plan_serving(
     product divides `gpus`, with `batch` sequences of `context` tokens (default: the model's
     maximum) per replica; the KV cache is in `kv_precision` (default: bf16). Recommends the
     fastest fitting option that meets `max_latency_ms` (per output token) and
-    `min_throughput` (tokens/s over all replicas), or says plainly that nothing fits.
+    `min_throughput` (tokens/s over all replicas), or says plainly that nothing fits, with
+    the fewest GPUs that would hold it, or what the constraints would have to be. `tp` / `pp`
+    fix those sizes (PlanError, saying which are valid, when none is).
     """
     if gpus < 1:
         raise PlanError(f"gpus must be >= 1, got {gpus}")
+    if context and model.position == "learned" and context > model.max_position_embeddings:
+        raise PlanError(f"context {context} exceeds {model.name}'s "
+                        f"{model.max_position_embeddings} learned positions; use --context "
+                        f"<= {model.max_position_embeddings}")
     context = context or model.max_position_embeddings
+    options = _options(model, gpus, hardware, precision, batch, context, gpus_per_node,
+                       kv_precision, tp, pp)
     body, emb, out = _weight_bytes(model, precision)
     edge = emb + out
-    kv_bytes = WEIGHT_BYTES[kv_precision or "bf16"]
-    kv_per_seq = F.kv_cache_bytes(model, context, kv_bytes)
-    bw = hardware.memory_gbps * 1e9
-    options = []
-    for tp in [t for t in _divisors(min(gpus, gpus_per_node)) if gpus_per_node % t == 0]:
-        for pp in _divisors(model.num_layers):
-            if gpus % (tp * pp) or Layout(tp=tp, pp=pp).problems(model):
-                continue
-            kv_rep = max(1, tp // model.num_kv_heads)  # replicated kv heads are stored twice
-            # The first stage holds the embedding, the last the output layer (pp 1: both).
-            w = body / (tp * pp) + (edge if pp == 1 else max(emb, out or emb)) / tp
-            kv = batch * kv_per_seq * kv_rep / (tp * pp)
-            cap = hardware.memory_gib * F.GIB
-            over = hardware.framework_overhead_gib * F.GIB
-            fits = w + kv + over <= cap
-            free = cap - w - over
-            max_batch = max(0, int(free // (kv_per_seq * kv_rep / (tp * pp))))
-            step = (body / tp + edge / tp + batch * kv_per_seq * kv_rep / tp) / bw
-            if tp > 1:
-                msg = F.allreduce_bytes(batch * model.hidden_size * 2, tp)
-                per = msg / (hardware.intra_node_gbps * 1e9 * hardware.comm_efficiency) + \
-                    hardware.link_latency_us * 1e-6
-                step += 2 * model.num_layers * per
-            if pp > 1:
-                step += (pp - 1) * hardware.link_latency_us * 1e-6
-            replicas = gpus // (tp * pp)
-            options.append(ServingOption(
-                tp=tp, pp=pp, replicas=replicas, weights_gib=w / F.GIB, kv_cache_gib=kv / F.GIB,
-                overhead_gib=hardware.framework_overhead_gib,
-                capacity_gib=hardware.memory_gib, fits=fits, max_batch=max_batch,
-                time_per_token_s=step, tokens_per_s=replicas * batch / step))
-    options.sort(key=lambda o: (not o.fits, o.time_per_token_s))
     ok = [o for o in options if o.fits
           and (max_latency_ms is None or o.time_per_token_s * 1e3 <= max_latency_ms)
           and (min_throughput is None or o.tokens_per_s >= min_throughput)]
@@ -140,19 +118,107 @@ def plan_serving(
                    f"{context} tokens, {best.time_per_token_s * 1e3:.1f} ms per output token")
         return ServingPlan(model.name, precision, gpus, hardware.name, True, best, options,
                            message)
-    if any(o.fits for o in options):
+    fitting = [o for o in options if o.fits]
+    if fitting:
+        fastest = min(fitting, key=lambda o: o.time_per_token_s)
+        most = max(fitting, key=lambda o: o.tokens_per_s)
+        asked = ", ".join(t for t in (
+            f"at most {max_latency_ms:g} ms per output token" if max_latency_ms else "",
+            f"at least {min_throughput:,.0f} tokens/s" if min_throughput else "") if t)
         message = (f"{name} fits on {gpus} x {hardware.name}, but no layout meets the latency "
-                   f"/ throughput constraints (max_latency_ms={max_latency_ms}, "
-                   f"min_throughput={min_throughput})")
+                   f"/ throughput limits ({asked}) at {batch} sequence(s) per replica: the "
+                   f"fastest, tp {fastest.tp} pp {fastest.pp}, takes "
+                   f"{fastest.time_per_token_s * 1e3:.2f} ms per token; "
+                   f"the most tokens/s, tp {most.tp} pp {most.pp}, gives "
+                   f"{most.tokens_per_s:,.0f}. Relax the limit to that, raise --concurrency "
+                   "for throughput, or add GPUs")
     else:
-        need = (total_gib + batch * kv_per_seq / F.GIB) / (hardware.memory_gib
-                                                            - hardware.framework_overhead_gib)
-        message = (f"{name} does not fit on {gpus} x {hardware.name}: its weights alone are "
-                   f"{total_gib:.0f} GiB against {gpus * hardware.memory_gib:.0f} GiB of "
-                   f"memory; it needs at least {max(gpus + 1, int(need) + 1)} GPUs"
-                   + (", or FP8 weights" if precision != "fp8" else ""))
+        more = _fewest_gpus(model, gpus, hardware, precision, batch, context, gpus_per_node,
+                            kv_precision, tp, pp)
+        kv_gib = batch * F.kv_cache_bytes(model, context, WEIGHT_BYTES[kv_precision or "bf16"]
+                                          ) / F.GIB
+        fewer = max(o.max_batch for o in options)
+        message = (f"{name} does not fit on {gpus} x {hardware.name}: its weights are "
+                   f"{total_gib:.0f} GiB and the KV cache of {batch} sequence(s) of {context} "
+                   f"tokens {kv_gib:.0f} GiB, against {gpus * hardware.memory_gib:.0f} GiB of "
+                   f"memory; " + (f"{more} GPUs would hold it" if more else
+                                  f"{8 * gpus} GPUs would not hold it either")
+                   + (", or FP8 weights" if precision != "fp8" else "")
+                   + (f", or at most {fewer} concurrent sequences" if 0 < fewer < batch else ""))
     return ServingPlan(model.name, precision, gpus, hardware.name, False, None, options,
                        message)
+
+
+def _options(model: ModelConfig, gpus: int, hardware: Hardware, precision: str, batch: int,
+             context: int, gpus_per_node: int, kv_precision: str | None, tp: int | None,
+             pp: int | None) -> list[ServingOption]:
+    """Every layout (tp and pp as fixed, when they are), fitting ones first, fastest first."""
+    layouts = _layouts(model, gpus, gpus_per_node)
+    chosen = [(t, p) for t, p in layouts if tp in (None, t) and pp in (None, p)]
+    if not chosen:
+        fixed = ", ".join(f"{k} {v}" for k, v in (("tp", tp), ("pp", pp)) if v is not None)
+        raise PlanError(f"no serving layout of {model.name} on {gpus} GPUs has {fixed}: tp must "
+                        f"divide the {gpus_per_node}-GPU node and the heads, pp the layers, and "
+                        f"tp x pp the GPUs; valid (tp, pp): "
+                        + ", ".join(f"({t}, {p})" for t, p in layouts))
+    body, emb, out = _weight_bytes(model, precision)
+    edge = emb + out
+    kv_bytes = WEIGHT_BYTES[kv_precision or "bf16"]
+    kv_per_seq = F.kv_cache_bytes(model, context, kv_bytes)
+    bw = hardware.memory_gbps * 1e9
+    options = []
+    for tp, pp in chosen:
+        kv_rep = max(1, tp // model.num_kv_heads)  # replicated kv heads are stored twice
+        # The first stage holds the embedding, the last the output layer (pp 1: both).
+        w = body / (tp * pp) + (edge if pp == 1 else max(emb, out or emb)) / tp
+        kv = batch * kv_per_seq * kv_rep / (tp * pp)
+        cap = hardware.memory_gib * F.GIB
+        over = hardware.framework_overhead_gib * F.GIB
+        fits = w + kv + over <= cap
+        free = cap - w - over
+        max_batch = max(0, int(free // (kv_per_seq * kv_rep / (tp * pp))))
+        step = (body / tp + edge / tp + batch * kv_per_seq * kv_rep / tp) / bw
+        if tp > 1:
+            msg = F.allreduce_bytes(batch * model.hidden_size * 2, tp)
+            per = msg / (hardware.intra_node_gbps * 1e9 * hardware.comm_efficiency) + \
+                hardware.link_latency_us * 1e-6
+            step += 2 * model.num_layers * per
+        if pp > 1:
+            step += (pp - 1) * hardware.link_latency_us * 1e-6
+        replicas = gpus // (tp * pp)
+        options.append(ServingOption(
+            tp=tp, pp=pp, replicas=replicas, weights_gib=w / F.GIB, kv_cache_gib=kv / F.GIB,
+            overhead_gib=hardware.framework_overhead_gib,
+            capacity_gib=hardware.memory_gib, fits=fits, max_batch=max_batch,
+            time_per_token_s=step, tokens_per_s=replicas * batch / step))
+    options.sort(key=lambda o: (not o.fits, o.time_per_token_s))
+    return options
+
+
+def _layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """Every (tp, pp) a replica can use: tp divides the node (and the heads), pp the layers,
+    and tp x pp the GPUs."""
+    return [(tp, pp) for tp in _divisors(min(gpus, gpus_per_node)) if gpus_per_node % tp == 0
+            for pp in _divisors(model.num_layers)
+            if not gpus % (tp * pp) and not Layout(tp=tp, pp=pp).problems(model)]
+
+
+def _fewest_gpus(model: ModelConfig, gpus: int, hardware: Hardware, precision: str,
+                 batch: int, context: int, gpus_per_node: int, kv_precision: str | None,
+                 tp: int | None, pp: int | None) -> int | None:
+    """The fewest GPUs (more than `gpus`, up to 8x as many) on which some layout holds the
+    model with `batch` sequences of `context` tokens; None when none does."""
+    for n in range(gpus + 1, 8 * gpus + 1):
+        if n > gpus_per_node and n % gpus_per_node:
+            continue  # whole nodes beyond one
+        try:
+            options = _options(model, n, hardware, precision, batch, context, gpus_per_node,
+                               kv_precision, tp, pp)
+        except PlanError:
+            continue  # no layout with the fixed tp/pp on this count
+        if any(o.fits for o in options):
+            return n
+    return None
 
 
 def _divisors(n: int) -> list[int]:

@@ -6,20 +6,23 @@ where `--output` is checked against the pretraining config loader."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
 
 from tessera.__main__ import main
 from tessera.core.config import ModelConfig
-from tessera.plan import Fixed, TrainingJob, evaluate, load_hardware, plan_training
+from tessera.plan import Fixed, TrainingJob, evaluate, explain, load_hardware, plan_training
 from tessera.plan.measure import Measurement
-from tessera.plan.report import measured_text
+from tessera.plan.report import measured_text, plan_json, plan_text
+from tessera.plan.search import MODEL_ERROR, within_model_error
 
 GPU_JOB = ["--model", "llama-1b", "--gpus", "16", "--gpu", "a100-80gb", "--global-batch", "256",
            "--seq-len", "2048"]
 FIXING_FLAGS = ("--tp", "--pp", "--virtual-stages", "--cp", "--ep", "--micro-batch",
                 "--sequence-parallel", "--recompute", "--recompute-layers")
+APPROX = "\u2248"  # the table's mark of a candidate within the model's error of #1
 JSON_KEYS = ("tp", "pp", "virtual_stages", "dp", "cp", "ep", "micro_batch", "sequence_parallel",
              "recompute", "recompute_layers", "memory_gib", "step_time_s", "tflops_per_gpu", "mfu")
 
@@ -40,6 +43,7 @@ def test_help_explains_the_modes_and_every_fixing_flag(capsys):
         assert f"{flag} " in text or f"{flag}\n" in text, flag
     assert "a100-40gb" in text and "h200" in text  # the GPU choices
     assert "Korthikanti" in text and "training_days" in text and "Exit codes" in text
+    assert "within_model_error" in text and f"({100 * MODEL_ERROR:.1f}%, its worst" in text
     assert "--measure-worker" not in text  # the ranks' entry point is not for people
 
 
@@ -57,11 +61,13 @@ def test_table_ranks_the_api_candidates_and_breaks_down_the_best(capsys):
     rows = lines[head + 2:head + 6]
     for rank, (row, c) in enumerate(zip(rows, expected), start=1):
         cells = row.split()
-        assert cells[0] == f"{rank}{'*' if rank == 1 else ''}"
+        mark = "*" if rank == 1 else "\u2248" if within_model_error(expected[0], c) else ""
+        assert cells[0] == f"{rank}{mark}"
         assert " ".join(cells[1:1 + len(c.layout.split())]) == c.layout
         assert f"{c.step_time_s:.3g}" in row and f"{c.memory_gib:.1f} / 80" in row
         assert f"{100 * c.mfu:.1f}%" in row and f"{c.days:.1f}" == cells[-1]
-    assert lines[head + 6] == ""  # exactly --top rows
+    assert lines[head + 6].startswith("  \u2248 #1 is predicted at most 6.5% faster")
+    assert lines[head + 7] == ""  # exactly --top rows, then the legend
     best = expected[0]
     assert f"best: {best.layout}, micro-batch {best.micro_batch} x {best.micro_batches}" in out
     assert f"memory per GPU  {best.memory_gib:.2f} GiB of 80.0: weights" in out
@@ -196,6 +202,8 @@ def test_cpu_profile_shares_the_machine_between_its_ranks(capsys, tmp_path):
     assert code == 0
     assert out.startswith("tessera plan: llama-tiny on 4 x cpu (4.0 GiB, 4 per node), global "
                           "batch 16 x 64 tokens, fp32")
+    # The band is the error on GPU runs; the legend says the CPU model is less sure.
+    assert "within the model's error on published GPU runs; larger on CPU ranks (" in out
     code, _, err = _plan(capsys, "--gpu", "cpu", "--calibration-file", str(calibration),
                          "--model", "llama-tiny", "--gpus", "4", "--global-batch", "16",
                          "--seq-len", "64", "--measure", "--nproc-per-node", "2")
@@ -281,3 +289,78 @@ def test_measure_runs_every_candidate_cp_included(
         [(c["tp"], c["cp"]) for c in cands]
     assert seen["kw"]["nproc"] == 64 and seen["kw"]["device"] == "cuda"
     assert seen["kw"]["steps"] == 3 and seen["kw"]["warmup"] == 2
+
+
+def test_candidates_within_the_model_error_are_marked_in_table_json_and_why(capsys):
+    """The band: #1 predicted at most MODEL_ERROR faster (tokens/s ratio). Marked `≈` in the
+    table with a legend counting them among all that fit, `within_model_error` in the JSON
+    (true for #1), and said in the "why #1" line when the runner-up is in it."""
+    job = TrainingJob(ModelConfig.from_name("llama-1b"), gpus=16,
+                      hardware=load_hardware("a100-80gb"), global_batch=256, seq_len=2048)
+    ranked = plan_training(job, Fixed())
+    best = ranked[0]
+    inside = [c.tokens_per_s * (1 + MODEL_ERROR) >= best.tokens_per_s for c in ranked]
+    assert inside[0] and inside[1] and not all(inside[:30])  # both kinds among the top 30
+    code, out, _ = _plan(capsys, *GPU_JOB, "--top", "30", "--json")
+    cands = json.loads(out)["candidates"]
+    assert code == 0 and [c["within_model_error"] for c in cands] == inside[:30]
+    code, out, _ = _plan(capsys, *GPU_JOB, "--top", "30")
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
+    marks = [line.split()[0] for line in lines[head + 2:head + 32]]
+    assert marks == [f"{i + 1}{'*' if i == 0 else APPROX if inside[i] else ''}"
+                     for i in range(30)]
+    assert lines[head + 32] == (
+        f"  \u2248 #1 is predicted at most 6.5% faster, within the model's error on published "
+        f"runs ({sum(inside)} of the {len(ranked):,} configurations, #1 included): too close "
+        "to call, measure them (--measure) to decide")
+    assert "; within the model's 6.5% error: too close to call, measure both" in out
+    # A runner-up outside the band: no such clause, and no legend without a mark.
+    far = dataclasses.replace(ranked[1], tokens_per_s=best.tokens_per_s / (1 + MODEL_ERROR)
+                              * 0.999)
+    edge = dataclasses.replace(ranked[1], tokens_per_s=best.tokens_per_s / (1 + MODEL_ERROR)
+                               * 1.001)
+    assert within_model_error(best, best) and within_model_error(best, edge)
+    assert not within_model_error(best, far) and "within" not in explain(best, far)
+    assert "within the model's 6.5% error" in explain(best, edge)
+    text = plan_text("header", [best, far], 2, None, None)
+    assert "\u2248" not in text and text.splitlines()[6].split()[0] == "2"
+    assert plan_json([best, far])["candidates"][1]["within_model_error"] is False
+
+
+def test_tie_mark_falls_back_to_ascii_on_a_latin1_stdout(monkeypatch):
+    import io
+    import sys
+
+    from tessera.plan.report import tie_mark
+
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="latin-1"))
+    assert tie_mark() == "~"
+
+
+def test_a_short_run_is_timed_in_hours_or_seconds_not_zero_days(capsys):
+    job = TrainingJob(ModelConfig.from_name("llama-1b"), gpus=16,
+                      hardware=load_hardware("a100-80gb"), global_batch=256, seq_len=2048,
+                      tokens=1e9)
+    fix = ("--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "8")
+    best = plan_training(job, Fixed(tp=1, pp=1, cp=1, micro_batch=8), top=1)[0]
+    code, out, _ = _plan(capsys, *GPU_JOB, *fix, "--tokens", "1e9", "--top", "1")
+    assert code == 0 and best.days < 1 / 24  # 1B tokens at ~530K tokens/s: ~31 minutes
+    assert f"training time   {best.days * 1440:.1f} minutes for 1.0B tokens" in out
+    code, out, _ = _plan(capsys, *GPU_JOB, *fix, "--tokens", "1e12", "--top", "1")
+    assert f"training time   {best.days * 1000:.1f} days for 1.0T tokens" in out
+
+
+def test_fp8_tflops_print_whole_not_in_exponent_form(capsys):
+    # H200 fp8 runs above 1,000 TFLOP/s per GPU; `.3g` alone would print 1.15e+03.
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpus", "16", "--gpu", "h200",
+                         "--global-batch", "64", "--seq-len", "8192", "--precision", "fp8",
+                         "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2",
+                         "--recompute", "none", "--json")
+    tflops = json.loads(out)["candidates"][0]["tflops_per_gpu"]
+    assert code == 0 and tflops > 1000
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpus", "16", "--gpu", "h200",
+                         "--global-batch", "64", "--seq-len", "8192", "--precision", "fp8",
+                         "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2",
+                         "--recompute", "none")
+    assert f" {tflops:,.0f} " in out and "e+0" not in out
