@@ -93,6 +93,17 @@ class Fixed:
     recompute_layers: int | None = None
     sharded_optimizer: bool | None = None
 
+    def __post_init__(self) -> None:
+        # Layers to recompute only mean something under full recomputation: given alone, they
+        # fix it (as `tessera plan --recompute-layers N` does); with another mode, a mistake.
+        if self.recompute_layers is None:
+            return
+        if self.recompute is None:
+            object.__setattr__(self, "recompute", "full")
+        elif self.recompute != "full":
+            raise PlanError(f"recompute_layers={self.recompute_layers} needs recompute='full' "
+                            f"(got recompute={self.recompute!r}); drop one of the two")
+
 
 @dataclass(frozen=True)
 class Candidate(E.Config):

@@ -472,3 +472,13 @@ def test_search_respects_head_rules_and_node_size():
     # With 4 GPUs per node, tp stays within 4 even on 16 GPUs.
     job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 16, A100, 256, 2048, gpus_per_node=4)
     assert max(c.tp for c in plan_training(job, Fixed(cp=1, micro_batch=1))) == 4
+
+
+def test_fixed_recompute_layers_implies_full_recompute():
+    # Layers to recompute mean full recomputation (as the CLI's --recompute-layers alone): every
+    # candidate is then "full" with those layers; with another mode it is a mistake, refused.
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 8, A100, 64, 2048)
+    ranked = plan_training(job, Fixed(recompute_layers=2), top=20)
+    assert ranked and all(c.recompute == "full" and c.recompute_layers == 2 for c in ranked)
+    with pytest.raises(PlanError, match="needs recompute='full'"):
+        Fixed(recompute="selective", recompute_layers=2)
