@@ -7,6 +7,7 @@ keeps `tessera --help` fast and lets, e.g., `tessera preprocess` run without the
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from tessera import __version__
@@ -84,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tessera: the verb {verb!r} is not available in this build.", file=sys.stderr)
             return 2
         raise
-    result = getattr(module, func_name)(rest)
+    try:
+        result = getattr(module, func_name)(rest)
+    except BrokenPipeError:
+        # The reader went away (`tessera plan ... | head`): not an error of ours. Point stdout
+        # at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return int(result or 0)
 
 
