@@ -143,3 +143,13 @@ def test_the_loss_costs_the_slower_of_its_bytes_and_its_measured_time(tmp_path):
     fast = step(dataclasses.replace(hw, loss_ns_per_logit=0.5))  # below the passes: no change
     assert fast.step_time_s == base.step_time_s
     assert slow.step_time_s - base.step_time_s == pytest.approx(2 * (T * V * 9e-9 - passes))
+    # Four ranks on two cores share the loss's core like the other one-thread costs.
+    import argparse
+
+    from tessera.plan.commands import _hardware
+
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "cores": 2, "loss_ns_per_logit": 9.0}))
+    args = argparse.Namespace(gpu="cpu", calibration_file=str(path))
+    assert _hardware(args, 2).loss_ns_per_logit == 9.0
+    assert _hardware(args, 4).loss_ns_per_logit == pytest.approx(18.0)
