@@ -68,7 +68,8 @@ def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
         peak_tflops={k: v * share for k, v in hw.peak_tflops.items()},
         memory_gbps=hw.memory_gbps * share,
         layer_overhead_us=hw.layer_overhead_us / share,
-        microbatch_overhead_us=hw.microbatch_overhead_us / share)
+        microbatch_overhead_us=hw.microbatch_overhead_us / share,
+        loss_ns_per_logit=hw.loss_ns_per_logit / share)
 
 
 def _train(args: argparse.Namespace) -> int:

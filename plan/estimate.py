@@ -530,7 +530,10 @@ def step_time(job: Job, c: Config) -> StepTime:
     h = model.hidden_size
     logits = 3 * _gemm_time(F.logits_forward_flops(T, h, model.vocab_size) / c.tp,
                             (T, v_tp, h), peak, hw)
-    logits += LOGITS_PASSES * 4 * T * v_tp / (hw.memory_gbps * 1e9)
+    # The loss: its memory passes, or where they do not bound it (a CPU's exp and log, measured
+    # per logit as `Hardware.loss_ns_per_logit`; 0 on GPUs) its measured time.
+    logits += max(LOGITS_PASSES * 4 * T * v_tp / (hw.memory_gbps * 1e9),
+                  T * v_tp * hw.loss_ns_per_logit * 1e-9)
     # The word embedding's backward on the first rank (memory bound, its size not the batch's).
     embedding = F.embedding_backward_bytes(model.vocab_size, h, c.tp, job.act_bytes) / (
         hw.memory_gbps * 1e9)

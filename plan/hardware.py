@@ -78,6 +78,11 @@ class Hardware:
     layer_overhead_us: float = 0.0
     microbatch_overhead_us: float = 0.0
     notes: str = field(default="", compare=False)
+    # The training loss (cross-entropy forward + backward) per logit, in ns, where its exp and
+    # log bound it rather than its bytes: measured for `cpu` by `tessera plan --calibrate`
+    # (7-10 ns a logit on one AVX2 core against 0.75 for its memory passes); 0 for the GPU
+    # profiles, where the passes bound it. `estimate.step_time` charges the slower of the two.
+    loss_ns_per_logit: float = 0.0
 
     def peak(self, precision: str) -> float:
         """Dense peak TFLOP/s for `precision`; PlanError when this hardware lacks it."""
@@ -134,7 +139,7 @@ def load_hardware(name: str, calibration: Path | None = None) -> Hardware:
     - `cpu`: this machine, from the JSON file `tessera plan --calibrate` writes (`calibration`,
       default `default_calibration()`) with at least `gemm_tflops`, `allreduce_gbps` (gloo
       all-reduce bus bandwidth) and `memory_gib`; optional `memory_gbps`,
-      `layer_overhead_us`, `microbatch_overhead_us` (0 when absent);
+      `layer_overhead_us`, `microbatch_overhead_us`, `loss_ns_per_logit` (0 when absent);
     - a path ending in `.json`: a full profile, every `Hardware` field by name.
 
     Raises `PlanError` for an unknown name (listing the known ones) or a missing or incomplete
@@ -198,5 +203,6 @@ def _cpu_profile(path: Path) -> Hardware:
         link_latency_us=float(data.get("link_latency_us", 50.0)),
         layer_overhead_us=float(data.get("layer_overhead_us", 0.0)),
         microbatch_overhead_us=float(data.get("microbatch_overhead_us", 0.0)),
+        loss_ns_per_logit=float(data.get("loss_ns_per_logit", 0.0)),
         notes=f"measured by tessera plan --calibrate ({path})",
     )

@@ -48,11 +48,15 @@ class Measurement:
     step_times_s: list[float] = field(default_factory=list)  # every timed step
     error: str | None = None
     cpu_share: float | None = None  # CPU: a rank's CPU time over wall time, mean of the ranks
+    # CPU: the busiest rank's median CPU seconds per timed step (`cpu_step_time`), what the
+    # prediction (a core per rank) is to be compared with on a machine others load.
+    cpu_step_time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "peak_memory_gib": self.peak_memory_gib, "step_times_s": self.step_times_s,
-                "error": self.error, "cpu_share": self.cpu_share}
+                "error": self.error, "cpu_share": self.cpu_share,
+                "cpu_step_time_s": self.cpu_step_time_s}
 
 
 def synthetic_data(directory: Path, vocab_size: int, tokens: int, seed: int = 0) -> Path:
@@ -133,7 +137,8 @@ def measure_worker(workdir: Path) -> int:
         times, cpu, peak, error, tokens_per_step = _run_candidate(config_file, spec)
         m = _agree(times, cpu, peak, error, spec["warmup"], tokens_per_step, spec["device"])
         if rank0:
-            share = f", {m.cpu_share:.0%} of a core per rank" if m.cpu_share else ""
+            share = (f", {m.cpu_share:.0%} of a core per rank, {m.cpu_step_time_s:.3f} s of CPU"
+                     if m.cpu_share else "")
             print(f"  {m.step_time_s:.3f} s/step (median of {len(m.step_times_s)} steps{share})"
                   if m.ok else f"  failed: {m.error}", file=sys.stderr, flush=True)
             results.append(m.to_dict())
@@ -201,8 +206,10 @@ def _agree(times: list[float], cpu: list[float], peak: float | None, error: str 
     timed = times[warmup:] or times[-1:]
     median = statistics.median(timed)
     peaks = [p for _, _, p, _ in reports if p is not None]
+    cpu = device == "cpu"
     return Measurement(True, median, tokens_per_step / median, max(peaks) if peaks else None,
-                       timed, cpu_share=cpu_share(reports, warmup) if device == "cpu" else None)
+                       timed, cpu_share=cpu_share(reports, warmup) if cpu else None,
+                       cpu_step_time_s=cpu_step_time(reports, warmup) if cpu else None)
 
 
 def cpu_share(reports: Sequence[tuple[list[float], list[float], Any, Any]], warmup: int
@@ -213,6 +220,16 @@ def cpu_share(reports: Sequence[tuple[list[float], list[float], Any, Any]], warm
     shares = [sum(c[warmup:] or c[-1:]) / sum(t[warmup:] or t[-1:])
               for t, c, *_ in reports if t and sum(t[warmup:] or t[-1:]) > 0]
     return sum(shares) / len(shares) if shares else None
+
+
+def cpu_step_time(reports: Sequence[tuple[list[float], list[float], Any, Any]], warmup: int
+                  ) -> float | None:
+    """The largest over the ranks of a rank's median CPU seconds per timed step (the first
+    `warmup` left out): the step time the ranks would have with a core each and no other
+    load, which is what the planner predicts. A rank blocked in a gloo collective sleeps, so
+    its wait is not counted; the busiest rank sets the pace. None when nothing was timed."""
+    medians = [statistics.median(c[warmup:] or c[-1:]) for t, c, *_ in reports if c]
+    return max(medians) if medians else None
 
 
 def _barrier() -> None:

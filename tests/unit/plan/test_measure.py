@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tessera.plan.measure import cpu_share, ranks, spearman, synthetic_data
+from tessera.plan.measure import cpu_share, cpu_step_time, ranks, spearman, synthetic_data
 from tessera.training.indexed_dataset import IndexedDataset
 
 
@@ -45,3 +45,13 @@ def test_cpu_share_is_cpu_over_wall_time_of_the_timed_steps():
     assert cpu_share(reports, warmup=1) == pytest.approx(0.375)
     assert cpu_share(reports, warmup=5) == pytest.approx((0.5 + 0.25) / 2)  # the last step
     assert cpu_share([([], [], None, "failed")], warmup=1) is None
+
+
+def test_cpu_step_time_is_the_busiest_ranks_median_cpu_per_timed_step():
+    # Rank 0's timed steps took 0.5, 0.7, 0.6 s of CPU (median 0.6), rank 1's 0.2, 0.9, 0.3
+    # (median 0.3): the busiest rank's 0.6. The warm-up step (9.0) is left out.
+    reports = [([9.0, 1.0, 1.0, 1.0], [9.0, 0.5, 0.7, 0.6], None, None),
+               ([9.0, 1.0, 1.0, 1.0], [9.0, 0.2, 0.9, 0.3], None, None)]
+    assert cpu_step_time(reports, warmup=1) == pytest.approx(0.6)
+    assert cpu_step_time(reports, warmup=9) == pytest.approx(0.6)  # the last step only
+    assert cpu_step_time([([], [], None, "failed")], warmup=1) is None
