@@ -122,7 +122,8 @@ def plan_text(header: str, candidates: Sequence[Any], fitting: int, why: str | N
     configurations are within the model's error of the best (default: count the shown);
     `cpu`: planned for CPU ranks (the legend says the error there is larger)."""
     shown = len(candidates)
-    lines = [header, f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:", ""]
+    lines = [header, (f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:"
+                      if fitting > 1 else "1 configuration fits:"), ""]
     lines += candidates_table(candidates, days=tokens is not None)
     if any(within_model_error(candidates[0], c) for c in candidates[1:]):
         if ties is None:

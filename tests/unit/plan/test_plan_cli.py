@@ -364,3 +364,27 @@ def test_fp8_tflops_print_whole_not_in_exponent_form(capsys):
                          "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2",
                          "--recompute", "none")
     assert f" {tflops:,.0f} " in out and "e+0" not in out
+
+
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """`tessera plan --json | head`: the reader closes the pipe before the plan is written.
+    Exit 0 and no BrokenPipeError traceback (the closed pipe is the reader's choice)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tessera", "plan", *GPU_JOB, "--tp", "1", "--pp", "1", "--cp",
+         "1", "--micro-batch", "8", "--recompute", "none", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # gone before the child writes: its write fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_one_configuration_is_counted_in_the_singular(capsys):
+    code, out, _ = _plan(capsys, *GPU_JOB, "--tp", "2", "--pp", "2", "--virtual-stages", "2",
+                         "--cp", "1", "--micro-batch", "2", "--sequence-parallel", "--recompute",
+                         "full", "--recompute-layers", "2")
+    assert code == 0 and out.splitlines()[1] == "1 configuration fits:"
+    assert "why #1" not in out and "\u2248" not in out  # nothing to compare it with
