@@ -121,7 +121,8 @@ def _train(args: argparse.Namespace) -> int:
               f"{per_node} per node), global batch {args.global_batch} x {args.seq_len} tokens, "
               f"{precision}")
     ties = sum(within_model_error(fitting[0], c) for c in fitting)
-    print(plan_text(header, shown, len(fitting), why, args.tokens, ties, args.gpu == "cpu"))
+    print(plan_text(header, shown, len(fitting), why, args.tokens, ties, args.gpu == "cpu",
+                    measuring=measured is not None))
     if measured is not None:
         from tessera.plan.calibrate import cpu_cores, cpu_isa
 

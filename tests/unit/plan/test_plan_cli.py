@@ -388,3 +388,23 @@ def test_one_configuration_is_counted_in_the_singular(capsys):
                          "full", "--recompute-layers", "2")
     assert code == 0 and out.splitlines()[1] == "1 configuration fits:"
     assert "why #1" not in out and "\u2248" not in out  # nothing to compare it with
+
+
+def test_the_tie_legend_points_to_the_measured_ranking_when_measuring(
+        capsys, monkeypatch, tmp_path):
+    """With --measure the measurements follow the table: the legend says they decide, instead
+    of suggesting --measure again."""
+    from tessera.plan import measure
+
+    monkeypatch.setattr(measure, "measure_all", lambda configs, workdir, data, **kw: [
+        Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))])
+    monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
+                         "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
+                         "--top", "3", "--measure-steps", "3")
+    legend = next(line for line in out.splitlines() if line.startswith(f"  {APPROX} #1 is"))
+    assert code == 0 and legend.endswith("too close to call, the measured ranking below decides")
+    assert out.index(legend) < out.index("measured: ")
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
+                         "512", "--seq-len", "8192", "--gpus", "64", "--top", "3")
+    assert "too close to call, measure them (--measure) to decide" in out
