@@ -162,7 +162,8 @@ def test_output_carries_cp_and_ep(capsys, tmp_path):
     (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "64",
       "--seq-len", "2048"], "would fit"),
     (["--model", "llama-1b", "--gpus", "12", "--gpu", "h100-80gb", "--global-batch", "48",
-      "--seq-len", "2048"], "not a whole number of 8-GPU nodes; use 8 or 16"),
+      "--seq-len", "2048"], "not a whole number of 8-GPU nodes; use 8 or 16, or give the GPUs a "
+     "node really has (gpus_per_node; --gpus-per-node on the command line)"),
     (["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048"], "needs --global-batch"),
     (["--model", "no-such-model", "--gpus", "8", "--global-batch", "8", "--seq-len", "64"],
      "unknown model preset 'no-such-model'"),
