@@ -158,7 +158,14 @@ def _write_output(args, best, model_fields, precision, gpus) -> None:
               f"{best.memory_gib:.1f} GiB per GPU, {best.step_time_s:.3g} s per step, "
               f"{best.tflops_per_gpu:.3g} TFLOP/s per GPU.\nAdd the data: tessera pretrain "
               f"--config {Path(args.output).name} --data PREFIX --tokenizer TOKENIZER")
-    write_run_config(Path(args.output), config, gpus, header)
+    path = Path(args.output)
+    if path.is_dir():
+        raise PlanError(f"--output {path} is a directory; give the YAML file to write, e.g. "
+                        f"--output {path / 'run.yaml'}")
+    try:
+        write_run_config(path, config, gpus, header)
+    except OSError as exc:  # a read-only or full disk: say so, as for any other bad input
+        raise PlanError(f"cannot write --output {path}: {exc.strerror or exc}") from None
 
 
 def _measure(args, shown, model, model_fields, precision, gpus):

@@ -409,3 +409,15 @@ def test_the_tie_legend_points_to_the_measured_ranking_when_measuring(
     code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
                          "512", "--seq-len", "8192", "--gpus", "64", "--top", "3")
     assert "too close to call, measure them (--measure) to decide" in out
+
+
+def test_output_that_cannot_be_written_is_a_clear_error(capsys, tmp_path):
+    code, out, err = _plan(capsys, *GPU_JOB, "--top", "1", "--output", str(tmp_path))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err == (f"tessera plan: --output {tmp_path} is a directory; give the YAML file to "
+                   f"write, e.g. --output {tmp_path / 'run.yaml'}\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a parent that is a file: the OS refuses to create the YAML
+    code, out, err = _plan(capsys, *GPU_JOB, "--top", "1", "--output", str(blocker / "run.yaml"))
+    assert code == 2 and out == "" and err.startswith(f"tessera plan: cannot write --output "
+                                                      f"{blocker / 'run.yaml'}: ")
