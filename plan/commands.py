@@ -165,7 +165,8 @@ def _write_output(args, best, model_fields, precision, gpus) -> None:
     try:
         write_run_config(path, config, gpus, header)
     except OSError as exc:  # a read-only or full disk: say so, as for any other bad input
-        raise PlanError(f"cannot write --output {path}: {exc.strerror or exc}") from None
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise PlanError(f"cannot write --output {path}: {exc.strerror or exc}{where}") from None
 
 
 def _measure(args, shown, model, model_fields, precision, gpus):
