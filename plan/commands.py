@@ -169,6 +169,13 @@ def _write_output(args, best, model_fields, precision, gpus) -> None:
         raise PlanError(f"cannot write --output {path}: {exc.strerror or exc}{where}") from None
 
 
+def _local_gpus() -> int:
+    """CUDA devices on this machine (imports torch: only `--measure` on GPUs asks)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _measure(args, shown, model, model_fields, precision, gpus):
     """Run each shown candidate for a few steps on `gpus` local ranks; (measurements, rho)."""
     from tessera.core.config import ConfigError
@@ -178,6 +185,10 @@ def _measure(args, shown, model, model_fields, precision, gpus):
     if args.measure_warmup >= steps:
         raise PlanError(f"--measure-warmup ({args.measure_warmup}) must be below "
                         f"--measure-steps ({steps})")
+    if args.gpu != "cpu" and _local_gpus() < gpus:
+        raise PlanError(f"--measure --gpu {args.gpu} runs {gpus} ranks on this machine's GPUs, "
+                        f"but it has {_local_gpus()}; measure with --gpu cpu (gloo ranks on "
+                        f"this CPU), or run it on a machine with {gpus} GPUs")
     # A candidate `tessera pretrain` cannot express (cp or ep > 1 for now) is reported as
     # failed, like one that fails while running; the others still run.
     configs: dict[int, dict[str, Any]] = {}

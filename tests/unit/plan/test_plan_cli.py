@@ -13,7 +13,7 @@ import pytest
 
 from tessera.__main__ import main
 from tessera.core.config import ModelConfig
-from tessera.plan import Fixed, TrainingJob, evaluate, explain, load_hardware, plan_training
+from tessera.plan import Fixed, TrainingJob, commands, evaluate, explain, load_hardware, plan_training
 from tessera.plan.measure import Measurement
 from tessera.plan.report import measured_text, plan_json, plan_text
 from tessera.plan.search import MODEL_ERROR, within_model_error
@@ -277,6 +277,7 @@ def test_measure_runs_every_candidate_cp_included(
         return [Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))]
 
     monkeypatch.setattr(measure, "measure_all", fake_measure_all)
+    monkeypatch.setattr(commands, "_local_gpus", lambda: 64)  # as on a GPU cluster
     monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
     code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
                          "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
@@ -400,6 +401,7 @@ def test_the_tie_legend_points_to_the_measured_ranking_when_measuring(
     monkeypatch.setattr(measure, "measure_all", lambda configs, workdir, data, **kw: [
         Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))])
     monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
+    monkeypatch.setattr(commands, "_local_gpus", lambda: 64)  # as on a GPU cluster
     code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
                          "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
                          "--top", "3", "--measure-steps", "3")
@@ -421,3 +423,19 @@ def test_output_that_cannot_be_written_is_a_clear_error(capsys, tmp_path):
     code, out, err = _plan(capsys, *GPU_JOB, "--top", "1", "--output", str(blocker / "run.yaml"))
     assert code == 2 and out == "" and err.startswith(f"tessera plan: cannot write --output "
                                                       f"{blocker / 'run.yaml'}: ")
+
+
+def test_measure_on_gpus_this_machine_lacks_is_refused_before_running(capsys, monkeypatch):
+    from tessera.plan import measure
+
+    def never(*args, **kw):
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(measure, "measure_all", never)
+    monkeypatch.setattr(commands, "_local_gpus", lambda: 0)
+    code, out, err = _plan(capsys, "--model", "llama-tiny", "--gpu", "a100-80gb",
+                           "--global-batch", "8", "--seq-len", "64", "--measure",
+                           "--nproc-per-node", "2", "--top", "1")
+    assert code == 2 and out == "" and err == (
+        "tessera plan: --measure --gpu a100-80gb runs 2 ranks on this machine's GPUs, but it has "
+        "0; measure with --gpu cpu (gloo ranks on this CPU), or run it on a machine with 2 GPUs\n")
