@@ -122,7 +122,8 @@ def _train(args: argparse.Namespace) -> int:
               f"{per_node} per node), global batch {args.global_batch} x {args.seq_len} tokens, "
               f"{precision}")
     ties = sum(within_model_error(fitting[0], c) for c in fitting)
-    print(plan_text(header, shown, len(fitting), why, args.tokens, ties, args.gpu == "cpu"))
+    print(plan_text(header, shown, len(fitting), why, args.tokens, ties, args.gpu == "cpu",
+                    measuring=measured is not None))
     if measured is not None:
         from tessera.plan.calibrate import cpu_cores, cpu_isa
 
@@ -158,7 +159,22 @@ def _write_output(args, best, model_fields, precision, gpus) -> None:
               f"{best.memory_gib:.1f} GiB per GPU, {best.step_time_s:.3g} s per step, "
               f"{best.tflops_per_gpu:.3g} TFLOP/s per GPU.\nAdd the data: tessera pretrain "
               f"--config {Path(args.output).name} --data PREFIX --tokenizer TOKENIZER")
-    write_run_config(Path(args.output), config, gpus, header)
+    path = Path(args.output)
+    if path.is_dir():
+        raise PlanError(f"--output {path} is a directory; give the YAML file to write, e.g. "
+                        f"--output {path / 'run.yaml'}")
+    try:
+        write_run_config(path, config, gpus, header)
+    except OSError as exc:  # a read-only or full disk: say so, as for any other bad input
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise PlanError(f"cannot write --output {path}: {exc.strerror or exc}{where}") from None
+
+
+def _local_gpus() -> int:
+    """CUDA devices on this machine (imports torch: only `--measure` on GPUs asks)."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _measure(args, shown, model, model_fields, precision, gpus):
@@ -170,6 +186,10 @@ def _measure(args, shown, model, model_fields, precision, gpus):
     if args.measure_warmup >= steps:
         raise PlanError(f"--measure-warmup ({args.measure_warmup}) must be below "
                         f"--measure-steps ({steps})")
+    if args.gpu != "cpu" and _local_gpus() < gpus:
+        raise PlanError(f"--measure --gpu {args.gpu} runs {gpus} ranks on this machine's GPUs, "
+                        f"but it has {_local_gpus()}; measure with --gpu cpu (gloo ranks on "
+                        f"this CPU), or run it on a machine with {gpus} GPUs")
     # A candidate `tessera pretrain` cannot express (cp or ep > 1 for now) is reported as
     # failed, like one that fails while running; the others still run.
     configs: dict[int, dict[str, Any]] = {}

@@ -71,8 +71,16 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def check_recompute_layers(args: argparse.Namespace, num_layers: int) -> None:
-    """`--recompute-layers` beyond the model's layers cannot mean anything."""
-    if args.recompute_layers is not None and args.recompute_layers > num_layers:
-        raise PlanError(f"--recompute-layers {args.recompute_layers} exceeds the model's "
+    """`--recompute-layers` beyond the layers of a stage cannot mean anything: beyond the
+    model's layers, or, with `--pp` fixed, beyond the layers of each of its stages."""
+    n = args.recompute_layers
+    if n is None:
+        return
+    if n > num_layers:
+        raise PlanError(f"--recompute-layers {n} exceeds the model's "
                         f"{num_layers} layers (it counts layers per pipeline stage); leave it "
                         "out to recompute all of them")
+    if args.pp and num_layers % args.pp == 0 and n > num_layers // args.pp:
+        raise PlanError(f"--recompute-layers {n} exceeds the {num_layers // args.pp} layers of "
+                        f"each of the --pp {args.pp} stages (it counts layers per stage); use "
+                        f"at most {num_layers // args.pp}, or leave it out to recompute all")

@@ -106,28 +106,34 @@ def breakdown(c: Any) -> list[str]:
     return lines
 
 
-def tie_legend(ties: int, fitting: int, cpu: bool = False) -> str:
+def tie_legend(ties: int, fitting: int, cpu: bool = False, measuring: bool = False) -> str:
     """The line under the table explaining `tie_mark()`: `ties` of the `fitting`
     configurations (the best included) are within the model's error of the best. `cpu`: the
-    error was validated on GPU runs; on CPU ranks it is larger (README, `--measure`)."""
+    error was validated on GPU runs; on CPU ranks it is larger (README, `--measure`).
+    `measuring`: the measured ranking follows (`--measure`), so it points there."""
     runs = "published GPU runs; larger on CPU ranks" if cpu else "published runs"
+    decide = ("the measured ranking below decides" if measuring
+              else "measure them (--measure) to decide")
     return (f"  {tie_mark()} #1 is predicted at most {100 * MODEL_ERROR:.1f}% faster, within the "
             f"model's error on {runs} ({ties:,} of the {fitting:,} configurations, #1 "
-            "included): too close to call, measure them (--measure) to decide")
+            f"included): too close to call, {decide}")
 
 
 def plan_text(header: str, candidates: Sequence[Any], fitting: int, why: str | None,
-              tokens: float | None, ties: int | None = None, cpu: bool = False) -> str:
+              tokens: float | None, ties: int | None = None, cpu: bool = False,
+              measuring: bool = False) -> str:
     """The whole plain-text answer of a training plan. `ties`: how many of the `fitting`
     configurations are within the model's error of the best (default: count the shown);
-    `cpu`: planned for CPU ranks (the legend says the error there is larger)."""
+    `cpu`: planned for CPU ranks (the legend says the error there is larger); `measuring`:
+    the measured ranking is printed next (the legend points to it)."""
     shown = len(candidates)
-    lines = [header, f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:", ""]
+    lines = [header, (f"{fitting:,} configurations fit; the {shown} fastest, best (*) first:"
+                      if fitting > 1 else "1 configuration fits:"), ""]
     lines += candidates_table(candidates, days=tokens is not None)
     if any(within_model_error(candidates[0], c) for c in candidates[1:]):
         if ties is None:
             ties = sum(within_model_error(candidates[0], c) for c in candidates)
-        lines.append(tie_legend(ties, fitting, cpu))
+        lines.append(tie_legend(ties, fitting, cpu, measuring))
     lines.append("")
     if why:
         lines += [f"why #1: {why}", ""]

@@ -282,7 +282,8 @@ def _check_job(job: TrainingJob) -> None:
     if job.gpus > job.gpus_per_node and job.gpus % job.gpus_per_node:
         lo = job.gpus // job.gpus_per_node * job.gpus_per_node
         raise PlanError(f"{job.gpus} GPUs is not a whole number of {job.gpus_per_node}-GPU "
-                        f"nodes; use {lo} or {lo + job.gpus_per_node} (or set gpus_per_node)")
+                        f"nodes; use {lo} or {lo + job.gpus_per_node}, or give the GPUs a node "
+                        "really has (gpus_per_node; --gpus-per-node on the command line)")
     job.hardware.peak(job.precision)  # PlanError when the card lacks the precision
     if job.global_batch < 1 or job.seq_len < 1:
         raise PlanError("global_batch and seq_len must be >= 1")

@@ -74,6 +74,8 @@ def test_fixed_dimensions_at_fault_only_together_are_named_together(capsys):
     ([*JOB, "--recompute", "none", "--recompute-layers", "0"], "not --recompute none"),
     ([*JOB, "--recompute-layers", "-1"], "--recompute-layers must be >= 0"),
     ([*JOB, "--recompute-layers", "17"], "--recompute-layers 17 exceeds the model's 16 layers"),
+    ([*JOB, "--recompute-layers", "9", "--pp", "2"], "--recompute-layers 9 exceeds the 8 layers "
+     "of each of the --pp 2 stages (it counts layers per stage); use at most 8, or leave it out"),
     ([*JOB, "--sequence-parallel", "--tp", "1"], "--sequence-parallel shards activations over "
      "the tensor-parallel group and needs tp > 1, but --tp is 1"),
     ([*JOB, "--virtual-stages", "2", "--pp", "1"], "--virtual-stages 2 interleaves pipeline "
@@ -88,7 +90,7 @@ def test_fixed_dimensions_at_fault_only_together_are_named_together(capsys):
     (["--calibrate", "--serve"], "--calibrate only measures this CPU and exits; run it alone"),
     ([*JOB, "--nproc-per-node", "4"], "--nproc-per-node 4 sets the local ranks of --measure; "
      "add --measure, or give the cluster with --gpus"),
-], ids=["layers-selective", "layers-none", "layers-negative", "layers-too-many",
+], ids=["layers-selective", "layers-none", "layers-negative", "layers-too-many", "layers-past-stage",
         "sp-tp1", "v-pp1", "serving-flags-for-training", "latency-for-training",
         "training-flags-for-serving", "seq-len-for-serving", "output-for-serving",
         "calibrate-serve", "nproc-without-measure"])

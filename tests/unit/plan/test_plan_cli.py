@@ -13,7 +13,7 @@ import pytest
 
 from tessera.__main__ import main
 from tessera.core.config import ModelConfig
-from tessera.plan import Fixed, TrainingJob, evaluate, explain, load_hardware, plan_training
+from tessera.plan import Fixed, TrainingJob, commands, evaluate, explain, load_hardware, plan_training
 from tessera.plan.measure import Measurement
 from tessera.plan.report import measured_text, plan_json, plan_text
 from tessera.plan.search import MODEL_ERROR, within_model_error
@@ -162,7 +162,8 @@ def test_output_carries_cp_and_ep(capsys, tmp_path):
     (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-40gb", "--global-batch", "64",
       "--seq-len", "2048"], "would fit"),
     (["--model", "llama-1b", "--gpus", "12", "--gpu", "h100-80gb", "--global-batch", "48",
-      "--seq-len", "2048"], "not a whole number of 8-GPU nodes; use 8 or 16"),
+      "--seq-len", "2048"], "not a whole number of 8-GPU nodes; use 8 or 16, or give the GPUs a "
+     "node really has (gpus_per_node; --gpus-per-node on the command line)"),
     (["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048"], "needs --global-batch"),
     (["--model", "no-such-model", "--gpus", "8", "--global-batch", "8", "--seq-len", "64"],
      "unknown model preset 'no-such-model'"),
@@ -276,6 +277,7 @@ def test_measure_runs_every_candidate_cp_included(
         return [Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))]
 
     monkeypatch.setattr(measure, "measure_all", fake_measure_all)
+    monkeypatch.setattr(commands, "_local_gpus", lambda: 64)  # as on a GPU cluster
     monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
     code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
                          "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
@@ -364,3 +366,76 @@ def test_fp8_tflops_print_whole_not_in_exponent_form(capsys):
                          "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch", "2",
                          "--recompute", "none")
     assert f" {tflops:,.0f} " in out and "e+0" not in out
+
+
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """`tessera plan --json | head`: the reader closes the pipe before the plan is written.
+    Exit 0 and no BrokenPipeError traceback (the closed pipe is the reader's choice)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tessera", "plan", *GPU_JOB, "--tp", "1", "--pp", "1", "--cp",
+         "1", "--micro-batch", "8", "--recompute", "none", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # gone before the child writes: its write fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_one_configuration_is_counted_in_the_singular(capsys):
+    code, out, _ = _plan(capsys, *GPU_JOB, "--tp", "2", "--pp", "2", "--virtual-stages", "2",
+                         "--cp", "1", "--micro-batch", "2", "--sequence-parallel", "--recompute",
+                         "full", "--recompute-layers", "2")
+    assert code == 0 and out.splitlines()[1] == "1 configuration fits:"
+    assert "why #1" not in out and "\u2248" not in out  # nothing to compare it with
+
+
+def test_the_tie_legend_points_to_the_measured_ranking_when_measuring(
+        capsys, monkeypatch, tmp_path):
+    """With --measure the measurements follow the table: the legend says they decide, instead
+    of suggesting --measure again."""
+    from tessera.plan import measure
+
+    monkeypatch.setattr(measure, "measure_all", lambda configs, workdir, data, **kw: [
+        Measurement(True, 1.0 + i, 100.0, 1.0, [1.0 + i]) for i in range(len(configs))])
+    monkeypatch.setattr(measure, "synthetic_data", lambda directory, vocab, tokens: tmp_path)
+    monkeypatch.setattr(commands, "_local_gpus", lambda: 64)  # as on a GPU cluster
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
+                         "512", "--seq-len", "8192", "--measure", "--nproc-per-node", "64",
+                         "--top", "3", "--measure-steps", "3")
+    legend = next(line for line in out.splitlines() if line.startswith(f"  {APPROX} #1 is"))
+    assert code == 0 and legend.endswith("too close to call, the measured ranking below decides")
+    assert out.index(legend) < out.index("measured: ")
+    code, out, _ = _plan(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--global-batch",
+                         "512", "--seq-len", "8192", "--gpus", "64", "--top", "3")
+    assert "too close to call, measure them (--measure) to decide" in out
+
+
+def test_output_that_cannot_be_written_is_a_clear_error(capsys, tmp_path):
+    code, out, err = _plan(capsys, *GPU_JOB, "--top", "1", "--output", str(tmp_path))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err == (f"tessera plan: --output {tmp_path} is a directory; give the YAML file to "
+                   f"write, e.g. --output {tmp_path / 'run.yaml'}\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a parent that is a file: the OS refuses to create the YAML
+    code, out, err = _plan(capsys, *GPU_JOB, "--top", "1", "--output", str(blocker / "run.yaml"))
+    assert code == 2 and out == "" and err.startswith(f"tessera plan: cannot write --output "
+                                                      f"{blocker / 'run.yaml'}: ")
+
+
+def test_measure_on_gpus_this_machine_lacks_is_refused_before_running(capsys, monkeypatch):
+    from tessera.plan import measure
+
+    def never(*args, **kw):
+        raise AssertionError("nothing may run")
+
+    monkeypatch.setattr(measure, "measure_all", never)
+    monkeypatch.setattr(commands, "_local_gpus", lambda: 0)
+    code, out, err = _plan(capsys, "--model", "llama-tiny", "--gpu", "a100-80gb",
+                           "--global-batch", "8", "--seq-len", "64", "--measure",
+                           "--nproc-per-node", "2", "--top", "1")
+    assert code == 2 and out == "" and err == (
+        "tessera plan: --measure --gpu a100-80gb runs 2 ranks on this machine's GPUs, but it has "
+        "0; measure with --gpu cpu (gloo ranks on this CPU), or run it on a machine with 2 GPUs\n")
