@@ -8,7 +8,6 @@ candidates, `tessera.plan.search`), `--serve`, `--calibrate` (`plan.calibrate`) 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -197,8 +196,3 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:  # PlanError, ConfigError and bad calibration files are ValueErrors
         print(f"tessera plan: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        # The reader left early (`tessera plan --json | head`): not an error of the plan.
-        # Point stdout at /dev/null so that the interpreter's final flush does not raise too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0

@@ -370,7 +370,8 @@ def test_fp8_tflops_print_whole_not_in_exponent_form(capsys):
 
 def test_a_reader_that_leaves_early_is_not_an_error():
     """`tessera plan --json | head`: the reader closes the pipe before the plan is written.
-    Exit 0 and no BrokenPipeError traceback (the closed pipe is the reader's choice)."""
+    Exit 0 and no BrokenPipeError traceback (the closed pipe is the reader's choice; handled
+    for every verb in `tessera/__main__.py`)."""
     import subprocess
     import sys
 
