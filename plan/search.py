@@ -355,12 +355,21 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                                     c = E.Config(
                                         tp=tp, pp=pp, virtual_stages=v, cp=cp, ep=ep, etp=etp,
                                         dp=dp, micro_batch=b, sequence_parallel=sp,
-                                        recompute=rc, recompute_layers=fixed.recompute_layers,
+                                        recompute=rc, recompute_layers=_layers_to_recompute(
+                                            fixed.recompute_layers, model, pp, v),
                                         sharded_optimizer=(dp * cp > 1
                                                            if fixed.sharded_optimizer is None
                                                            else fixed.sharded_optimizer))
                                     if not config_problems(job, c):
                                         yield c
+
+
+def _layers_to_recompute(fixed: int | None, model: ModelConfig, pp: int, v: int) -> int | None:
+    """The fixed layers to recompute as a candidate with `pp` x `v` chunks runs them: a count
+    of at least a chunk's layers recomputes them all, which None says (`estimate.memory`)."""
+    if fixed is None or fixed < model.num_layers // (pp * v):
+        return fixed
+    return None
 
 
 def _settle_recompute_layers(job: TrainingJob, c: E.Config, fixed: Fixed) -> E.Config | None:

@@ -482,3 +482,12 @@ def test_fixed_recompute_layers_implies_full_recompute():
     assert ranked and all(c.recompute == "full" and c.recompute_layers == 2 for c in ranked)
     with pytest.raises(PlanError, match="needs recompute='full'"):
         Fixed(recompute="selective", recompute_layers=2)
+
+
+def test_fixed_recompute_layers_past_a_chunk_read_as_all():
+    # 24 layers: 9 layers to recompute are 9 of a pp1 or pp2 chunk, but all of a pp2 v2
+    # (6-layer) chunk, which the candidate says with None (as estimate.memory counts it).
+    job = TrainingJob(ModelConfig.from_name("gpt-1.7b"), 8, A100, 64, 2048)
+    ranked = plan_training(job, Fixed(recompute_layers=9), top=500)
+    seen = {(c.pp, c.virtual_stages): c.recompute_layers for c in ranked}
+    assert seen[(1, 1)] == 9 and seen[(2, 1)] == 9 and seen[(2, 2)] is None
