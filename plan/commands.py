@@ -102,11 +102,8 @@ def _train(args: argparse.Namespace) -> int:
                       precision=precision, overlap_grad_reduce=args.gpu != "cpu")
     fixed = Fixed(tp=args.tp, pp=args.pp, virtual_stages=args.virtual_stages, cp=args.cp,
                   ep=args.ep, etp=args.etp, micro_batch=args.micro_batch,
-                  sequence_parallel=args.sequence_parallel,
-                  # --recompute-layers N alone means full recomputation of N layers a stage.
-                  recompute=args.recompute or ("full" if args.recompute_layers is not None
-                                               else None),
-                  recompute_layers=args.recompute_layers)
+                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                  recompute_layers=args.recompute_layers)  # alone, Fixed reads it as full
     fitting = plan_training(job, fixed)
     shown = fitting[:args.top]
     why = explain(shown[0], shown[1]) if len(shown) > 1 else None
