@@ -40,6 +40,7 @@ The result is a flat JSON object (`hardware.CALIBRATION_KEYS` at least) that
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -176,7 +177,7 @@ def layer_gemm_tflops(tokens: int, h: int, n: int, seconds: float) -> float:
         total = 0.0
         for op in (lambda i: x[i] @ w[i], lambda i: dy[i] @ w[i].t(),
                    lambda i: x[i].t() @ dy[i]):
-            turn = iter(range(10**9))
+            turn = itertools.count()
             total += _median(cpu_times(lambda op=op, turn=turn: op(next(turn) % copies),
                                        seconds))
     return 3 * 2 * tokens * h * n / total / 1e12
@@ -229,8 +230,8 @@ def attention_tflops(batch: int, heads: int, seq: int, head_dim: int, seconds: f
         def run() -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-        best = _median(cpu_times(run, seconds))
-    return 3 * 4 * batch * seq * seq * heads * head_dim / best / 1e12
+        typical = _median(cpu_times(run, seconds))
+    return 3 * 4 * batch * seq * seq * heads * head_dim / typical / 1e12
 
 
 def loss_ns_per_logit(tokens: int, vocab: int, seconds: float) -> float:
