@@ -18,8 +18,8 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("micro-batch", lambda c: f"{c.micro_batch} x {c.micro_batches}"),
     ("recompute", lambda c: _recompute_text(c)),
     ("GiB/GPU", lambda c: f"{c.memory_gib:.1f} / {c.memory_capacity_gib:.0f}"),
-    ("step s", lambda c: _seconds(c.step_time_s)),
-    ("TFLOP/s/GPU", lambda c: _seconds(c.tflops_per_gpu, 1000)),
+    ("step s", lambda c: _figure(c.step_time_s)),
+    ("TFLOP/s/GPU", lambda c: _figure(c.tflops_per_gpu, 1000)),
     ("MFU", lambda c: f"{100 * c.mfu:.1f}%"),
     ("tokens/s", lambda c: human_count(c.tokens_per_s, digits=1)),
 )
@@ -39,9 +39,9 @@ def _duration(days: float) -> str:
     return f"{days * 86400:.1f} seconds"
 
 
-def _seconds(s: float, whole_from: float = 100) -> str:
+def _figure(x: float, whole_from: float = 100) -> str:
     """Three significant digits, whole numbers (never 1.15e+03) from `whole_from` up."""
-    return f"{s:.3g}" if s < whole_from else f"{s:,.0f}"
+    return f"{x:.3g}" if x < whole_from else f"{x:,.0f}"
 
 
 def table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
@@ -99,10 +99,10 @@ def breakdown(c: Any) -> list[str]:
     parts = [("compute", t.compute), ("bubble", t.bubble), ("tp comm", t.tp),
              ("pp comm", t.pp), ("dp comm (exposed)", t.dp), ("cp comm", t.cp),
              ("ep comm", t.ep), ("optimizer", t.optimizer)]
-    text = ", ".join(f"{name} {_seconds(v)}" + (f" (of which recompute {_seconds(t.recompute)})"
+    text = ", ".join(f"{name} {_figure(v)}" + (f" (of which recompute {_figure(t.recompute)})"
                                                  if name == "compute" and t.recompute else "")
                      for name, v in parts if v > 0)
-    lines.append(f"  step time       {_seconds(t.total)} s: {text}")
+    lines.append(f"  step time       {_figure(t.total)} s: {text}")
     return lines
 
 
