@@ -501,9 +501,13 @@ class CheckpointSeries:
 
     def prune(self, keep_last: int) -> None:
         """Delete all but the newest `keep_last` complete checkpoints (`keep_last <= 0`: keep
-        all) and whatever a crash mid-save left: temporary and replaced step directories."""
+        all) and whatever a crash mid-save left: temporary and replaced step directories, and
+        a temporary `latest` pointer from a writer killed between its write and its rename.
+        Only the one writer that calls `mark_latest` may call this (it runs after that)."""
         done = self.complete()
         for old in done[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         for stale in [*self.root.glob(".step-*.tmp-*"), *self.root.glob(".step-*.old-*")]:
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.root.glob(f".{self.POINTER}.tmp-*"):
+            stale.unlink(missing_ok=True)

@@ -83,6 +83,7 @@ def test_prune_keeps_the_newest_and_removes_crash_leftovers(tmp_path: Path):
     steps = [_step(series, s) for s in (1, 2, 3, 4)]
     (tmp_path / ".step-00000005.tmp-ab12cd34").mkdir()
     (tmp_path / ".step-00000004.old-ab12cd34").mkdir()
+    (tmp_path / ".latest.tmp-4242-ab12cd34").write_text("step-00000005\n")  # killed mid-rename
     series.prune(keep_last=2)
     assert series.complete() == steps[2:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
