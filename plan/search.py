@@ -26,6 +26,7 @@ from typing import Any
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.plan import estimate as E
+from tessera.plan.cluster import check_gpu_count, divisors
 from tessera.plan.errors import PlanError
 from tessera.plan.hardware import PROFILES, Hardware
 
@@ -277,13 +278,7 @@ def evaluate(job: TrainingJob, candidate_fields: dict[str, Any]) -> Candidate:
 
 
 def _check_job(job: TrainingJob) -> None:
-    if job.gpus < 1 or job.gpus_per_node < 1:
-        raise PlanError(f"gpus ({job.gpus}) and gpus_per_node ({job.gpus_per_node}) must be >= 1")
-    if job.gpus > job.gpus_per_node and job.gpus % job.gpus_per_node:
-        lo = job.gpus // job.gpus_per_node * job.gpus_per_node
-        raise PlanError(f"{job.gpus} GPUs is not a whole number of {job.gpus_per_node}-GPU "
-                        f"nodes; use {lo} or {lo + job.gpus_per_node}, or give the GPUs a node "
-                        "really has (gpus_per_node; --gpus-per-node on the command line)")
+    check_gpu_count(job.gpus, job.gpus_per_node)
     job.hardware.peak(job.precision)  # PlanError when the card lacks the precision
     if job.global_batch < 1 or job.seq_len < 1:
         raise PlanError("global_batch and seq_len must be >= 1")
@@ -300,10 +295,6 @@ def _layout(tp: int, pp: int, v: int, sp: bool, cp: int, dp: int = 1, ep: int = 
                   **extra)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _choices(fixed_value: Any, options: list[Any]) -> list[Any]:
     return [fixed_value] if fixed_value is not None else options
 
@@ -314,26 +305,26 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
     model, n, s = job.model, job.gpus, job.seq_len
     L = model.num_layers
     experts, _, _ = E.moe_fields(model)
-    tps = [t for t in _divisors(min(job.gpus_per_node, n)) if job.gpus_per_node % t == 0]
+    tps = [t for t in divisors(min(job.gpus_per_node, n)) if job.gpus_per_node % t == 0]
     cps = [c for c in (1, 2, 4, 8, 16, 32, 64) if s % (2 * c) == 0 and s // c >= MIN_CP_CHUNK
            and c <= job.gpus_per_node] or [1]
     if fit_only:
         tps = tps[::-1]
     for tp in _choices(fixed.tp, tps):
-        for pp in _choices(fixed.pp, _divisors(L)):
+        for pp in _choices(fixed.pp, divisors(L)):
             for cp in _choices(fixed.cp, cps if fixed.cp is None else []):
                 if n % (tp * pp * cp):
                     continue
                 dp = n // (tp * pp * cp)
                 if job.global_batch % dp:
                     continue
-                eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
+                eps = [e for e in divisors(dp * cp) if experts and experts % e == 0] or [1]
                 etps = sorted({1, tp}) if experts else [1]
                 per_dp = job.global_batch // dp
-                mbs = [b for b in _divisors(per_dp) if b <= MAX_MICRO_BATCH and not b & (b - 1)]
+                mbs = [b for b in divisors(per_dp) if b <= MAX_MICRO_BATCH and not b & (b - 1)]
                 if fit_only:
                     mbs = mbs[:1]
-                vs = [v for v in _divisors(L // pp) if pp > 1 or v == 1] if L % pp == 0 else []
+                vs = [v for v in divisors(L // pp) if pp > 1 or v == 1] if L % pp == 0 else []
                 if fit_only:
                     vs = vs[:1]
                 sps = [False, True] if tp > 1 and s % tp == 0 else [False]

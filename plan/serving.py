@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.plan import formulas as F
+from tessera.plan.cluster import check_gpu_count, divisors
 from tessera.plan.errors import PlanError
 from tessera.plan.hardware import Hardware
 
@@ -94,8 +95,7 @@ def plan_serving(
     the fewest GPUs that would hold it, or what the constraints would have to be. `tp` / `pp`
     fix those sizes (PlanError, saying which are valid, when none is).
     """
-    if gpus < 1:
-        raise PlanError(f"gpus must be >= 1, got {gpus}")
+    check_gpu_count(gpus, gpus_per_node)
     if context and model.position == "learned" and context > model.max_position_embeddings:
         raise PlanError(f"context {context} exceeds {model.name}'s "
                         f"{model.max_position_embeddings} learned positions; use --context "
@@ -198,8 +198,8 @@ def _options(model: ModelConfig, gpus: int, hardware: Hardware, precision: str, 
 def _layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> list[tuple[int, int]]:
     """Every (tp, pp) a replica can use: tp divides the node (and the heads), pp the layers,
     and tp x pp the GPUs."""
-    return [(tp, pp) for tp in _divisors(min(gpus, gpus_per_node)) if gpus_per_node % tp == 0
-            for pp in _divisors(model.num_layers)
+    return [(tp, pp) for tp in divisors(min(gpus, gpus_per_node)) if gpus_per_node % tp == 0
+            for pp in divisors(model.num_layers)
             if not gpus % (tp * pp) and not Layout(tp=tp, pp=pp).problems(model)]
 
 
@@ -219,7 +219,3 @@ def _fewest_gpus(model: ModelConfig, gpus: int, hardware: Hardware, precision: s
         if any(o.fits for o in options):
             return n
     return None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -164,12 +164,14 @@ def test_output_carries_cp_and_ep(capsys, tmp_path):
     (["--model", "llama-1b", "--gpus", "12", "--gpu", "h100-80gb", "--global-batch", "48",
       "--seq-len", "2048"], "not a whole number of 8-GPU nodes; use 8 or 16, or give the GPUs a "
      "node really has (gpus_per_node; --gpus-per-node on the command line)"),
+    (["--serve", "--model", "llama-1b", "--gpus", "12", "--gpu", "h100-80gb"],
+     "12 GPUs is not a whole number of 8-GPU nodes; use 8 or 16"),
     (["--model", "llama-1b", "--gpus", "8", "--seq-len", "2048"], "needs --global-batch"),
     (["--model", "no-such-model", "--gpus", "8", "--global-batch", "8", "--seq-len", "64"],
      "unknown model preset 'no-such-model'"),
     (["--model", "llama-1b", "--gpus", "8", "--global-batch", "8", "--seq-len", "2048",
       "--tp", "3"], "(fixed: tp=3)"),
-], ids=["does-not-fit", "partial-node", "no-batch", "unknown-model", "bad-tp"])
+], ids=["does-not-fit", "partial-node", "serve-partial-node", "no-batch", "unknown-model", "bad-tp"])
 def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     code, out, err = _plan(capsys, *argv)
     assert code == 2 and out == ""

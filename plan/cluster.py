@@ -1,0 +1,30 @@
+"""GPU counts the planner accepts, and the sizes a parallel dimension can take.
+
+Training and serving plans share these rules, so a cluster that one refuses the other refuses
+with the same words.
+"""
+
+from __future__ import annotations
+
+from tessera.plan.errors import PlanError
+
+
+def check_gpu_count(gpus: int, gpus_per_node: int) -> None:
+    """Raise PlanError unless `gpus` is part of one node or a whole number of nodes.
+
+    A job smaller than a node may use part of it; beyond one node, a count that is not a
+    multiple of the node size describes no real cluster, so the message names the nearest
+    counts that do, and the flag that says how many GPUs a node really has.
+    """
+    if gpus < 1 or gpus_per_node < 1:
+        raise PlanError(f"gpus ({gpus}) and gpus_per_node ({gpus_per_node}) must be >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        lo = gpus // gpus_per_node * gpus_per_node
+        raise PlanError(f"{gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes; use "
+                        f"{lo} or {lo + gpus_per_node}, or give the GPUs a node really has "
+                        "(gpus_per_node; --gpus-per-node on the command line)")
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of `n`, ascending (the sizes a dimension of `n` splits into)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
