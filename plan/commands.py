@@ -47,13 +47,19 @@ def _model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def _hardware(args: argparse.Namespace, ranks_per_node: int) -> Hardware:
-    """The `--gpu` profile. For `cpu`: this machine's calibration (made now if there is none),
-    its memory shared by the ranks on it, and its GEMM rate, memory bandwidth (the
-    memory-bound ops run on the same cores) and fixed per-op costs shared when there are more
-    ranks than cores (the calibration is one rank on one core)."""
+    """The `--gpu` profile. For `cpu`: this machine's calibration (made now if the default
+    file is missing; a `--calibration-file` that does not exist is refused, since a mistyped
+    path should not cost a calibration and leave a file there), its memory shared by the
+    ranks on it, and its GEMM rate, memory bandwidth (the memory-bound ops run on the same
+    cores) and fixed per-op costs shared when there are more ranks than cores (the
+    calibration is one rank on one core)."""
     if args.gpu != "cpu":
         return load_hardware(args.gpu)
     path = _calibration_path(args)
+    if not path.is_file() and args.calibration_file:
+        raise PlanError(f"--calibration-file {path} does not exist: make it with `tessera plan "
+                        f"--calibrate --calibration-file {path}`, or leave the flag out to use "
+                        "the default calibration (measured on first use)")
     if not path.is_file():
         from tessera.plan.calibrate import calibrate
 

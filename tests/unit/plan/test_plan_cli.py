@@ -178,6 +178,16 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     assert err.startswith("tessera plan: ") and message in err and "Traceback" not in err
 
 
+def test_a_missing_calibration_file_is_refused_not_measured(capsys, tmp_path):
+    typo = tmp_path / "cpu-calibraton.json"
+    code, out, err = _plan(capsys, "--gpu", "cpu", "--calibration-file", str(typo), "--model",
+                           "llama-tiny", "--gpus", "2", "--global-batch", "8", "--seq-len", "64")
+    assert code == 2 and out == ""
+    assert f"--calibration-file {typo} does not exist: make it with `tessera plan --calibrate " \
+        f"--calibration-file {typo}`" in err
+    assert not typo.exists()  # nothing measured, nothing written
+
+
 def test_unknown_gpu_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", *GPU_JOB[:4], "--gpu", "v100"])
