@@ -116,6 +116,12 @@ def plan_serving(
                    f"({best.replicas} replica(s)), {best.memory_gib:.1f} of "
                    f"{hardware.memory_gib:.1f} GiB per GPU, up to {best.max_batch} sequences of "
                    f"{context} tokens, {best.time_per_token_s * 1e3:.1f} ms per output token")
+        if precision == "fp8" and "fp8" not in hardware.peak_tflops:
+            # vLLM's docs: without FP8 tensor cores (before sm_89) FP8 checkpoints run as W8A16.
+            message += (f"; {hardware.name} has no FP8 tensor cores, so this is weight-only FP8 "
+                        "(W8A16: weights widened to 16 bits inside each GEMM, as vLLM's FP8 "
+                        "Marlin kernels run them): decode keeps the halved weight reads, "
+                        "prefill runs at the 16-bit rate")
         return ServingPlan(model.name, precision, gpus, hardware.name, True, best, options,
                            message)
     fitting = [o for o in options if o.fits]

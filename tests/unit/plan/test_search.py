@@ -243,6 +243,17 @@ def test_nemotron4_340b_serving_on_one_dgx_h100():
     assert fp8.recommended.tp * fp8.recommended.pp == 8
     assert fp8.recommended.memory_gib <= h100.memory_gib
     assert fp8.recommended.max_batch >= 1
+    assert "weight-only" not in fp8.message  # H100 runs FP8 GEMMs
+
+
+def test_fp8_serving_on_a100_is_said_to_be_weight_only():
+    a100 = load_hardware("a100-80gb")
+    plan = plan_serving(ModelConfig.from_name("llama3-8b"), 8, a100, "fp8")
+    bf16 = plan_serving(ModelConfig.from_name("llama3-8b"), 8, a100, "bf16")
+    assert plan.fits and "a100-80gb has no FP8 tensor cores, so this is weight-only FP8" in \
+        plan.message
+    # Decode streams the weights, so the halved bytes still shorten a token.
+    assert plan.recommended.time_per_token_s < bf16.recommended.time_per_token_s
 
 
 def test_gradient_reduction_overlaps_only_where_the_2021_schedules_let_it():
