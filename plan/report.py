@@ -40,8 +40,9 @@ def _duration(days: float) -> str:
 
 
 def _figure(x: float, whole_from: float = 100) -> str:
-    """Three significant digits, whole numbers (never 1.15e+03) from `whole_from` up."""
-    return f"{x:.3g}" if x < whole_from else f"{x:,.0f}"
+    """Three significant digits, trailing zeros kept so a column reads evenly (0.0200 beside
+    0.0203, not 0.02); whole numbers (never 1.15e+03) from `whole_from` up."""
+    return f"{x:#.3g}".rstrip(".") if x < whole_from else f"{x:,.0f}"
 
 
 def table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:

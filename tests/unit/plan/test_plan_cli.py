@@ -64,14 +64,14 @@ def test_table_ranks_the_api_candidates_and_breaks_down_the_best(capsys):
         mark = "*" if rank == 1 else "\u2248" if within_model_error(expected[0], c) else ""
         assert cells[0] == f"{rank}{mark}"
         assert " ".join(cells[1:1 + len(c.layout.split())]) == c.layout
-        assert f"{c.step_time_s:.3g}" in row and f"{c.memory_gib:.1f} / 80" in row
+        assert f"{c.step_time_s:#.3g}" in row and f"{c.memory_gib:.1f} / 80" in row
         assert f"{100 * c.mfu:.1f}%" in row and f"{c.days:.1f}" == cells[-1]
     assert lines[head + 6].startswith("  \u2248 #1 is predicted at most 6.5% faster")
     assert lines[head + 7] == ""  # exactly --top rows, then the legend
     best = expected[0]
     assert f"best: {best.layout}, micro-batch {best.micro_batch} x {best.micro_batches}" in out
     assert f"memory per GPU  {best.memory_gib:.2f} GiB of 80.0: weights" in out
-    assert f"step time       {best.step_time_s:.3g} s: compute" in out
+    assert f"step time       {best.step_time_s:#.3g} s: compute" in out
     assert f"training time   {best.days:.1f} days for 100.0B tokens" in out
     assert "why #1: " in out
 
