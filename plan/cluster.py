@@ -9,6 +9,11 @@ from __future__ import annotations
 from tessera.plan.errors import PlanError
 
 
+def fills_whole_nodes(gpus: int, gpus_per_node: int) -> bool:
+    """Whether `gpus` is part of one node or a whole number of nodes (the counts a plan takes)."""
+    return gpus <= gpus_per_node or gpus % gpus_per_node == 0
+
+
 def check_gpu_count(gpus: int, gpus_per_node: int) -> None:
     """Raise PlanError unless `gpus` is part of one node or a whole number of nodes.
 
@@ -18,7 +23,7 @@ def check_gpu_count(gpus: int, gpus_per_node: int) -> None:
     """
     if gpus < 1 or gpus_per_node < 1:
         raise PlanError(f"gpus ({gpus}) and gpus_per_node ({gpus_per_node}) must be >= 1")
-    if gpus > gpus_per_node and gpus % gpus_per_node:
+    if not fills_whole_nodes(gpus, gpus_per_node):
         lo = gpus // gpus_per_node * gpus_per_node
         raise PlanError(f"{gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes; use "
                         f"{lo} or {lo + gpus_per_node}, or give the GPUs a node really has "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.plan import formulas as F
-from tessera.plan.cluster import check_gpu_count, divisors
+from tessera.plan.cluster import check_gpu_count, divisors, fills_whole_nodes
 from tessera.plan.errors import PlanError
 from tessera.plan.hardware import Hardware
 
@@ -215,8 +215,8 @@ def _fewest_gpus(model: ModelConfig, gpus: int, hardware: Hardware, precision: s
     """The fewest GPUs (more than `gpus`, up to 8x as many) on which some layout holds the
     model with `batch` sequences of `context` tokens; None when none does."""
     for n in range(gpus + 1, 8 * gpus + 1):
-        if n > gpus_per_node and n % gpus_per_node:
-            continue  # whole nodes beyond one
+        if not fills_whole_nodes(n, gpus_per_node):
+            continue
         try:
             options = _options(model, n, hardware, precision, batch, context, gpus_per_node,
                                kv_precision, tp, pp)
