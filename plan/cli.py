@@ -83,6 +83,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _gpu(text: str) -> str:
+    """A profile name, or a JSON file holding a whole profile (a card the table lacks)."""
+    if text in GPUS or text.endswith(".json"):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {', '.join(GPUS)}, or a hardware profile "
+        "PATH.json that gives every field of tessera.plan.Hardware by name)")
+
+
 def _positive_float(text: str) -> float:
     value = _number(text, float)
     if not value > 0:
@@ -118,8 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--gpus", type=_positive, metavar="N", default=None,
                          help="GPUs (ranks) in all (default: --nproc-per-node with --measure; "
                          "else required)")
-    cluster.add_argument("--gpu", choices=GPUS, default="h100-80gb",
-                         help="GPU model, or cpu for this machine's calibrated CPU ranks")
+    cluster.add_argument("--gpu", type=_gpu, default="h100-80gb",
+                         metavar="{" + ",".join(GPUS) + ",PATH.json}",
+                         help="GPU model, cpu for this machine's calibrated CPU ranks, or a JSON "
+                         "hardware profile for another card (every field of "
+                         "tessera.plan.Hardware: name, peak_tflops, memory_gib, memory_gbps, "
+                         "intra_node_gbps, inter_node_gbps, ...)")
     cluster.add_argument("--gpus-per-node", type=_positive, metavar="N", default=None,
                          help="GPUs per node; tensor parallelism stays within one (default: 8; "
                          "with --gpu cpu all ranks are on this node)")

@@ -188,6 +188,24 @@ def test_a_missing_calibration_file_is_refused_not_measured(capsys, tmp_path):
     assert not typo.exists()  # nothing measured, nothing written
 
 
+def test_a_json_hardware_profile_plans_like_the_built_in_one(capsys, tmp_path):
+    profile = tmp_path / "my-h100.json"
+    fields = dataclasses.asdict(load_hardware("h100-80gb"))
+    profile.write_text(json.dumps({**fields, "name": "my-h100"}))
+    job = ["--model", "llama-1b", "--gpus", "16", "--global-batch", "256", "--seq-len", "2048",
+           "--top", "3"]
+    _, built_in, _ = _plan(capsys, *job, "--gpu", "h100-80gb", "--json")
+    code, custom, _ = _plan(capsys, *job, "--gpu", str(profile), "--json")
+    assert code == 0 and json.loads(custom) == json.loads(built_in)
+    code, text, _ = _plan(capsys, *job, "--gpu", str(profile))
+    assert code == 0 and text.startswith("tessera plan: llama-1b on 16 x my-h100 (")
+    profile.write_text(json.dumps({**fields, "hbm_gib": 80}))
+    code, _, err = _plan(capsys, *job, "--gpu", str(profile))
+    assert code == 2 and "unknown hardware fields ['hbm_gib']" in err
+    code, _, err = _plan(capsys, *job, "--gpu", str(tmp_path / "missing.json"))
+    assert code == 2 and f"no hardware profile at {tmp_path / 'missing.json'}" in err
+
+
 def test_unknown_gpu_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", *GPU_JOB[:4], "--gpu", "v100"])
