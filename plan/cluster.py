@@ -1,4 +1,4 @@
-"""GPU counts the planner accepts, and the sizes a parallel dimension can take.
+"""GPU counts the planner accepts.
 
 Training and serving plans share these rules, so a cluster that one refuses the other refuses
 with the same words.
@@ -28,8 +28,3 @@ def check_gpu_count(gpus: int, gpus_per_node: int) -> None:
         raise PlanError(f"{gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes; use "
                         f"{lo} or {lo + gpus_per_node}, or give the GPUs a node really has "
                         "(gpus_per_node; --gpus-per-node on the command line)")
-
-
-def divisors(n: int) -> list[int]:
-    """Every positive divisor of `n`, ascending (the sizes a dimension of `n` splits into)."""
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
-from tessera.core.config import Layout, ModelConfig
+from tessera.core.config import Layout, ModelConfig, divisors
 from tessera.plan import estimate as E
-from tessera.plan.cluster import check_gpu_count, divisors
+from tessera.plan.cluster import check_gpu_count
 from tessera.plan.errors import PlanError
 from tessera.plan.hardware import PROFILES, Hardware
 

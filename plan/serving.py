@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.core.config import Layout, ModelConfig
+from tessera.core.config import Layout, ModelConfig, divisors
 from tessera.plan import formulas as F
-from tessera.plan.cluster import check_gpu_count, divisors, fills_whole_nodes
+from tessera.plan.cluster import check_gpu_count, fills_whole_nodes
 from tessera.plan.errors import PlanError
 from tessera.plan.hardware import Hardware
 
