@@ -114,7 +114,7 @@ def _train(args: argparse.Namespace) -> int:
     shown = fitting[:args.top]
     why = explain(shown[0], shown[1]) if len(shown) > 1 else None
     if args.output:
-        _write_output(args, shown[0], model_fields, precision, gpus)
+        _write_output(args, shown[0], model_fields, precision, gpus, hw.name)
     measured, rho = None, None
     if args.measure:
         measured, rho = _measure(args, shown, model, model_fields, precision, gpus)
@@ -153,14 +153,15 @@ def _run_config(args, candidate, model_fields, precision) -> dict[str, Any]:
                       precision=precision, tokens=args.tokens)
 
 
-def _write_output(args, best, model_fields, precision, gpus) -> None:
+def _write_output(args, best, model_fields, precision, gpus, hardware_name: str) -> None:
+    from tessera.plan.report import figure
     from tessera.plan.run_config import write_run_config
 
     config = _run_config(args, best, model_fields, precision)
-    header = (f"Planned by `tessera plan` for {gpus} x {args.gpu}: {best.layout}, micro-batch "
-              f"{best.micro_batch}, recompute {best.recompute};\npredicted "
-              f"{best.memory_gib:.1f} GiB per GPU, {best.step_time_s:.3g} s per step, "
-              f"{best.tflops_per_gpu:.3g} TFLOP/s per GPU.\nAdd the data: tessera pretrain "
+    header = (f"Planned by `tessera plan` for {gpus} x {hardware_name}: {best.layout}, "
+              f"micro-batch {best.micro_batch}, recompute {best.recompute};\npredicted "
+              f"{best.memory_gib:.1f} GiB per GPU, {figure(best.step_time_s)} s per step, "
+              f"{figure(best.tflops_per_gpu, 1000)} TFLOP/s per GPU.\nAdd the data: tessera pretrain "
               f"--config {Path(args.output).name} --data PREFIX --tokenizer TOKENIZER")
     path = Path(args.output)
     if path.is_dir():

@@ -18,8 +18,8 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
     ("micro-batch", lambda c: f"{c.micro_batch} x {c.micro_batches}"),
     ("recompute", lambda c: _recompute_text(c)),
     ("GiB/GPU", lambda c: f"{c.memory_gib:.1f} / {c.memory_capacity_gib:.0f}"),
-    ("step s", lambda c: _figure(c.step_time_s)),
-    ("TFLOP/s/GPU", lambda c: _figure(c.tflops_per_gpu, 1000)),
+    ("step s", lambda c: figure(c.step_time_s)),
+    ("TFLOP/s/GPU", lambda c: figure(c.tflops_per_gpu, 1000)),
     ("MFU", lambda c: f"{100 * c.mfu:.1f}%"),
     ("tokens/s", lambda c: human_count(c.tokens_per_s, digits=1)),
 )
@@ -39,7 +39,7 @@ def _duration(days: float) -> str:
     return f"{days * 86400:.1f} seconds"
 
 
-def _figure(x: float, whole_from: float = 100) -> str:
+def figure(x: float, whole_from: float = 100) -> str:
     """Three significant digits, trailing zeros kept so a column reads evenly (0.0200 beside
     0.0203, not 0.02); whole numbers (never 1.15e+03) from `whole_from` up."""
     return f"{x:#.3g}".rstrip(".") if x < whole_from else f"{x:,.0f}"
@@ -100,10 +100,10 @@ def breakdown(c: Any) -> list[str]:
     parts = [("compute", t.compute), ("bubble", t.bubble), ("tp comm", t.tp),
              ("pp comm", t.pp), ("dp comm (exposed)", t.dp), ("cp comm", t.cp),
              ("ep comm", t.ep), ("optimizer", t.optimizer)]
-    text = ", ".join(f"{name} {_figure(v)}" + (f" (of which recompute {_figure(t.recompute)})"
+    text = ", ".join(f"{name} {figure(v)}" + (f" (of which recompute {figure(t.recompute)})"
                                                  if name == "compute" and t.recompute else "")
                      for name, v in parts if v > 0)
-    lines.append(f"  step time       {_figure(t.total)} s: {text}")
+    lines.append(f"  step time       {figure(t.total)} s: {text}")
     return lines
 
 

@@ -197,8 +197,10 @@ def test_a_json_hardware_profile_plans_like_the_built_in_one(capsys, tmp_path):
     _, built_in, _ = _plan(capsys, *job, "--gpu", "h100-80gb", "--json")
     code, custom, _ = _plan(capsys, *job, "--gpu", str(profile), "--json")
     assert code == 0 and json.loads(custom) == json.loads(built_in)
-    code, text, _ = _plan(capsys, *job, "--gpu", str(profile))
+    out = tmp_path / "run.yaml"
+    code, text, _ = _plan(capsys, *job, "--gpu", str(profile), "--output", str(out))
     assert code == 0 and text.startswith("tessera plan: llama-1b on 16 x my-h100 (")
+    assert out.read_text().startswith("# Planned by `tessera plan` for 16 x my-h100: ")
     profile.write_text(json.dumps({**fields, "hbm_gib": 80}))
     code, _, err = _plan(capsys, *job, "--gpu", str(profile))
     assert code == 2 and "unknown hardware fields ['hbm_gib']" in err
