@@ -139,6 +139,8 @@ def _train(args: argparse.Namespace) -> int:
         print("\n" + measured_text(shown, measured, rho, setting))
     if args.output:
         run = f"-m tessera pretrain --config {args.output} --data PREFIX"
+        if model.family == "t5":  # span corruption puts its sentinels above the tokenizer's
+            run += " --tokenizer TOKENIZER"
         launch = (f"torchrun --nproc-per-node {gpus} {run}" if gpus <= per_node else
                   f"torchrun --nnodes {gpus // per_node} --nproc-per-node {per_node} {run}")
         print(f"\nwrote {args.output}; run it with\n  {launch}")

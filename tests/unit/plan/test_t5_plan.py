@@ -67,3 +67,57 @@ def test_t5_fp8_refused():
                       precision="fp8")
     with pytest.raises(PlanError, match="T5 does not train in fp8"):
         plan_training(job)
+
+
+def test_t5_memory_is_the_busiest_stage():
+    # pp 2: stage 0 holds the embedding and 6 encoder layers, stage 1 the 6 decoder layers, a
+    # copy of the embedding and the untied output: 162,623,616 parameters (t5_formulas'
+    # per-stage count, whose sum over stages is checked against HF in test_t5_counts.py),
+    # 2 bytes each in bf16, 4 for the fp32 main gradients. At micro-batch 1 stage 0's two
+    # micro-batches of encoder activations (~0.25 GB) weigh less than stage 1's extra 53M
+    # parameters of model state (~0.85 GB), so stage 1 is the peak.
+    from tessera.plan import evaluate
+
+    c = evaluate(_job(), dict(tp=1, pp=2, dp=4, micro_batch=1))
+    assert c.memory.weights == pytest.approx(2 * 162_623_616 / 2**30, rel=1e-12)
+    assert c.memory.gradients == pytest.approx(4 * 162_623_616 / 2**30, rel=1e-12)
+    assert c.time.recompute == 0 and c.time.bubble > 0
+
+
+def test_t5_flops_and_mfu_count_both_stacks():
+    from tessera.plan import estimate as E
+    from tessera.plan import evaluate
+    from tessera.plan.t5_formulas import t5_flops_per_step
+
+    job = _job()
+    flops = t5_flops_per_step(job.model, 256, 512, 116)
+    assert E.hardware_flops(job._estimate, "none") == flops
+    c = evaluate(job, dict(tp=1, pp=1, dp=8, micro_batch=8))
+    assert c.tflops_per_gpu == pytest.approx(flops / c.step_time_s / 8 / 1e12, rel=1e-12)
+    # By hand, t5-base (h 768, 12 heads x 64, f 2048 gated, V 32128, 12 + 12 layers), s_e 512,
+    # s_d 116, forward per sample:
+    #   encoder layer 2 x 512 x (4 x 768^2 + 3 x 768 x 2048) + 4 x 512^2 x 768 = 8,053,063,680
+    #   decoder layer 2 x 116 x (6 x 768^2 + 3 x 768 x 2048) + 2 x 512 x 2 x 768^2
+    #                 + 4 x 116 x (116 + 512) x 768 = 3,347,496,960
+    #   output 2 x 116 x 768 x 32128 = 5,724,438,528
+    #   12 x 8,053,063,680 + 12 x 3,347,496,960 + 5,724,438,528 = 142,531,166,208
+    # step: 3 (forward + backward) x 256 samples = 109,463,935,647,744; a decoder-only count of
+    # 12 layers over 512 tokens gave 93,621,697,118,208 (no decoder stack, logits over 512).
+    assert flops == 3 * 256 * 142_531_166_208 == 109_463_935_647_744
+
+
+def test_t5_output_yaml_is_what_pretrain_runs(tmp_path, capsys):
+    """`tessera plan --output` for T5 writes a config `tessera pretrain` loads and its T5
+    objective accepts (with the tokenizer the data needs), through the real loaders."""
+    from tessera.__main__ import main
+    from tessera.training.config import load_config
+    from tessera.training.objectives import check_objective
+
+    path = tmp_path / "run.yaml"
+    assert main(["plan", "--model", "t5-tiny", "--gpus", "2", "--gpu", "a100-80gb",
+                 "--global-batch", "8", "--seq-len", "128", "--pp", "2",
+                 "--output", str(path)]) == 0
+    assert "--tokenizer TOKENIZER" in capsys.readouterr().out
+    cfg, _ = load_config(["--config", str(path), "--tokenizer", "tok.model"])
+    assert (cfg.model.family, cfg.parallel.pp, cfg.parallel.recompute) == ("t5", 2, "none")
+    check_objective(cfg)  # raises ConfigError on anything T5 pretraining refuses
