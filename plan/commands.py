@@ -97,7 +97,11 @@ def _train(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or (gpus if args.gpu == "cpu" else 8)
     model, model_fields = _model(args)
     from tessera.plan.flag_checks import check_recompute_layers
+    from tessera.plan.t5_rules import t5_mode_problems
 
+    refused = t5_mode_problems(model, measure=args.measure)
+    if refused:
+        raise PlanError("; ".join(refused))
     check_recompute_layers(args, model.num_layers)
     hw = _hardware(args, min(gpus, per_node))
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")

@@ -24,6 +24,24 @@ def t5_job_problems(model: ModelConfig, precision: str) -> list[str]:
     return []
 
 
+def t5_mode_problems(model: ModelConfig, serve: bool = False, measure: bool = False
+                     ) -> list[str]:
+    """The planner's modes that do not model a T5 yet (empty for other models): serving (its
+    KV cache and time per token are a decoder-only's) and `--measure` (its runs read token
+    data without a tokenizer, which T5's sentinels need)."""
+    if not is_t5(model):
+        return []
+    out = []
+    if serve:
+        out.append("--serve plans decoder-only models; T5's encoder pass and cross-attention "
+                   "cache are not modelled (plan its training without --serve)")
+    if measure:
+        out.append("--measure runs candidates on token data without a tokenizer, and T5 span "
+                   "corruption needs one; plan T5 analytically (leave out --measure) and run "
+                   "the --output config with tessera pretrain --tokenizer")
+    return out
+
+
 def t5_config_problems(model: ModelConfig, recompute: str) -> list[str]:
     """What one configuration's schedule asks of a T5 that T5 pretraining refuses."""
     if is_t5(model) and recompute not in T5_RECOMPUTE:

@@ -121,3 +121,38 @@ def test_t5_output_yaml_is_what_pretrain_runs(tmp_path, capsys):
     cfg, _ = load_config(["--config", str(path), "--tokenizer", "tok.model"])
     assert (cfg.model.family, cfg.parallel.pp, cfg.parallel.recompute) == ("t5", 2, "none")
     check_objective(cfg)  # raises ConfigError on anything T5 pretraining refuses
+
+
+def test_t5_layer_activations_by_hand():
+    from tessera.plan.t5_formulas import (
+        t5_decoder_layer_activation_bytes as dec,
+    )
+    from tessera.plan.t5_formulas import (
+        t5_encoder_layer_activation_bytes as enc,
+    )
+
+    m = ModelConfig.from_name("t5-tiny")  # h 64, a 4 x d 16, f 128 gated
+    # Encoder, s_e 32, b 2: s b h = 4096; Korthikanti units 10 replicated + 20 split (q 2, k v
+    # 4, projection input 2, gated MLP 6 f/h = 12) + scores 5 a s/h = 10 -> 163,840; the
+    # relative bias + padding mask 2 b a s^2 = 16,384.
+    assert enc(m, 32, 2) == 163_840 + 16_384
+    # tp 2 with sequence parallelism and a fused kernel: 4096 x (10 + 20)/2 + 2 x 2 x 2 x 32^2.
+    assert enc(m, 32, 2, 2, True, True) == 61_440 + 8_192
+    # Decoder, s_d 9: s b h = 1152 -> 1152 x (10 + 20 + 5 x 4 x 9/64) = 37,800; causal bias
+    # 2 a s_d^2 = 648; cross-attention 5 x 1152 (norm and q inputs, dropout) + 4 x 1152
+    # (q, projection input) + 4 x 32 x 2 x 64 (k, v) = 26,752; its scores 5 b a s_d s_e =
+    # 11,520.
+    assert dec(m, 9, 32, 2) == 37_800 + 648 + 26_752 + 11_520
+    # tp 2, sp, fused: 1152 x 15 + 2 x 2 x 81 + (5 x 1152 + 4 x 1152 + 4 x 4096) / 2.
+    assert dec(m, 9, 32, 2, 2, True, True) == 17_280 + 324 + 13_376
+
+
+def test_t5_serving_and_measure_refused(capsys):
+    from tessera.__main__ import main
+    from tessera.plan import plan_serving
+
+    with pytest.raises(PlanError, match="--serve plans decoder-only models"):
+        plan_serving(ModelConfig.from_name("t5-base"), 8, load_hardware("h100-80gb"))
+    assert main(["plan", "--measure", "--nproc-per-node", "2", "--model", "t5-tiny", "--gpu",
+                 "cpu", "--global-batch", "8", "--seq-len", "128"]) == 2
+    assert "T5 span corruption needs one" in capsys.readouterr().err
