@@ -89,3 +89,23 @@ def test_t5_flops_by_hand_and_by_flop_counter():
     with FlopCounterMode(display=False) as counter:
         hf(input_ids=enc, labels=labels).loss.backward()
     assert counter.get_total_flops() == 56_183_808
+
+
+@pytest.mark.parametrize("preset, overrides, pps", [
+    ("t5-base", {}, (2, 3, 4, 6)),
+    ("t5-tiny", dict(num_decoder_layers=4), (2, 3, 6)),
+    ("t5-tiny", ORIGINAL, (2, 3, 4)),  # tied: the last stage holds a copy of the embedding
+])
+def test_t5_stage_parameters_equal_tessera_stages(preset, overrides, pps):
+    """Per pipeline stage, the planner's count is what `core.t5.T5Model` builds for that
+    stage (on the meta device; tp 1), so the busiest stage's memory is the real one's."""
+    from tessera.core.config import Layout
+    from tessera.core.t5 import T5Model
+
+    model = dataclasses.replace(ModelConfig.from_name(preset), **overrides)
+    for pp in pps:
+        with torch.device("meta"):
+            built = [sum(p.numel() for p in T5Model(model, Layout(pp=pp), stage_id=k,
+                                                    num_stages=pp).parameters())
+                     for k in range(pp)]
+        assert t5_stage_parameters(model, pp) == built, pp
