@@ -109,3 +109,17 @@ def test_t5_stage_parameters_equal_tessera_stages(preset, overrides, pps):
                                                     num_stages=pp).parameters())
                      for k in range(pp)]
         assert t5_stage_parameters(model, pp) == built, pp
+
+
+@pytest.mark.parametrize("preset", ["t5-base", "t5-tiny"])
+def test_t5_tp_rank_parameters_equal_the_sharding_rules(preset):
+    """One tp rank's count (pp 1) is the sum of `core.parallel.sharding.local_shape` over the
+    model's parameters: heads, FFN and vocabulary rows split, norms replicated."""
+    import math
+
+    from tessera.core.parallel.sharding import global_param_shapes, local_shape
+
+    model = ModelConfig.from_name(preset)
+    for tp in (1, 2, 4):
+        local = sum(math.prod(local_shape(n, model, tp)) for n in global_param_shapes(model))
+        assert t5_stage_parameters(model, 1, tp) == [local], tp
