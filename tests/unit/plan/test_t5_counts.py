@@ -62,7 +62,7 @@ def test_t5_parameters_equal_hf(preset, overrides):
 
 def test_t5_decoder_length_is_the_data_target_length():
     # training.t5_data builds its samples from the same core.t5_span shape: 512 encoder tokens
-    # -> raw windows of 568 (noise 85-86 tokens, at most 29 spans), targets of 86 + 29 + 1.
+    # -> raw windows of 567 (noise 85-86 tokens, at most 29 spans), targets of 86 + 29 + 1.
     assert t5_decoder_length(512) == 116
     assert t5_decoder_length(512, tp=8, sequence_parallel=True) == 120
     from tessera.training.t5_data import fit_raw_length
