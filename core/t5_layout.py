@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from tessera.core.config import ConfigError, Layout, ModelConfig, divisors
 
+# What T5 training runs with beyond the layout rules below: no activation recomputation, and
+# no FP8 (it covers the decoder-only blocks). `training.t5_objective.problems` refuses the rest
+# as flags; the planner (`tessera.plan`) searches only these.
+T5_RECOMPUTE = ("none",)
+T5_REFUSED_PRECISIONS = ("fp8",)
+
 
 def decoder_layers(config: ModelConfig) -> int:
     """The decoder's layer count (`num_decoder_layers`, by default the encoder's)."""
@@ -56,6 +62,19 @@ def t5_stage_layers(stage_id: int, num_stages: int, config: ModelConfig,
         return range(stage_id * per, (stage_id + 1) * per), range(0)
     per, k = dec // (num_stages - split), stage_id - split
     return range(0), range(k * per, (k + 1) * per)
+
+
+def t5_pipeline_sizes(config: ModelConfig) -> list[int]:
+    """The pipeline stage counts `t5_stage_split` accepts for `config` (with its default
+    split): 1, and those whose encoder and decoder stages divide their layers evenly."""
+    out = []
+    for stages in range(1, config.num_layers + decoder_layers(config) + 1):
+        try:
+            t5_stage_split(config, stages)
+        except ConfigError:
+            continue
+        out.append(stages)
+    return out
 
 
 def t5_model_problems(config: ModelConfig) -> list[str]:

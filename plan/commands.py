@@ -97,7 +97,11 @@ def _train(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or (gpus if args.gpu == "cpu" else 8)
     model, model_fields = _model(args)
     from tessera.plan.flag_checks import check_recompute_layers
+    from tessera.plan.t5_rules import t5_mode_problems
 
+    refused = t5_mode_problems(model, measure=args.measure)
+    if refused:
+        raise PlanError("; ".join(refused))
     check_recompute_layers(args, model.num_layers)
     hw = _hardware(args, min(gpus, per_node))
     precision = args.precision or ("fp32" if args.gpu == "cpu" else "bf16")
@@ -139,6 +143,8 @@ def _train(args: argparse.Namespace) -> int:
         print("\n" + measured_text(shown, measured, rho, setting))
     if args.output:
         run = f"-m tessera pretrain --config {args.output} --data PREFIX"
+        if model.family == "t5":  # span corruption puts its sentinels above the tokenizer's
+            run += " --tokenizer TOKENIZER"
         launch = (f"torchrun --nproc-per-node {gpus} {run}" if gpus <= per_node else
                   f"torchrun --nnodes {gpus // per_node} --nproc-per-node {per_node} {run}")
         print(f"\nwrote {args.output}; run it with\n  {launch}")

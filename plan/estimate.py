@@ -226,7 +226,12 @@ def micro_batches(job: Job, c: Config) -> int:
 
 def memory(job: Job, c: Config) -> Memory:
     """Peak memory per GPU: the larger of the first pipeline rank (embedding, the most
-    micro-batches in flight) and the last (output layer and logits, one in flight)."""
+    micro-batches in flight) and the last (output layer and logits, one in flight). A T5:
+    `t5_estimate.memory`."""
+    if job.model.family == "t5":
+        from tessera.plan import t5_estimate
+
+        return t5_estimate.memory(job, c)
     model, s, b = job.model, job.seq_len, c.micro_batch
     h, L = model.hidden_size, model.num_layers
     params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep, c.etp)
@@ -466,7 +471,11 @@ def _step_flops(job: Job, recompute: str) -> float:
     """Dense layers run the dense MLP, MoE layers their top-k routed experts and the shared
     expert (`formulas.moe_active_mlp_weights`); the router and the shared expert's gate
     (E + 1 logits a token) are not counted, as in Megatron-LM's
-    `num_floating_point_operations`."""
+    `num_floating_point_operations`. A T5: `t5_estimate.step_flops` (no recomputation)."""
+    if job.model.family == "t5":
+        from tessera.plan import t5_estimate
+
+        return t5_estimate.step_flops(job)
     model = job.model
     tokens = job.global_batch * job.seq_len
     counts = job.counts()
@@ -504,7 +513,12 @@ def _grad_reduce_window(job: Job, c: Config, layer_backward: float, recompute: f
 
 
 def step_time(job: Job, c: Config) -> StepTime:
-    """Predicted time of one training step of `c`, split by cause (see the module doc)."""
+    """Predicted time of one training step of `c`, split by cause (see the module doc). A T5:
+    `t5_estimate.step_time`."""
+    if job.model.family == "t5":
+        from tessera.plan import t5_estimate
+
+        return t5_estimate.step_time(job, c)
     model, hw = job.model, job.hardware
     peak = hw.peak(job.precision) * 1e12
     lt = _layer_times(job, c)

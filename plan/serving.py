@@ -95,6 +95,11 @@ def plan_serving(
     the fewest GPUs that would hold it, or what the constraints would have to be. `tp` / `pp`
     fix those sizes (PlanError, saying which are valid, when none is).
     """
+    from tessera.plan.t5_rules import t5_mode_problems
+
+    refused = t5_mode_problems(model, serve=True)
+    if refused:
+        raise PlanError("; ".join(refused))
     check_gpu_count(gpus, gpus_per_node)
     if context and model.position == "learned" and context > model.max_position_embeddings:
         raise PlanError(f"context {context} exceeds {model.name}'s "

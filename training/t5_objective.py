@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessera.core.t5_layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS
 from tessera.core.t5_tokens import DEFAULT_SENTINELS
 
 if TYPE_CHECKING:
@@ -45,10 +46,10 @@ def problems(cfg: PretrainConfig) -> list[str]:
     if par.virtual_stages > 1:
         out.append(f"--virtual-stages {par.virtual_stages}: T5 runs one pipeline stage per rank "
                    "(the encoder/decoder split); use --virtual-stages 1")
-    if par.recompute != "none":
+    if par.recompute not in T5_RECOMPUTE:
         out.append(f"--recompute {par.recompute}: T5 runs without activation recomputation; "
                    "use --recompute none")
-    if cfg.train.precision == "fp8":
+    if cfg.train.precision in T5_REFUSED_PRECISIONS:
         out.append("--precision fp8 covers the decoder-only blocks; train T5 in fp32, bf16, "
                    "bf16-pure or fp16")
     if not cfg.data.tokenizer:
