@@ -22,6 +22,7 @@ lint:
 	for d in $(SUBPACKAGES); do ln -s $(CURDIR)/$$d $(IMPORT_TREE)/tessera/$$d; done
 	$(PYTHON) -c 'import os; os.chdir("$(IMPORT_TREE)"); from importlinter.cli \
 	import lint_imports_command as lint; lint(["--config", "$(CURDIR)/pyproject.toml", "--no-cache"])'
+	$(PYTHON) tools/import_cycles.py $(IMPORT_TREE)
 
 # Exit code 5 means pytest collected nothing: a broken tree, never a pass.
 test: install lint
