@@ -39,8 +39,7 @@ from tessera.core.parallel.context_parallel import (
     zigzag_index,
 )
 from tessera.core.parallel.dynamic_cp import Assignment, LayerCost, Schedule, schedule
-from tessera.core.parallel.groups import ParallelGroups, layout_mesh
-from tessera.core.parallel.mesh import new_groups
+from tessera.core.parallel.groups import ParallelGroups, layout_mesh, new_groups
 
 PAD_LABEL = -100
 

@@ -1,10 +1,11 @@
-"""The expert-parallel grid folded over each pipeline stage's ranks.
+"""The expert-parallel grid folded over each pipeline stage's ranks (pure Python: the planner
+reads `edp_size`).
 
 `core.config.Layout` documents the layout and why: within a stage, with
 `q = (dp_rank * cp + cp_rank) * tp + tp_rank`, the expert grid runs etp fastest, then ep, then
 edp. `expert_mesh` is that grid: the layout's mesh with a stage's (dp, cp, tp) re-factored as
-(edp, ep, etp) over the same ranks. Its sub-meshes are the process groups (`build_expert_groups`,
-called by `core.parallel.groups.init_groups`, whose `ParallelGroups` carries them):
+(edp, ep, etp) over the same ranks. Its sub-meshes are the process groups, built by
+`core.parallel.groups.init_groups` (whose `ParallelGroups` carries them):
 
 - ep group: the ranks holding the other experts of a layer (same pp, etp and edp rank); the
   dispatchers exchange tokens over it;
@@ -16,10 +17,8 @@ called by `core.parallel.groups.init_groups`, whose `ParallelGroups` carries the
 
 from __future__ import annotations
 
-from typing import Any
-
 from tessera.core.config import Layout
-from tessera.core.parallel.mesh import RankMesh, new_groups
+from tessera.core.parallel.mesh import RankMesh
 
 
 def edp_size(lay: Layout) -> int:
@@ -31,19 +30,3 @@ def expert_mesh(lay: Layout, dense: RankMesh) -> RankMesh:
     """The expert grid (pp, edp, ep, etp) over the ranks of `dense`, the layout's
     (pp, dp, cp, tp) mesh (`core.parallel.groups.layout_mesh`)."""
     return dense.regroup(["dp", "cp", "tp"], edp=edp_size(lay), ep=lay.ep, etp=lay.etp)
-
-
-def build_expert_groups(lay: Layout, dense: RankMesh, rank: int) -> dict[str, Any]:
-    """Create the ep, etp and edp groups of every stage and return `rank`'s expert fields of
-    `ParallelGroups`. Collective; without expert parallelism (ep x etp = 1) it creates nothing
-    and returns {} (the fields keep their defaults)."""
-    if lay.ep * lay.etp == 1:
-        return {}
-    mesh = expert_mesh(lay, dense)
-    ep_group = new_groups(mesh.groups("ep"))
-    etp_group = new_groups(mesh.groups("etp"))
-    edp_group = new_groups(mesh.groups("edp"))
-    at = mesh.coords(rank)
-    return dict(ep_rank=at["ep"], ep_size=lay.ep, ep_group=ep_group,
-                etp_rank=at["etp"], etp_size=lay.etp, etp_group=etp_group,
-                edp_rank=at["edp"], edp_size=edp_size(lay), edp_group=edp_group)

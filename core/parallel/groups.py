@@ -14,14 +14,16 @@ becomes a plain layer and the whole model runs in one process.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.core.config import Layout
-from tessera.core.parallel.expert_groups import build_expert_groups
-from tessera.core.parallel.mesh import RankMesh, new_groups
+from tessera.core.parallel.expert_groups import edp_size, expert_mesh
+from tessera.core.parallel.mesh import RankMesh
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,23 @@ def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: Layout, cp_rank: int 
     return layout_mesh(par).rank(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
 
 
+def new_groups(rank_lists: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+    """Create a process group for each rank list of two or more ranks and return the one that
+    holds this rank (None when its list is itself alone or it is in none).
+
+    Collective over the whole world (`new_group` is): every rank must call it with the same
+    lists, in the same order.
+    """
+    rank, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        if len(ranks) < 2:
+            continue
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
     """Build every group of the layout. Collective: all ranks must call it, in the same order.
 
@@ -139,8 +158,23 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
         cp_ranks=tuple(mesh.group_of(rank, "cp")),
         dp_cp_rank=at["dp"] * par.cp + at["cp"], dp_cp_size=par.dp * par.cp,
         dp_cp_group=dp_cp_group,
-        **build_expert_groups(par, mesh, rank),  # expert parallelism: nothing without it
+        **_expert_groups(par, mesh, rank),
     )
+
+
+def _expert_groups(par: Layout, dense: RankMesh, rank: int) -> dict[str, Any]:
+    """The ep, etp and edp groups of every stage (collective) and `rank`'s expert fields of
+    `ParallelGroups`; without expert parallelism none, and the fields keep their defaults."""
+    if par.ep * par.etp == 1:
+        return {}
+    mesh = expert_mesh(par, dense)
+    ep_group = new_groups(mesh.groups("ep"))
+    etp_group = new_groups(mesh.groups("etp"))
+    edp_group = new_groups(mesh.groups("edp"))
+    at = mesh.coords(rank)
+    return dict(ep_rank=at["ep"], ep_size=par.ep, ep_group=ep_group,
+                etp_rank=at["etp"], etp_size=par.etp, etp_group=etp_group,
+                edp_rank=at["edp"], edp_size=edp_size(par), edp_group=edp_group)
 
 
 def resolve_device(name: str) -> torch.device:
