@@ -33,9 +33,9 @@ class Bounded:
         try:
             value = self.kind(text)
         except ValueError:
-            noun = "an integer" if self.kind is int else "a number"
+            noun = "a whole number" if self.kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        problem = self.problem(value)
+        problem = self.problem(value, shown=text)
         if problem:
             raise argparse.ArgumentTypeError(problem)
         return value
@@ -44,15 +44,17 @@ class Bounded:
     def __name__(self) -> str:  # argparse names the type in some of its own messages
         return self.kind.__name__
 
-    def problem(self, value: int | float) -> str | None:
-        """What is wrong with `value` ("must be >= 1, got 0"), or None when it is in range."""
+    def problem(self, value: int | float, shown: str | None = None) -> str | None:
+        """What is wrong with `value` ("must be >= 1, got 0"), or None when it is in range.
+        `shown` is how the user wrote it (the flag's text), else the value is shown."""
+        shown = str(value) if shown is None else shown
         if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number, got {value}"
+            return f"must be a finite number, got {shown}"
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         too_high = self.high is not None and (value >= self.high if self.high_open
                                               else value > self.high)
         if too_low or too_high:
-            return f"must be {self.describe()}, got {value}"
+            return f"must be {self.describe()}, got {shown}"
         return None
 
     def describe(self) -> str:
@@ -77,6 +79,6 @@ positive_int = Bounded(int, low=1)
 non_negative_int = Bounded(int, low=0)
 positive_float = Bounded(float, low=0, low_open=True)
 non_negative_float = Bounded(float, low=0)
-probability = Bounded(float, low=0, high=1)  # top-p, a split fraction: [0, 1]
 fraction_below_one = Bounded(float, low=0, high=1, high_open=True)  # dropout, Adam's betas
+top_p = Bounded(float, low=0, high=1, low_open=True)  # nucleus sampling mass: (0, 1]
 port = Bounded(int, low=1, high=65535)

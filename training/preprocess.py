@@ -39,6 +39,7 @@ from typing import IO
 
 import numpy as np
 
+from tessera.core.arg_types import positive_int
 from tessera.core.progress import Progress
 from tessera.core.tokenizer import JSONL_SUFFIXES, Tokenizer, load_tokenizer
 from tessera.training.indexed_dataset import IndexedDatasetWriter
@@ -273,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         metavar="N",
         default=1,
         help="tokenizer processes (default 1); the output does not depend on it",

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from tessera.core.arg_types import positive_int
+
 # sentencepiece and the readers are imported when training starts, so `--help` is instant.
 
 
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--vocab-size",
-        type=int,
+        type=positive_int,
         required=True,
         metavar="N",
         help="exact vocabulary size, including 4 specials and 256 byte pieces",
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--input-sentence-size",
-        type=int,
+        type=positive_int,
         default=2_000_000,
         metavar="N",
         help="lines sampled for training, bounding memory (default: 2000000)",
