@@ -263,8 +263,10 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
         prog=prog, formatter_class=HelpFormatter,
         description="Pretrain a GPT-style model. With no arguments: the built-in demo (a corpus "
         "from the Python standard library's docstrings, a tokenizer, a small Llama on CPU, then "
-        "a sample generation). Fields come from --config YAML, then flags; a flag can be bare "
-        "(--lr) or dotted (--train.lr).",
+        "a sample generation) into runs/demo; run again, it keeps a finished demo run and prints "
+        "its samples (--overwrite trains it anew, --resume continues an interrupted one). "
+        "Fields come from --config YAML, then flags; a flag can be bare (--lr) or dotted "
+        "(--train.lr).",
         epilog="examples:\n  tessera pretrain --config run.yaml --lr 1e-3 --steps 500\n"
         "  tessera pretrain --data corpus_text --tokenizer tok.model --model llama-tiny\n"
         "  tessera pretrain --nproc-per-node 4 --tp 2 --pp 2   # the demo on 4 CPU ranks\n"
