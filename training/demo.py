@@ -75,7 +75,7 @@ def prepare_data(run_dir: Path, vocab_size: int) -> tuple[Path, Path]:
         print(f"demo: tokenizer ({vocab_size} pieces) -> {tok}")
     if not Path(str(prefix) + ".idx").is_file():
         preprocess(["--input", str(corpus), "--tokenizer", str(tok), "--output-prefix",
-                    str(prefix), "--workers", "2"])
+                    str(prefix), "--workers", "2", "--overwrite"])  # a .bin without .idx is partial
     return tok, prefix
 
 
