@@ -19,7 +19,9 @@ samples printed; an unfinished one is refused like any other run directory, nami
 from __future__ import annotations
 
 import ast
+import copy
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -97,9 +99,11 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
     from tessera.core.parallel.groups import resolve_device
     from tessera.core.parallel.launch import init_distributed
-    from tessera.training.loop import check_output, pretrain
+    from tessera.training.loop import check_config, check_output, pretrain
 
     apply_demo_defaults(cfg, explicit)
+    # A layout that cannot run is refused before any data is prepared or directory made.
+    check_config(copy.deepcopy(cfg), int(os.environ.get("WORLD_SIZE", "1")))
     check_output(cfg.loop.output)  # before preparing data there
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))

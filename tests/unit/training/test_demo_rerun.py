@@ -65,3 +65,13 @@ def test_overwrite_trains_the_demo_anew(tmp_path, monkeypatch, demo_calls):
     assert cli.main(["--overwrite"]) == 0
     assert demo_calls["trained"] == ["runs/demo"]
     assert not ckpt.exists()
+
+
+def test_a_demo_that_cannot_run_is_refused_before_making_anything(tmp_path, monkeypatch,
+                                                                  demo_calls, capsys):
+    monkeypatch.chdir(tmp_path)
+    prepared = []
+    monkeypatch.setattr(demo, "prepare_data", lambda run_dir, vocab: prepared.append(run_dir))
+    assert cli.main(["--output", "new/run", "--tp", "3"]) == 2
+    assert "invalid parallel layout" in capsys.readouterr().err
+    assert prepared == [] and list(tmp_path.iterdir()) == []
