@@ -107,18 +107,26 @@ def test_adapter_evaluates_and_merges_to_base_plus_adapter(base, data, run, tmp_
 
 
 def test_lora_beats_prompt_tuning_at_equal_steps(base, data, tmp_path, capsys):
-    """The held-out `kind` split, 12 steps each, each at its own good learning rate."""
+    """The held-out `kind` split, 12 steps each, each at its own good learning rate.
+
+    Exact match saturates: on this two-label task both methods can answer every held-out
+    example, so accuracy alone cannot rank them (LoRA must only not be worse). The held-out
+    loss keeps measuring how much probability each puts on the right label, and there LoRA,
+    which adapts every block, must be strictly lower than eight virtual tokens.
+    """
     figures = {}
     for method, flags in (("lora", LORA), ("prompt-tuning", ("--method", "prompt-tuning",
                                                              "--lr", "1e-1"))):
         cfg, _ = load_config(tune_argv(base, tmp_path / method, data["kind_train"],
                                        data["kind_valid"], *flags, "--steps", "12"))
-        summary = tune(cfg)
-        figures[method] = summary["after"]["kind"]["accuracy"]
+        after = tune(cfg)["after"]["kind"]
+        figures[method] = after["accuracy"], after["loss"]
     with capsys.disabled():
-        print("\n  exact match on held-out 'kind' after 12 steps: " +
-              ", ".join(f"{m} {a:.1%}" for m, a in figures.items()))
-    assert figures["lora"] >= 0.9 and figures["lora"] > figures["prompt-tuning"], figures
+        print("\n  held-out 'kind' after 12 steps (exact match, loss): " +
+              ", ".join(f"{m} {a:.1%} {loss:.4f}" for m, (a, loss) in figures.items()))
+    (lora_acc, lora_loss), (prompt_acc, prompt_loss) = figures["lora"], figures["prompt-tuning"]
+    assert lora_acc >= 0.9 and lora_acc >= prompt_acc, figures
+    assert lora_loss < prompt_loss, figures
 
 
 def test_yaml_and_flags_configure_lora(tmp_path, capsys):
