@@ -114,11 +114,6 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
         torch.manual_seed(cfg.train.seed + 7_919 * groups.cp_rank)
     tracker.seed(cfg.train.seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
-    if cfg.model.family == "t5":  # encoder-decoder stages (training.t5_loop)
-        from tessera.training.t5_loop import build_t5_rank_stages
-
-        return device, groups, build_t5_rank_stages(cfg, layout, schedule, groups, device,
-                                                    dtype, init)
     if layout.pp > 1:
         stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
                                        device=device, dtype=dtype, seed=cfg.train.seed,
@@ -178,10 +173,8 @@ def setup(cfg: PretrainConfig) -> Job:
 
         eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
     job = make_job(cfg, device, groups, stages, eod_id)
-    if cfg.model.family == "t5":  # collective: every rank, once
-        from tessera.training.t5_loop import t5_embedding_sync
-
-        job.embedding_sync = t5_embedding_sync(cfg, groups, job.stages)
+    if job.objective.embedding_sync is not None:  # collective: every rank, once
+        job.embedding_sync = job.objective.embedding_sync(cfg, groups, job.stages)
     if cfg.parallel.cp_dynamic:
         job.dynamic_cp = DynamicCP.create(cfg.model, cfg.parallel.layout(), groups,
                                           cfg.parallel.cp_comm)
@@ -311,10 +304,8 @@ def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
     g, par = job.groups, job.cfg.parallel
     kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
     kw.update(extra or {})
-    if job.schedule is not None and job.embedding_sync is not None:  # T5 (training.t5_loop)
-        from tessera.training.t5_loop import t5_pipeline_eval_loss
-
-        loss = t5_pipeline_eval_loss(job.schedule, job.stages, tokens, labels, kw)
+    if job.schedule is not None and job.objective.pipeline_eval_loss is not None:
+        loss = job.objective.pipeline_eval_loss(job.schedule, job.stages, tokens, labels, kw)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     elif job.schedule is not None:
         loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)

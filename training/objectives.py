@@ -21,7 +21,15 @@ gathered in one `Objective`, picked by the model's family (`objective_for`):
   stage's output (`local_logits=True`) and the labels, the mean of one micro-batch;
 - `evaluate(model, documents, seq_len, batch, max_windows)`: what `tessera evaluate` reports
   for a single-process model over token documents (GPT: loss and perplexity; BERT: masked-LM
-  loss, perplexity and accuracy), a dict with at least `loss` and `tokens`.
+  loss, perplexity and accuracy), a dict with at least `loss` and `tokens`;
+- `embedding_sync(cfg, groups, stages)` (None: `pipeline.sync_tied_embedding_grads` is
+  enough): made once at setup, collective over the world; returns the per-step gradient sync
+  of embedding copies that the stages hold beyond the tied pair (T5);
+- `pipeline_eval_loss(schedule, stages, inputs, labels, extra)` (None: `pipeline_forward`,
+  which passes one hidden tensor between stages): the validation loss of one batch through
+  the training schedule run forward only, on the last stage's rank (None elsewhere);
+- `print_samples(checkpoint)`: what the demo prints from its final checkpoint (T5: span
+  fills; None: the demo's greedy continuations, `training.demo.print_samples`).
 
 A model's forward with labels must return the mean loss of its micro-batch (the loop averages
 micro-batches and data-parallel ranks), and without labels its output (logits) for evaluation.
@@ -29,8 +37,9 @@ micro-batches and data-parallel ranks), and without labels its output (logits) f
 GPT ("causal-lm") is the identity of what the loop always did: packed windows, `tokens` in,
 `labels` out, no extra inputs. BERT ("masked-lm") adds token types and the padding mask as
 extra inputs. T5 ("span-corruption", `training.t5_objective`) feeds the encoder ids to the
-first stage and the decoder input and encoder mask to every stage. A new family registers one
-`Objective` in `OBJECTIVES` and its family in `FAMILY_OBJECTIVES`.
+first stage and the decoder input and encoder mask to every stage. A model family names its
+objective (`core.models.family.Family.objective`); a new objective is one `Objective` in
+`OBJECTIVES`.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera.core.config import ConfigError, ModelConfig
+from tessera.core.models.registry import family as model_family
 from tessera.training import t5_objective as t5
 
 if TYPE_CHECKING:
@@ -63,6 +73,24 @@ def _gpt_evaluate(*args: Any) -> dict[str, float]:
     return evaluate(*args)
 
 
+def _t5_samples(checkpoint: str) -> None:
+    from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
+
+    print_t5_samples(checkpoint)
+
+
+def _t5_embedding_sync(cfg: PretrainConfig, groups: Any, stages: list) -> Callable[[], None]:
+    from tessera.training.t5_loop import t5_embedding_sync
+
+    return t5_embedding_sync(cfg, groups, stages)
+
+
+def _t5_pipeline_eval_loss(*args: Any) -> torch.Tensor | None:
+    from tessera.training.t5_loop import t5_pipeline_eval_loss
+
+    return t5_pipeline_eval_loss(*args)
+
+
 def _bert_evaluate(*args: Any) -> dict[str, float]:
     from tessera.training.evaluate_mlm import evaluate_masked_lm
 
@@ -80,6 +108,9 @@ class Objective:
     split_batch: Callable[[Batch], Split]
     pipeline_loss: Callable[[ModelConfig, Any], Callable] = _default_pipeline_loss
     evaluate: Callable[..., dict[str, float]] = _gpt_evaluate
+    embedding_sync: Callable[[PretrainConfig, Any, list], Callable[[], None]] | None = None
+    pipeline_eval_loss: Callable[..., torch.Tensor | None] | None = None
+    print_samples: Callable[[str], None] | None = None
 
 
 # ------------------------------------------------------------------------------ causal LM
@@ -156,17 +187,22 @@ MASKED_LM = Objective(name="masked-lm", problems=_bert_problems, model_vocab=_be
 
 SPAN_CORRUPTION = Objective(name="span-corruption", problems=t5.problems,  # T5
                             model_vocab=t5.model_vocab, datasets=t5.datasets,
-                            split_batch=t5.split_batch, evaluate=t5.evaluate)
+                            split_batch=t5.split_batch, evaluate=t5.evaluate,
+                            embedding_sync=_t5_embedding_sync,
+                            pipeline_eval_loss=_t5_pipeline_eval_loss,
+                            print_samples=_t5_samples)
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CAUSAL_LM, MASKED_LM, SPAN_CORRUPTION)}
-FAMILY_OBJECTIVES: dict[str, str] = {"bert": "masked-lm",  # every other family: causal-lm
-                                     "t5": "span-corruption"}
 
 
 def objective_for(config: ModelConfig) -> Objective:
-    """The pretraining objective of `config`'s family."""
-    return OBJECTIVES[FAMILY_OBJECTIVES.get(config.family, "causal-lm")]
+    """The pretraining objective that `config`'s family names (`Family.objective`)."""
+    name = model_family(config).objective
+    if name not in OBJECTIVES:
+        raise ConfigError(f"the {config.family} family names pretraining objective {name!r}, "
+                          f"which is not one of {sorted(OBJECTIVES)}; fix its Family entry")
+    return OBJECTIVES[name]
 
 
 def check_objective(cfg: PretrainConfig) -> None:
