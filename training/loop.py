@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tessera.core.config import ConfigError
+from tessera.core.flops import model_flops_per_token
 from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe
 from tessera.core.fp8_training import Fp8Training, enable_fp8_training
 from tessera.core.init import build_model
-from tessera.core.models.decoder.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
 from tessera.core.parallel.context_parallel import document_ids
 from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
@@ -57,7 +58,7 @@ class Job:
 
     cfg: PretrainConfig
     groups: ParallelGroups
-    stages: list[GPTModel]
+    stages: list[nn.Module]
     optimizer: torch.optim.Optimizer
     schedule: Any  # pipeline schedule, or None when pp == 1
     device: torch.device
@@ -96,7 +97,7 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
 
 
 def build_rank_model(cfg: PretrainConfig, *, init: bool = True
-                     ) -> tuple[torch.device, ParallelGroups, list[GPTModel]]:
+                     ) -> tuple[torch.device, ParallelGroups, list[nn.Module]]:
     """Join the world, check the config against it, and build the groups and this rank's model
     chunks, seeded (`init=False` leaves the weights for a checkpoint to fill)."""
     device = resolve_device(cfg.train.device)
@@ -136,7 +137,7 @@ def fp8_recipe(cfg: Any, device: torch.device) -> Fp8Recipe | None:
 
 
 def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
-             stages: list[GPTModel], eod_id: int | None = None) -> Job:
+             stages: list[nn.Module], eod_id: int | None = None) -> Job:
     """The optimizer (over parameters that require grad), pipeline schedule and precision;
     under `--data-parallel fsdp` the stages are wrapped by FSDP2 first. `eod_id` set: packed
     documents are isolated at that token (pretraining's `--isolate-documents`)."""

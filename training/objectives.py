@@ -38,12 +38,14 @@ GPT ("causal-lm") is the identity of what the loop always did: packed windows, `
 `labels` out, no extra inputs. BERT ("masked-lm") adds token types and the padding mask as
 extra inputs. T5 ("span-corruption", `training.t5_objective`) feeds the encoder ids to the
 first stage and the decoder input and encoder mask to every stage. A model family names its
-objective (`core.models.family.Family.objective`); a new objective is one `Objective` in
-`OBJECTIVES`.
+objective (`core.models.family.Family.objective`); a family's own objective lives in its
+training module (`training.bert_objective`, `training.t5_objective`), named by one line of
+`_FAMILY_OBJECTIVES`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,7 +54,6 @@ import torch
 
 from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.models.registry import family as model_family
-from tessera.training import t5_objective as t5
 
 if TYPE_CHECKING:
     from tessera.training.config import PretrainConfig
@@ -71,30 +72,6 @@ def _gpt_evaluate(*args: Any) -> dict[str, float]:
     from tessera.training.evaluate import evaluate
 
     return evaluate(*args)
-
-
-def _t5_samples(checkpoint: str) -> None:
-    from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
-
-    print_t5_samples(checkpoint)
-
-
-def _t5_embedding_sync(cfg: PretrainConfig, groups: Any, stages: list) -> Callable[[], None]:
-    from tessera.training.t5_loop import t5_embedding_sync
-
-    return t5_embedding_sync(cfg, groups, stages)
-
-
-def _t5_pipeline_eval_loss(*args: Any) -> torch.Tensor | None:
-    from tessera.training.t5_loop import t5_pipeline_eval_loss
-
-    return t5_pipeline_eval_loss(*args)
-
-
-def _bert_evaluate(*args: Any) -> dict[str, float]:
-    from tessera.training.evaluate_mlm import evaluate_masked_lm
-
-    return evaluate_masked_lm(*args)
 
 
 @dataclass(frozen=True)
@@ -136,73 +113,28 @@ CAUSAL_LM = Objective(
 )
 
 
-# ------------------------------------------------------------------------------ masked LM
+# Objectives of the other families, each in its family's training module (imported on first
+# use, as `core.models.registry` does for the families): name -> "module:attribute".
+_FAMILY_OBJECTIVES: dict[str, str] = {
+    "masked-lm": "tessera.training.bert_objective:MASKED_LM",
+    "span-corruption": "tessera.training.t5_objective:SPAN_CORRUPTION",
+}
 
 
-def _bert_problems(cfg: PretrainConfig) -> list[str]:
-    out = []
-    if cfg.parallel.cp > 1:
-        out.append(f"--cp {cfg.parallel.cp}: context parallelism splits causal attention; a "
-                   "BERT encoder attends both ways and runs with --cp 1 (use --tp/--pp/--dp)")
-    if cfg.data.isolate_documents:
-        out.append("--isolate-documents is for packed decoder samples; BERT samples are "
-                   "[CLS] A [SEP] B [SEP] pairs with their own padding mask: leave it off")
-    if cfg.model.binary_head and cfg.parallel.pp > 1:
-        out.append("the next-sentence head (binary_head=true) runs only without pipeline "
-                   "parallelism (pp 1); set binary_head=false or --pp 1")
-    return out
-
-
-def _bert_vocab(data_vocab: int, set_vocab: int | None) -> int:
-    from tessera.training.bert_dataset import bert_specials
-
-    return bert_specials(data_vocab, set_vocab).vocab_size
-
-
-def _bert_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
-    from tessera.training.bert_dataset import BertSpecials, MaskingConfig, build_bert_datasets
-
-    t = cfg.train
-    specials = BertSpecials.of_model(cfg.model.vocab_size)  # `model_vocab` made room
-    train_ds, valid_ds, _ = build_bert_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], specials,
-        t.seed, cfg.data.data_cache or None, MaskingConfig(nsp=cfg.model.binary_head))
-    return train_ds, valid_ds
-
-
-def _bert_split(batch: Batch) -> Split:
-    extra = {"token_types": batch["token_types"], "attention_mask": batch["attention_mask"]}
-    if "next_sentence" in batch:
-        extra["next_sentence"] = batch["next_sentence"]
-    return batch["tokens"], batch["labels"], extra
-
-
-MASKED_LM = Objective(name="masked-lm", problems=_bert_problems, model_vocab=_bert_vocab,
-                      datasets=_bert_datasets, split_batch=_bert_split, evaluate=_bert_evaluate)
-
-
-# ------------------------------------------------------------------------------ span corruption
-
-
-SPAN_CORRUPTION = Objective(name="span-corruption", problems=t5.problems,  # T5
-                            model_vocab=t5.model_vocab, datasets=t5.datasets,
-                            split_batch=t5.split_batch, evaluate=t5.evaluate,
-                            embedding_sync=_t5_embedding_sync,
-                            pipeline_eval_loss=_t5_pipeline_eval_loss,
-                            print_samples=_t5_samples)
-
-
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CAUSAL_LM, MASKED_LM, SPAN_CORRUPTION)}
+def objective_named(name: str) -> Objective:
+    """The `Objective` called `name` (raises `ConfigError` for an unknown one)."""
+    if name == CAUSAL_LM.name:
+        return CAUSAL_LM
+    if name not in _FAMILY_OBJECTIVES:
+        raise ConfigError(f"unknown pretraining objective {name!r}; known: "
+                          f"{', '.join([CAUSAL_LM.name, *_FAMILY_OBJECTIVES])}")
+    module, _, attribute = _FAMILY_OBJECTIVES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def objective_for(config: ModelConfig) -> Objective:
     """The pretraining objective that `config`'s family names (`Family.objective`)."""
-    name = model_family(config).objective
-    if name not in OBJECTIVES:
-        raise ConfigError(f"the {config.family} family names pretraining objective {name!r}, "
-                          f"which is not one of {sorted(OBJECTIVES)}; fix its Family entry")
-    return OBJECTIVES[name]
+    return objective_named(model_family(config).objective)
 
 
 def check_objective(cfg: PretrainConfig) -> None:

@@ -8,12 +8,10 @@ family is one folder under `core/models/` and one line here.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tessera.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tessera.core.models.family import Family
+from tessera.core.models.family import Family
 
 _DECODER = "tessera.core.models.decoder.families"
 FAMILIES: dict[str, str] = {

@@ -12,7 +12,6 @@ tensor-parallel regions. Callers see `(B, T, ...)`.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -23,7 +22,7 @@ from tessera.core import fused
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
 from tessera.core.moe.layer import MoEFeedForward
-from tessera.core.moe.shapes import is_moe_layer, moe_active_expert_weights
+from tessera.core.moe.shapes import is_moe_layer
 from tessera.core.parallel import context_parallel as cpar
 from tessera.core.parallel.context_parallel import SegmentedContext, SequenceContext
 from tessera.core.parallel.groups import ParallelGroups
@@ -362,24 +361,6 @@ class GPTModel(nn.Module):
         if local_logits:
             return logits
         return gather_from_tp(logits, self.groups.tp_group)[..., : self.config.vocab_size]
-
-
-def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, counted as Megatron does (Narayanan et al., 2021).
-
-    6 per weight of every matrix multiply (forward 2, backward 4), the output projection
-    included and embedding lookups not, plus the attention scores and weighted values:
-    12 * layers * seq_len * heads * head_dim (counted as if unmasked, as Megatron does).
-    """
-    from tessera.core.parallel.sharding import global_param_shapes
-
-    matmul = sum(math.prod(shape) for name, shape in global_param_shapes(config).items()
-                 if len(shape) == 2 and "embeddings" not in name)
-    if config.tied_embeddings:  # the embedding table is also the output projection
-        matmul += config.vocab_size * config.hidden_size
-    matmul += moe_active_expert_weights(config)  # Mixture-of-Experts: the k experts run
-    attention = 12 * config.num_layers * seq_len * config.num_heads * config.head_dim
-    return 6 * matmul + attention
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
