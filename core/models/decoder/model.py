@@ -21,6 +21,7 @@ from torch import nn
 from tessera.core import fused
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
+from tessera.core.models.registry import family as model_family
 from tessera.core.moe.layer import MoEFeedForward
 from tessera.core.moe.shapes import is_moe_layer
 from tessera.core.parallel import context_parallel as cpar
@@ -57,6 +58,11 @@ class Norm(nn.Module):
             return fused.rms_norm(x, self.weight, self.eps)
         weight = self.weight + 1 if self.kind == "layernorm1p" else self.weight
         return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
+
+
+def make_norm(config: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """One norm of a decoder stage: the family's own (`Family.norm`), else `Norm`."""
+    return (model_family(config).norm or Norm)(config, sequence_parallel)
 
 
 class Rotary(nn.Module):
@@ -165,9 +171,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups,
                  sp: bool, selective_recompute: bool):
         super().__init__()
-        self.attention_norm = Norm(config, sp)
+        self.attention_norm = make_norm(config, sp)
         self.attention = Attention(config, layer, groups, sp, selective_recompute)
-        self.ffn_norm = Norm(config, sp)
+        self.ffn_norm = make_norm(config, sp)
         self.feed_forward = (MoEFeedForward(config, layer, groups, sp)  # Mixture-of-Experts
                              if is_moe_layer(config, layer) else MLP(config, layer, groups, sp))
         self.dropout, self.sp = config.dropout, sp
@@ -235,7 +241,7 @@ class GPTModel(nn.Module):
         n_full = len(self.layer_ids) if rc.recompute_layers is None else rc.recompute_layers
         self.recompute_ids = set(self.layer_ids[:n_full]) if rc.recompute == "full" else set()
         if self.is_last:
-            self.norm = Norm(config, sp)
+            self.norm = make_norm(config, sp)
             rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]
             self.output = None
             if not (config.tied_embeddings and self.is_first):
