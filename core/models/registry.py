@@ -24,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": f"{_DECODER}:QWEN3_MOE",
     "bert": "tessera.core.models.bert.family:BERT",
     "t5": "tessera.core.models.t5.family:T5",
+    "scalenorm": "tessera.core.models.scalenorm.family:SCALENORM",
 }
 
 _loaded: dict[str, Family] = {}
