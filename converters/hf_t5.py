@@ -2,7 +2,7 @@
 
 `converters.hf_mapping` hands T5 configs and tensors here; `hf_io.import_hf` / `export_hf` and
 resharding then work as for the decoder families (the tp splits and pipeline split of T5
-weights live in `core.parallel.t5_sharding`).
+weights live in `core.models.t5.sharding`).
 
 Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transformers' gelu_new is
 the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tessera.core.config import ModelConfig
-from tessera.core.parallel.t5_sharding import t5_param_shapes
-from tessera.core.t5_layout import decoder_layers
+from tessera.core.models.t5.layout import decoder_layers
+from tessera.core.models.t5.sharding import t5_param_shapes
 
 _ACTIVATIONS = {"gated-gelu": "geglu", "relu": "relu"}
 _STACK = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")

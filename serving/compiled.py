@@ -38,7 +38,7 @@ import torch
 
 from tessera.core.compile_cache import key_compile_cache_by_isa
 from tessera.core.kv_cache import KVCache
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.layers import ParallelLinear
 from tessera.core.quantize import Int8
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tessera.core.files import atomic_file
 from tessera.training.config import PretrainConfig
+from tessera.training.objectives import objective_for
 
 DEMO_PROMPTS = ("Return the", "The default value")
 
@@ -140,12 +141,8 @@ def finished_run(cfg: PretrainConfig) -> Path | None:
 
 def print_result(cfg: PretrainConfig, checkpoint: str) -> None:
     """Samples of the demo's checkpoint and where it is."""
-    if cfg.model.family == "t5":
-        from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
-
-        print_t5_samples(checkpoint)
-    else:
-        print_samples(checkpoint)
+    samples = objective_for(cfg.model).print_samples or print_samples  # the family's
+    samples(checkpoint)
 
 
 def print_samples(checkpoint: str) -> None:

@@ -1,7 +1,7 @@
-"""The sharding rules of T5 (`ModelConfig.family == "t5"`): global names and shapes, and
-tensor-parallel splits. `sharding.global_param_shapes` and
-`sharding.shard_spec` hand T5 configs to `t5_param_shapes` and `t5_shard_spec`, so every
-caller of those (checkpoints, converters, the server) sees T5 weights through the same rules.
+"""The sharding rules of T5 (family "t5"): global names and shapes, and tensor-parallel splits.
+They are the T5 family's `param_shapes` and `shard_spec` (`family.T5`), so every caller of
+`sharding.global_param_shapes` / `sharding.shard_spec` (checkpoints, converters, the server)
+sees T5 weights through the same rules.
 
 Global names (the checkpoint's), `{i}` a layer index of its stack:
 
@@ -24,14 +24,14 @@ The relative position bias is held by layer 0 of each stack, as Hugging Face doe
 by the stack's later layers; its columns are heads, so tp rank r holds the columns of its own
 query heads. T5 has no grouped-query attention and no biases on its linears.
 
-How pipeline stages share out encoder and decoder: `core.t5_layout`.
+How pipeline stages share out encoder and decoder: `core.models.t5.layout`.
 """
 
 from __future__ import annotations
 
 from tessera.core.config import ModelConfig
+from tessera.core.models.t5.layout import decoder_layers
 from tessera.core.parallel.sharding import ShardSpec
-from tessera.core.t5_layout import decoder_layers
 
 
 def t5_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
