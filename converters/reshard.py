@@ -73,8 +73,8 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.expert_checkpoint import stored_in_pieces
-from tessera.core.families import stage_class
 from tessera.core.fp8 import quantize, weight_amax
+from tessera.core.models.registry import family as model_family
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     expert_local_shape,
@@ -249,7 +249,7 @@ def target_files(config: ModelConfig, layout: Layout
         stages = stage_ids(layout, p)
         g = ParallelGroups(tp_rank=0, tp_size=layout.tp, pp_rank=p, pp_size=layout.pp)
         with torch.device("meta"):
-            chunks = [stage_class(config)(config, layout, g, s, n_stages) for s in stages]
+            chunks = [model_family(config).stage(config, layout, g, s, n_stages) for s in stages]
         names = list(stored_parameters(chunks))
         out.update({(t, p): {n: stored_shape(n, config, t, layout.tp) for n in names}
                     for t in range(layout.tp)})

@@ -18,7 +18,7 @@ _EXPORTS = {
     "Layout": "tessera.core.config",
     "TrainSchedule": "tessera.core.config",
     "build_model": "tessera.core.init",
-    "GPTModel": "tessera.core.model",
+    "GPTModel": "tessera.core.models.decoder.model",
     "ParallelGroups": "tessera.core.parallel.groups",
     "init_groups": "tessera.core.parallel.groups",
 }
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from tessera.core.checkpoint import load_checkpoint, save_checkpoint
     from tessera.core.config import ConfigError, Layout, ModelConfig, TrainSchedule
     from tessera.core.init import build_model
-    from tessera.core.model import GPTModel
+    from tessera.core.models.decoder.model import GPTModel
     from tessera.core.parallel.groups import ParallelGroups, init_groups
 
 

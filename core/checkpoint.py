@@ -56,7 +56,7 @@ from tessera.core.expert_checkpoint import (
     write_expert_weights,
 )
 from tessera.core.files import atomic_file, dir_mode, file_mode
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.sharding import (
     global_param_shapes,
     shard_spec,

@@ -13,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tessera.core.errors import ConfigError
 from tessera.core.expert_config import expert_layout_problems
+from tessera.core.models.registry import family as model_family
 
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
@@ -21,16 +23,12 @@ Position = Literal["learned", "rope", "relative"]
 Recompute = Literal["none", "selective", "full"]
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says which numbers clash and what to do."""
-
-
 @dataclass
 class ModelConfig:
     """The global shape of a GPT-style decoder. Defaults describe a tiny Llama-style model."""
 
     name: str = "custom"
-    family: str = "llama"  # gpt2|llama|nemotron|qwen3|mixtral|qwen2_moe|qwen3_moe|t5|bert: HF map
+    family: str = "llama"  # a `core.models.registry` name: gpt2|llama|...|t5|bert
     vocab_size: int = 512  # the true vocabulary; TP padding is a layout detail, never saved
     hidden_size: int = 64
     num_layers: int = 2
@@ -49,7 +47,7 @@ class ModelConfig:
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
-    # T5 (family "t5", `core.t5`): an encoder of `num_layers` and a decoder of
+    # T5 (family "t5", `core.models.t5.model`): an encoder of `num_layers` and a decoder of
     # `num_decoder_layers` (None: as many), relative position buckets, the decoder starting
     # from `decoder_start_token_id`; `scaled_output` multiplies the decoder output by
     # hidden_size ** -0.5 before the (tied) output projection, as the original T5 does.
@@ -59,7 +57,7 @@ class ModelConfig:
     decoder_start_token_id: int = 0
     scaled_output: bool = False
     # BERT (issue 18): family "bert" is a bidirectional post-LayerNorm encoder with a masked-LM
-    # head (`core.bert`); these fields mean nothing to the decoder families.
+    # head (`core.models.bert.model`); these fields mean nothing to the decoder families.
     type_vocab_size: int = 0  # token-type (segment A / B) embeddings; 0: none
     binary_head: bool = False  # [CLS] pooler (dense + tanh) and next-sentence classifier
     # Mixture-of-Experts (`core.moe`); the defaults describe a dense model. Checked by
@@ -104,10 +102,10 @@ class ModelConfig:
                 f"rotary dims {self.rotary_dim} (head_dim {self.head_dim} x rotary_fraction "
                 f"{self.rotary_fraction}) must be even."
             )
-        if self.family == "bert":
-            from tessera.core.bert_config import check_bert_config
-
-            check_bert_config(self)
+        problems = model_family(self).problems(self)  # what this family cannot take
+        if problems:
+            raise ConfigError(f"a family {self.family!r} model cannot take "
+                              + "; ".join(problems))
         if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
             raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
                               f"not {self.norm!r}")
@@ -199,7 +197,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
 }
 PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
-# T5 (`core.t5`): v1.1 (gated GELU, untied output, no output scaling); relu + tied + scaled
+# T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied + scaled
 # output gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",
            bias=False, tied_embeddings=False, scaled_output=False, init_std=0.05)
@@ -236,7 +234,7 @@ PRESETS.update({
 })
 
 # BERT (issue 18): post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
-# masked-LM decoder tied to the word embedding (`core.bert`).
+# masked-LM decoder tied to the word embedding (`core.models.bert.model`).
 _BERT = dict(family="bert", norm="layernorm", norm_eps=1e-12, activation="gelu",
              position="learned", bias=True, tied_embeddings=True, type_vocab_size=2)
 BERT_PRESETS: dict[str, dict[str, Any]] = {
@@ -426,16 +424,7 @@ def _layout_problems(
         from tessera.core.moe.validate import moe_layout_problems
 
         out += moe_layout_problems(model, lay)
-    stages = lay.num_stages
-    if model.family == "t5":  # encoder and decoder share out the stages (core.t5_layout)
-        from tessera.core.t5_layout import t5_layout_problems
-
-        out += t5_layout_problems(model, lay)
-    elif model.num_layers % stages:
-        out.append(
-            f"num_layers {model.num_layers} is not divisible by pp {lay.pp} x virtual_stages "
-            f"{lay.virtual_stages} = {stages}; use a stage count in {divisors(model.num_layers)}"
-        )
+    out += model_family(model).layout_problems(model, lay)  # how its stages split the model
     if lay.placement not in PLACEMENTS:
         out.append(f"unknown placement {lay.placement!r}; choose one of {list(PLACEMENTS)}")
     elif lay.placement == "v" and lay.virtual_stages != 2:

@@ -23,7 +23,7 @@ from tessera.core.parallel.sharding import is_expert_param, shard_expert_tensor
 
 if TYPE_CHECKING:
     from tessera.core.checkpoint import CheckpointReader
-    from tessera.core.model import GPTModel
+    from tessera.core.models.decoder.model import GPTModel
 
 
 def expert_sharded(name: str, groups: ParallelGroups) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from tessera.core.kv_cache import KVCache
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.sharding import local_kv_heads
 from tessera.core.sampling import RowSettings, choose_tokens
 

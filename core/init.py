@@ -8,41 +8,26 @@ shard for shard, and peak memory is one global tensor, never the whole model.
 
 from __future__ import annotations
 
-import math
-import zlib
-
 import torch
 from torch import nn
 
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.expert_checkpoint import expert_sharded
-from tessera.core.families import stage_class
-from tessera.core.model import GPTModel
+from tessera.core.models.registry import family as model_family
 from tessera.core.moe.layer import set_dispatchers
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.sharding import global_param_shapes, shard_expert_tensor, shard_tensor
+from tessera.core.parallel.sharding import shard_expert_tensor, shard_tensor
 
 
 def init_global_tensor(name: str, config: ModelConfig, seed: int,
                        device: torch.device | str = "cpu") -> torch.Tensor:
-    """The fp32 initial value of global parameter `name` for run seed `seed`."""
-    shape = global_param_shapes(config)[name]
-    leaf = name.rsplit(".", 1)[-1]
-    is_norm = name.startswith("norm.") or "_norm." in name
-    if leaf in ("bias", "expert_bias"):
-        return torch.zeros(shape, device=device)
-    if is_norm:  # LayerNorm1P stores weight - 1
-        return torch.full(shape, 0.0 if config.norm == "layernorm1p" else 1.0, device=device)
-    std = config.init_std
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2",
-                      "shared_expert.w2.weight")):
-        std /= math.sqrt(2 * config.num_layers)  # GPT-2's scaled init of residual projections
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=gen, device=device) * std
+    """The fp32 initial value of global parameter `name` for run seed `seed` (the family's
+    `init_tensor`)."""
+    return model_family(config).init_tensor(name, config, seed, device)
 
 
 @torch.no_grad()
-def init_weights(model: GPTModel, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter of `model` (one stage, one tp rank) from the global initialization."""
     g = model.groups
     for local_name, param in model.named_parameters():
@@ -70,26 +55,32 @@ def build_model(
     seed: int = 0,
     init: bool = True,
     backend: str = "auto",
-) -> GPTModel:
+) -> nn.Module:
     """Build one stage of the model for this rank: on the meta device, then materialized.
 
     `layout` says where the weights live (sequence parallelism; tp and pp come from `groups`),
     `schedule` how training steps run (only its recomputation matters here; None: none).
     With `init=False` the weights are left uninitialized (a checkpoint will be loaded into them).
     `backend`: "torch" (plain PyTorch), "te" (Transformer Engine linears; CUDA only), or "auto"
-    (TE when it imports on a CUDA device, else plain PyTorch). Parameter names and shapes are the
-    same for both, so checkpoints move freely between them.
+    (TE when it imports on a CUDA device, else plain PyTorch; only for a family whose
+    `transformer_engine` is set). Parameter names and shapes are the same for both, so
+    checkpoints move freely between them. The stage is the family's (`Family.stage`).
     """
     from tessera.core.te_backend import apply_transformer_engine, transformer_engine_available
 
     if backend not in ("auto", "torch", "te"):
         raise ValueError(f"unknown backend {backend!r}; use auto, torch or te")
-    use_te = backend == "te" or (backend == "auto" and transformer_engine_available(device))
+    family = model_family(config)
+    if backend == "te" and not family.transformer_engine:
+        raise ValueError(f"backend 'te' is not available for a {config.family} model; use "
+                         "auto or torch")
+    use_te = backend == "te" or (backend == "auto" and family.transformer_engine
+                                 and transformer_engine_available(device))
     if use_te and not transformer_engine_available(device):
         raise RuntimeError("backend 'te' needs a CUDA device and transformer_engine installed "
                            '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
-        model = stage_class(config)(config, layout, groups, stage_id, num_stages, schedule)
+        model = family.stage(config, layout, groups, stage_id, num_stages, schedule)
     if schedule is not None and config.num_experts:  # the expert-parallel token dispatcher
         set_dispatchers(model, model.groups, schedule.moe_dispatcher)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as

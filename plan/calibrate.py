@@ -275,7 +275,7 @@ def framework_overheads(seconds: float) -> tuple[float, float]:
     import torch
 
     from tessera.core.config import ModelConfig
-    from tessera.core.model import GPTModel
+    from tessera.core.models.decoder.model import GPTModel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,20 +6,20 @@ What differs from a decoder-only model (`estimate`'s module doc has the shared r
 - two stacks over two lengths: encoder layers over `s_e = seq_len` tokens, decoder layers over
   `s_d = t5_formulas.t5_decoder_length(seq_len)` (the span-corruption targets) with a
   cross-attention whose k and v run over the encoder output;
-- pipeline stages follow `core.t5_layout.t5_stage_split` (encoder stages, then decoder
+- pipeline stages follow `core.models.t5.layout.t5_stage_split` (encoder stages, then decoder
   stages), so stages differ: memory is the most loaded stage's (its parameters, and its
   activations times the micro-batches 1F1B keeps in flight there, `p - stage`), and the step
   runs at the slowest stage's pace, `(m + p - 1)` of its micro-batch slots [PTD-P section 2.2
   with unequal stages: the pipeline's throughput is its slowest stage's];
 - a stage boundary carries the hidden states, the stack's relative bias (`(a/t) s^2`, as
-  `core.t5` passes it) and, on the decoder side, the encoder output;
+  `core.models.t5.model` passes it) and, on the decoder side, the encoder output;
 - tensor parallelism: a decoder layer has three all-reduces (or all-gather / reduce-scatter
   pairs) of its `s_d b h` per direction instead of two, and the cross-attention's k/v input
   (the encoder output, replicated over tp) one more of `s_e b h` in the backward (Megatron's
   column-parallel input gradient; with sequence parallelism an all-gather forward and a
   reduce-scatter backward);
 - the embedding is used by stage 0 and by the first decoder stage (and, tied, by the last): with
-  pp > 1 their gradients are all-reduced after the backward (`core.parallel.t5_pipeline`).
+  pp > 1 their gradients are all-reduced after the backward (`core.models.t5.pipeline`).
 
 T5 trains without recomputation, virtual stages, cp, ep and fp8 (`plan.t5_rules`), so those
 terms are 0 here. Throughput counts encoder tokens (`global_batch x seq_len`).
@@ -27,7 +27,7 @@ terms are 0 here. Throughput counts encoder tokens (`global_batch x seq_len`).
 
 from __future__ import annotations
 
-from tessera.core.t5_layout import t5_stage_layers
+from tessera.core.models.t5.layout import t5_stage_layers
 from tessera.plan import estimate as E
 from tessera.plan import formulas as F
 from tessera.plan import t5_formulas as T

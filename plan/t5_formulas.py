@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.core.config import ModelConfig
-from tessera.core.t5_layout import decoder_layers, t5_stage_layers
-from tessera.core.t5_span import fit_raw_length
+from tessera.core.models.t5.layout import decoder_layers, t5_stage_layers
+from tessera.core.models.t5.span import fit_raw_length
 from tessera.plan import formulas as F
 
 
 def t5_decoder_length(seq_len: int, tp: int = 1, sequence_parallel: bool = False) -> int:
     """Decoder tokens per sample for `seq_len` encoder tokens, as Tessera's span-corruption data
-    makes them [T5 section 3.1.4; `core.t5_span`, which `training.t5_data` uses]: the longest
+    makes them [T5 section 3.1.4; `core.models.t5.span`, which `training.t5_data` uses]: the longest
     target (a sentinel per span, the noise tokens, EOS) of the longest raw window whose
     corrupted input fits `seq_len`, at 15% noise and mean span 3; with sequence parallelism
     padded up to a multiple of tp (`training.t5_objective.PaddedTargets`). 116 for 512."""
@@ -87,8 +87,8 @@ def t5_parameter_counts(model: ModelConfig) -> T5ParameterCounts:
 
 
 def t5_stage_parameters(model: ModelConfig, pp: int, tp: int = 1) -> list[float]:
-    """Parameters one tensor-parallel rank of each pipeline stage holds, as `core.t5` places
-    them (`core.t5_layout.t5_stage_layers` for the layers; [Megatron-T5] the same split):
+    """Parameters one tensor-parallel rank of each pipeline stage holds, as `core.models.t5.model` places
+    them (`core.models.t5.layout.t5_stage_layers` for the layers; [Megatron-T5] the same split):
     stage 0 the embedding and its encoder layers, the stack holding layer 0 its relative bias,
     the last encoder stage the encoder norm, the first decoder stage a copy of the embedding
     (one table when pp = 1), the last stage the decoder norm and the output (with tied
@@ -161,7 +161,7 @@ def t5_encoder_layer_activation_bytes(model: ModelConfig, s_enc: int, b: int, t:
     """Stored activation bytes of one encoder layer on one rank: a decoder-only layer's
     [Korthikanti Table 2 as `formulas.layer_activation_bytes` generalises it] plus the
     additive score bias the attention reads, `2 b (a/t) s_e^2` bytes: T5's learned relative
-    bias has a gradient, so even a fused kernel keeps it (`core.t5` adds the padding mask to it
+    bias has a gradient, so even a fused kernel keeps it (`core.models.t5.model` adds the padding mask to it
     per layer, one per batch row)."""
     base = F.layer_activation_bytes(model, s_enc, b, t, sequence_parallel, "none", 1,
                                     flash_attention)

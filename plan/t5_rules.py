@@ -1,5 +1,5 @@
 """What the planner may propose for a T5 (encoder-decoder) model: the rules `tessera pretrain`
-applies to T5, read from `core.t5_layout` (the one place they live), never restated here.
+applies to T5, read from `core.models.t5.layout` (the one place they live), never restated here.
 
 `Layout.problems` already refuses context parallelism, virtual stages and pipeline sizes that
 `t5_stage_split` cannot share out between encoder and decoder; this module adds the schedule and
@@ -9,7 +9,7 @@ precision rules (`T5_RECOMPUTE`, `T5_REFUSED_PRECISIONS`) and the search spaces 
 from __future__ import annotations
 
 from tessera.core.config import ModelConfig
-from tessera.core.t5_layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS, t5_pipeline_sizes
+from tessera.core.models.t5.layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS, t5_pipeline_sizes
 
 
 def is_t5(model: ModelConfig) -> bool:

@@ -37,7 +37,7 @@ import time
 import torch
 
 from tessera.core.kv_cache import KVCache
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.layers import ParallelLinear
 from tessera.core.quantize import Int8
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from tessera.core.checkpoint import dtype_from_name, load_weights, read_manifest
 from tessera.core.config import ConfigError, Layout
 from tessera.core.lora_format import AdapterError
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages

@@ -69,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.sampling import choose_tokens, uniforms_from
 from tessera.core.tokenizer import Tokenizer

@@ -29,7 +29,7 @@ import torch
 
 from tessera.core.config import ModelConfig
 from tessera.core.kv_cache import KVCache
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward

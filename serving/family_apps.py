@@ -3,7 +3,7 @@
 - BERT (`serving.fill_mask`): `POST /v1/fill_mask` and its model/health routes.
 - T5 (`serving.t5_engine`): text-to-text through the generation routes (OpenAI completions,
   Triton generate, `/api`), greedy, one request at a time. Its tokenizer is the checkpoint's
-  with sentinel tokens `<extra_id_k>` placed above it (`core.t5_tokens`): `--t5-sentinels N`,
+  with sentinel tokens `<extra_id_k>` placed above it (`core.models.t5.tokens`): `--t5-sentinels N`,
   by default as many as the model's vocabulary has room for above the tokenizer, at most 100
   (Hugging Face's T5 has 100, in a vocabulary padded to 32128).
 
@@ -53,8 +53,8 @@ def t5_sentinels(model_vocab: int, tokenizer_vocab: int, asked: int | None) -> i
 
 def _t5_app(args: argparse.Namespace, served_names: list[str]) -> Any:
     from tessera.core.checkpoint import read_manifest
-    from tessera.core.t5_init import load_t5_checkpoint
-    from tessera.core.t5_tokens import SentinelTokenizer
+    from tessera.core.models.t5.init import load_t5_checkpoint
+    from tessera.core.models.t5.tokens import SentinelTokenizer
     from tessera.core.tokenizer import load_tokenizer
     from tessera.serving.app import create_app
     from tessera.serving.cli import app_limits

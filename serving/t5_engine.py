@@ -2,7 +2,7 @@
 so the OpenAI completions route (and the other dialects) can answer with a T5.
 
 What it does: each request's prompt is the encoder input (`encode` ends it with EOS, as T5's
-tokenizer does; `<extra_id_k>` in the text is sentinel k), and `core.t5_generate.t5_greedy`
+tokenizer does; `<extra_id_k>` in the text is sentinel k), and `core.models.t5.generate.t5_greedy`
 decodes it, one request at a time on a worker thread, the whole completion delivered as one
 output. What it does not (refused with a clear `RequestError`): sampling (temperature > 0),
 logprobs and echo, stop strings, prompt-tuned tasks; nor does it batch requests or stream token
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from tessera.core.t5 import T5Model
-from tessera.core.t5_generate import t5_greedy
-from tessera.core.t5_tokens import SentinelTokenizer
+from tessera.core.models.t5.generate import t5_greedy
+from tessera.core.models.t5.model import T5Model
+from tessera.core.models.t5.tokens import SentinelTokenizer
 from tessera.serving.bridge import RequestStream, Sink
 from tessera.serving.types import GenerationOutput, GenerationRequest, RequestError
 
@@ -45,7 +45,7 @@ class T5Engine:
                         model_name: str | None = None, **kwargs) -> T5Engine:
         """The engine for the T5 checkpoint at `path`, its tokenizer given `num_sentinels`."""
         from tessera.core.checkpoint import read_manifest
-        from tessera.core.t5_init import load_t5_checkpoint
+        from tessera.core.models.t5.init import load_t5_checkpoint
         from tessera.core.tokenizer import load_tokenizer
 
         tok = None

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tessera.core.t5_tokens import DEFAULT_SENTINELS, SentinelTokenizer
+from tessera.core.models.t5.tokens import DEFAULT_SENTINELS, SentinelTokenizer
 from tessera.training.evaluate import windows
 from tessera.training.t5_data import corrupt, fit_raw_length, noise_mask
 

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from tessera.core.expert_checkpoint import expert_sharded
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.expert_data_parallel import expert_parallel
 from tessera.core.parallel.sharding import shard_expert_tensor, unshard_tensors
 from tessera.core.parallel.zero import ShardedOptimizer

@@ -27,7 +27,7 @@ from tessera.core.config import ConfigError
 from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe
 from tessera.core.fp8_training import Fp8Training, enable_fp8_training
 from tessera.core.init import build_model
-from tessera.core.model import GPTModel, model_flops_per_token
+from tessera.core.models.decoder.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
 from tessera.core.parallel.context_parallel import document_ids
 from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tessera.core.checkpoint import CheckpointError
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.zero import ShardedOptimizer
 
 

@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from tessera.core.checkpoint import CheckpointError, Manifest
 from tessera.core.expert_checkpoint import expert_sharded
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.sharding import (
     is_expert_param,
     shard_spec,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.data_parallel import build_zero_optimizer
 from tessera.core.parallel.expert_data_parallel import (
     expert_grad_norm_squared,

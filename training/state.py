@@ -48,7 +48,7 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import Fp8Training
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
 from tessera.training.expert_moments import collect_expert_moments

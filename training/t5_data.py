@@ -6,7 +6,7 @@ its sample i. Span corruption then follows T5 (Raffel et al. 2020, section 3.1.4
 `raw_length x noise_density` tokens are noise, cut into about `noise / mean_span` spans; the
 noise and the kept tokens are each split into that many non-empty runs at random points, and
 interleaved kept, noise, kept, noise, ... The encoder sees the kept tokens with each noise span
-replaced by the next sentinel (`core.t5_tokens`), then EOS; the target is each sentinel
+replaced by the next sentinel (`core.models.t5.tokens`), then EOS; the target is each sentinel
 followed by its span, then EOS. Unlike T5, which rounds both counts to the nearest integer (so
 a short sample's density and span length can be off by several percent), each count is rounded
 up or down at random with the probabilities that make its mean exact. `raw_length` is the
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from tessera.core.t5_span import SpanShape, fit_raw_length
-from tessera.core.t5_tokens import SentinelError, SentinelTokenizer
+from tessera.core.models.t5.span import SpanShape, fit_raw_length
+from tessera.core.models.t5.tokens import SentinelError, SentinelTokenizer
 from tessera.training.gpt_dataset import (
     GPTDataset,
     build_split_datasets,
@@ -134,7 +134,7 @@ class T5SpanDataset(Dataset[Sample]):
                  model_vocab_size: int | None = None, decoder_start_token_id: int = 0):
         if not isinstance(tokenizer, SentinelTokenizer):
             raise SentinelError("T5 span corruption needs a tokenizer with sentinel tokens: "
-                                "wrap it as core.t5_tokens.SentinelTokenizer(tokenizer)")
+                                "wrap it as core.models.t5.tokens.SentinelTokenizer(tokenizer)")
         if not 0 < noise_density < 1 or mean_span < 1:
             raise ValueError(f"noise_density must be in (0, 1) and mean_span >= 1, got "
                              f"{noise_density} and {mean_span}")

@@ -15,8 +15,8 @@ DEMO_T5_PROMPTS = ("Return the <extra_id_0> of the object.",
 def print_t5_samples(checkpoint: str, max_new_tokens: int = 16) -> None:
     """Print the model's span fills for `DEMO_T5_PROMPTS` and how to use the checkpoint."""
     from tessera.core.checkpoint import load_checkpoint
-    from tessera.core.t5_generate import t5_greedy
-    from tessera.core.t5_tokens import SentinelTokenizer
+    from tessera.core.models.t5.generate import t5_greedy
+    from tessera.core.models.t5.tokens import SentinelTokenizer
     from tessera.core.tokenizer import load_tokenizer
 
     model = load_checkpoint(checkpoint)

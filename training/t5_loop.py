@@ -1,9 +1,9 @@
 """What the pretraining loop does differently for T5 (family "t5"): building its stages, keeping
 the pipeline's embedding copies equal, and the validation loss under pipeline parallelism.
 
-- `build_t5_rank_stages`: this rank's `T5Model` stage (`core.t5_init.build_t5_stages`: the
+- `build_t5_rank_stages`: this rank's `T5Model` stage (`core.models.t5.init.build_t5_stages`: the
   same layout-independent initialization as one process; the encoder/decoder split of
-  `core.t5_layout.t5_stage_split`).
+  `core.models.t5.layout.t5_stage_split`).
 - `t5_embedding_sync`: made once at setup (collective over the world, as `init_groups`); the
   step calls it in place of `pipeline.sync_tied_embedding_grads`, summing the gradients of the
   embedding copies held by the encoder's first stage, the decoder's first stage and (tied) the
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from tessera.core.config import Layout, TrainSchedule
+from tessera.core.models.t5.init import build_t5_stages
+from tessera.core.models.t5.model import T5Model
+from tessera.core.models.t5.pipeline import sync_t5_embedding_grads, t5_embedding_group
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.t5_pipeline import sync_t5_embedding_grads, t5_embedding_group
-from tessera.core.t5 import T5Model
-from tessera.core.t5_init import build_t5_stages
 
 
 def build_t5_rank_stages(cfg: Any, layout: Layout, schedule: TrainSchedule,

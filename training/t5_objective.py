@@ -6,7 +6,7 @@ tokenizer's vocabulary gets `DEFAULT_SENTINELS` (100, as T5) sentinel ids right 
 pieces, so the model's vocabulary is the tokenizer's + 100 unless `vocab_size` is set, and then
 it must hold them. In the loop, the encoder ids are the first stage's positional input, the
 labels the last stage's targets, and `decoder_input_ids` / `encoder_mask` the keywords every
-stage gets (`core.t5.T5Model.forward`).
+stage gets (`core.models.t5.model.T5Model.forward`).
 
 The step's loss is, as for GPT and as Megatron computes T5's, the mean over micro-batches (and
 data-parallel ranks) of each micro-batch's mean over its labels. T5 targets differ in length,
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tessera.core.t5_layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS
-from tessera.core.t5_tokens import DEFAULT_SENTINELS
+from tessera.core.models.t5.layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS
+from tessera.core.models.t5.tokens import DEFAULT_SENTINELS
 
 if TYPE_CHECKING:
     from tessera.training.config import PretrainConfig
@@ -74,7 +74,7 @@ def model_vocab(data_vocab: int, set_vocab: int | None) -> int:
 
 def datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
     """The train and valid span-corruption datasets, sized for the whole run."""
-    from tessera.core.t5_tokens import SentinelTokenizer
+    from tessera.core.models.t5.tokens import SentinelTokenizer
     from tessera.core.tokenizer import load_tokenizer
     from tessera.training.t5_data import build_t5_datasets
 

@@ -10,8 +10,8 @@ and only answer tokens (and EOS) carry labels; every other position is -100. The
 answer are tokenized separately (whitespace right before the answer field is dropped: a
 sentencepiece answer starts with its own word marker), so the boundary is exact.
 
-Virtual tokens occupy positions [0, n_virtual) of every row (`core.model`'s hook contract). In a
-batch, their token ids are the *task's index* in the hook's task list: `VirtualPrompts` reads
+Virtual tokens occupy positions [0, n_virtual) of every row (`core.models.decoder.model`'s hook
+contract). In a batch, their token ids are the *task's index* in the hook's task list: `VirtualPrompts` reads
 each row's task from its position-0 id, which travels with the ids through any pipeline
 schedule's micro-batch split. The base model never sees those ids: the hook replaces their
 embeddings.

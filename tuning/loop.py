@@ -41,7 +41,7 @@ from tessera.core.lora import (
     set_lora_dropout,
 )
 from tessera.core.lora_format import AdapterConfig, AdapterError, check_base, save_adapter
-from tessera.core.model import model_flops_per_token
+from tessera.core.models.decoder.model import model_flops_per_token
 from tessera.core.parallel.zero import ShardedOptimizer
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb

@@ -8,7 +8,7 @@
   (`PromptEncoder`). After training its output is baked into a fixed table (`FixedPrompt`), so
   inference needs no encoder.
 
-`VirtualPrompts` is the model's `embedding_hook` (see `core.model`), attached by composition on
+`VirtualPrompts` is the model's `embedding_hook` (see `core.models.decoder.model`), attached by composition on
 the first pipeline stage, after the vocabulary-parallel embedding: it replaces the embeddings
 at positions `[0, n_virtual)` of each row that uses a task. Which task a row uses comes from
 `set_rows(...)` when its owner (the serving engine) sets it, else from the row's token id at
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 
 HOOK = "embedding_hook"  # the GPTModel attribute the prompts are attached under
 

@@ -1,7 +1,7 @@
 """The Hugging Face <-> Tessera contract for `T5ForConditionalGeneration` (model type "t5").
 
 `hf_io.import_hf` / `export_hf` and resharding work on T5 as on the decoder families (the tp
-splits and pipeline split of T5 weights live in `core.parallel.t5_sharding`).
+splits and pipeline split of T5 weights live in `core.models.t5.sharding`).
 
 Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transformers' gelu_new is
 the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
@@ -25,8 +25,8 @@ from typing import Any
 
 from tessera.converters.hf.family import ConversionError, HfFamily, TensorPairs
 from tessera.core.config import ModelConfig
-from tessera.core.parallel.t5_sharding import t5_param_shapes
-from tessera.core.t5_layout import decoder_layers
+from tessera.core.models.t5.layout import decoder_layers
+from tessera.core.models.t5.sharding import t5_param_shapes
 
 _ACTIVATIONS = {"gated-gelu": "geglu", "relu": "relu"}
 _STACK = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")

@@ -23,7 +23,8 @@ from tessera.core import fused
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The MLP nonlinearity (as `core.model.MLP`): SwiGLU over `[gate, up]`, squared ReLU, GELU."""
+    """The MLP nonlinearity (as `core.models.decoder.model.MLP`): SwiGLU over `[gate, up]`,
+    squared ReLU, GELU."""
     if activation == "swiglu":
         return fused.swiglu(h)
     if activation == "squared_relu":

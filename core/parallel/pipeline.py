@@ -50,7 +50,7 @@ from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import last_stage_pp_rank, stage_ids
 
 if TYPE_CHECKING:
-    from tessera.core.model import GPTModel
+    from tessera.core.models.decoder.model import GPTModel
 
 # name -> torch.distributed.pipelining schedule class name
 SCHEDULES: dict[str, str] = {

@@ -55,8 +55,7 @@ import torch
 
 from tessera.core.config import Layout, ModelConfig
 from tessera.core.expert_config import expert_ffn_size
-from tessera.core.moe.shapes import is_moe_layer, moe_param_shapes, moe_split
-from tessera.core.parallel.bert_sharding import bert_param_shapes
+from tessera.core.models.registry import family as model_family
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,6 @@ class ShardSpec:
     heads: tuple[int | None, ...] | None = None
 
 
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])\.weight$")
 
 
@@ -81,48 +79,9 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def global_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every global parameter name and its unsharded shape, in module order."""
-    if config.family == "t5":  # encoder-decoder: its own names (core.parallel.t5_sharding)
-        from tessera.core.parallel.t5_sharding import t5_param_shapes
-
-        return t5_param_shapes(config)
-    if config.family == "bert":
-        return bert_param_shapes(config)
-    c, hd = config.hidden_size, config.head_dim
-    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
-    ffn_rows = config.ffn_hidden_size * (2 if config.gated else 1)
-    has_norm_bias = config.norm != "rmsnorm"
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (config.vocab_size, c)}
-    if config.position == "learned":
-        shapes["pos_embeddings.weight"] = (config.max_position_embeddings, c)
-
-    def linear(prefix: str, out_f: int, in_f: int) -> None:
-        shapes[f"{prefix}.weight"] = (out_f, in_f)
-        if config.bias:
-            shapes[f"{prefix}.bias"] = (out_f,)
-
-    def norm(prefix: str) -> None:
-        shapes[f"{prefix}.weight"] = (c,)
-        if has_norm_bias:
-            shapes[f"{prefix}.bias"] = (c,)
-
-    for i in range(config.num_layers):
-        norm(f"layers.{i}.attention_norm")
-        linear(f"layers.{i}.attention.wqkv", qkv_rows, c)
-        linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
-        if config.qk_norm:  # Qwen3 per-head q/k RMSNorm (core.qk_norm): replicated over tp
-            shapes[f"layers.{i}.attention.q_norm.weight"] = (hd,)
-            shapes[f"layers.{i}.attention.k_norm.weight"] = (hd,)
-        norm(f"layers.{i}.ffn_norm")
-        if is_moe_layer(config, i):  # Mixture-of-Experts: router, experts (core.moe.shapes)
-            shapes.update(moe_param_shapes(config, i))
-            continue
-        linear(f"layers.{i}.feed_forward.w1", ffn_rows, c)
-        linear(f"layers.{i}.feed_forward.w2", c, config.ffn_hidden_size)
-    norm("norm")
-    if not config.tied_embeddings:
-        shapes["output.weight"] = (config.vocab_size, c)
-    return shapes
+    """Every global parameter name and its unsharded shape, in module order (the family's
+    `param_shapes`)."""
+    return model_family(config).param_shapes(config)
 
 
 def num_parameters(config: ModelConfig) -> int:
@@ -135,28 +94,7 @@ def shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     lora = _LORA.match(name)
     if lora:
         return _lora_spec(lora["module"], lora["factor"], config)
-    if config.family == "t5":  # encoder-decoder: its own names (core.parallel.t5_sharding)
-        from tessera.core.parallel.t5_sharding import t5_shard_spec
-
-        return t5_shard_spec(name, config)
-    if name in ("tok_embeddings.weight", "output.weight", "lm_head.bias"):  # lm_head: BERT
-        return ShardSpec(dim=0, vocab=True)
-    m = _LAYER.match(name)
-    local = m.group(2) if m else name
-    hd = config.head_dim
-    moe = moe_split(local, config)  # Mixture-of-Experts weights (core.moe.shapes)
-    if moe is not None:
-        return ShardSpec(**moe)
-    if local.startswith("attention.wqkv."):
-        nh, nkv = config.num_heads, config.num_kv_heads
-        return ShardSpec(dim=0, parts=(nh * hd, nkv * hd, nkv * hd), heads=(nh, nkv, nkv))
-    if local.startswith("feed_forward.w1."):
-        f = config.ffn_hidden_size
-        return ShardSpec(dim=0, parts=(f, f) if config.gated else None)
-    if local in ("attention.wo.weight", "feed_forward.w2.weight"):
-        return ShardSpec(dim=1)
-    # Norms, position embeddings and row-parallel biases (added after the all-reduce).
-    return ShardSpec(dim=None)
+    return model_family(config).shard_spec(name, config)
 
 
 def _lora_spec(module: str, factor: str, config: ModelConfig) -> ShardSpec:

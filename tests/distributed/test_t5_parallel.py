@@ -55,6 +55,12 @@ def make_batch(case: T5Case):
 
 
 def _run(case: T5Case) -> dict[str, Any]:
+    from tessera.core.models.t5.init import build_t5_stages
+    from tessera.core.models.t5.pipeline import (
+        sync_t5_embedding_grads,
+        t5_embedding_group,
+        t5_pipeline_step,
+    )
     from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
     from tessera.core.parallel.groups import init_groups
     from tessera.core.parallel.pipeline import (
@@ -64,12 +70,6 @@ def _run(case: T5Case) -> dict[str, Any]:
         split_layout_and_schedule,
         sync_sequence_parallel_grads,
     )
-    from tessera.core.parallel.t5_pipeline import (
-        sync_t5_embedding_grads,
-        t5_embedding_group,
-        t5_pipeline_step,
-    )
-    from tessera.core.t5_init import build_t5_stages
 
     config = case.config()
     lay, sched = split_layout_and_schedule(case.parallel)
@@ -103,7 +103,7 @@ def run_cases(rank: int, world_size: int, cases: list[T5Case]) -> list[dict[str,
 
 
 def reference(case: T5Case, dp: int, micro_batches: int) -> dict[str, Any]:
-    from tessera.core.t5_init import build_t5_model
+    from tessera.core.models.t5.init import build_t5_model
 
     model = build_t5_model(case.config(), seed=case.seed)
     enc, mask, dec, labels = make_batch(case)

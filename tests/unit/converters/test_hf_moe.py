@@ -26,7 +26,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from tessera.converters.cli import main  # noqa: E402
 from tessera.converters.hf_io import open_hf_dir  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
-from tessera.core.model import GPTModel  # noqa: E402
+from tessera.core.models.decoder.model import GPTModel  # noqa: E402
 from tessera.core.moe.shapes import moe_layers  # noqa: E402
 from tessera.core.moe.stats import router_step_end, track_router_stats  # noqa: E402
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from tessera.converters.hf_io import export_hf, import_hf  # noqa: E402
 from tessera.converters.hf_mapping import ConversionError, config_from_hf  # noqa: E402
-from tessera.core.t5_init import load_t5_checkpoint  # noqa: E402
+from tessera.core.models.t5.init import load_t5_checkpoint  # noqa: E402
 
 VOCAB = 99  # odd: no tp size divides it
 V11 = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
@@ -101,7 +101,7 @@ def test_unsupported_t5_configs_are_named():
 
 
 def test_greedy_generation_matches_hf_generate(imported):
-    from tessera.core.t5_generate import t5_greedy
+    from tessera.core.models.t5.generate import t5_greedy
 
     kind, hf, tmp = imported
     if kind == "original":  # generate's overhead is seconds; the original's head is covered above

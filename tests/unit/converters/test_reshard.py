@@ -28,7 +28,7 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.config import ConfigError, Layout
 from tessera.core.init import build_model
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
     global_param_shapes,

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tessera.converters.reshard import reshard_checkpoint
 from tessera.core.checkpoint import CheckpointReader, save_checkpoint
 from tessera.core.config import ModelConfig
-from tessera.core.t5_init import build_t5_model, load_t5_checkpoint
+from tessera.core.models.t5.init import build_t5_model, load_t5_checkpoint
 
 
 def test_t5_reshards_bit_exactly_and_by_stage(tmp_path):

@@ -87,7 +87,7 @@ def test_init_gives_each_expert_grid_rank_its_piece_of_the_global_init():
         def global_name(self, local_name: str) -> str:
             return local_name
 
-    with mock.patch("tessera.core.init.global_param_shapes", lambda config: banks):
+    with mock.patch("tessera.core.models.decoder.init.global_param_shapes", lambda config: banks):
         for ep_rank, etp_rank in ((0, 0), (1, 1), (0, 2)):
             g = ParallelGroups(ep_rank=ep_rank, ep_size=2, etp_rank=etp_rank, etp_size=3)
             model = Banks(g)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tessera.core.config import ConfigError, ModelConfig
-from tessera.core.t5 import T5Cache, relative_position_buckets
-from tessera.core.t5_init import build_t5_model
-from tessera.core.t5_layout import t5_stage_layers, t5_stage_split
+from tessera.core.models.t5.init import build_t5_model
+from tessera.core.models.t5.layout import t5_stage_layers, t5_stage_split
+from tessera.core.models.t5.model import T5Cache, relative_position_buckets
 
 SMALL = ModelConfig.from_name("t5-tiny", vocab_size=64, hidden_size=32, ffn_hidden_size=64)
 

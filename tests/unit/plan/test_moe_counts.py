@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tessera.core.config import ModelConfig
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.sharding import global_param_shapes, is_expert_param, local_shape
 from tessera.plan import TrainingJob, evaluate, load_hardware
 from tessera.plan import estimate as E

@@ -61,7 +61,7 @@ def test_t5_parameters_equal_hf(preset, overrides):
 
 
 def test_t5_decoder_length_is_the_data_target_length():
-    # training.t5_data builds its samples from the same core.t5_span shape: 512 encoder tokens
+    # training.t5_data builds its samples from the same core.models.t5.span shape: 512 encoder tokens
     # -> raw windows of 567 (noise 85-86 tokens, at most 29 spans), targets of 86 + 29 + 1.
     assert t5_decoder_length(512) == 116
     assert t5_decoder_length(512, tp=8, sequence_parallel=True) == 120
@@ -97,10 +97,10 @@ def test_t5_flops_by_hand_and_by_flop_counter():
     ("t5-tiny", ORIGINAL, (2, 3, 4)),  # tied: the last stage holds a copy of the embedding
 ])
 def test_t5_stage_parameters_equal_tessera_stages(preset, overrides, pps):
-    """Per pipeline stage, the planner's count is what `core.t5.T5Model` builds for that
+    """Per pipeline stage, the planner's count is what `core.models.t5.model.T5Model` builds for that
     stage (on the meta device; tp 1), so the busiest stage's memory is the real one's."""
     from tessera.core.config import Layout
-    from tessera.core.t5 import T5Model
+    from tessera.core.models.t5.model import T5Model
 
     model = dataclasses.replace(ModelConfig.from_name(preset), **overrides)
     for pp in pps:

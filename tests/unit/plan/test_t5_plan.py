@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.core.config import ConfigError, ModelConfig
-from tessera.core.t5_layout import t5_pipeline_sizes, t5_stage_split
+from tessera.core.models.t5.layout import t5_pipeline_sizes, t5_stage_split
 from tessera.plan import Fixed, PlanError, TrainingJob, load_hardware, plan_training
 
 

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from tessera.converters.hf_io import import_hf  # noqa: E402
-from tessera.core.t5_tokens import SentinelTokenizer  # noqa: E402
+from tessera.core.models.t5.tokens import SentinelTokenizer  # noqa: E402
 from tessera.core.tokenizer import train_tokenizer  # noqa: E402
 from tessera.serving.app import create_app  # noqa: E402
 from tessera.serving.cli import build_parser, served_names  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.core.t5_tokens import SentinelError, SentinelTokenizer
+from tessera.core.models.t5.tokens import SentinelError, SentinelTokenizer
 from tessera.core.tokenizer import load_tokenizer
 from tessera.training.t5_data import T5SpanDataset, fill_spans, fit_raw_length
 from tests.pretrain_helper import make_tiny_data
@@ -101,7 +101,7 @@ def test_t5_tiny_learns_span_corruption(data):
     """A few optimizer steps of t5-tiny on span-corruption batches lower the loss, with the
     samples fed to the model as they come (the model API the pretraining loop calls)."""
     from tessera.core.config import ModelConfig
-    from tessera.core.t5_init import build_t5_model
+    from tessera.core.models.t5.init import build_t5_model
 
     tok = data[1]
     ds = dataset(data, num_samples=8, encoder_length=32)

@@ -11,7 +11,7 @@ import torch
 
 from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.init import build_model
-from tessera.core.model import GPTModel
+from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.training.moe_step import begin_moe_step
 

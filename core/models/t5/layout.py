@@ -1,7 +1,7 @@
 """The T5 layout rules that need no tensor: layer counts, how pipeline stages share out encoder and
 decoder, and what a config or layout cannot do for T5. `Layout.problems` asks `t5_layout_problems`
 for a T5 (this module imports nothing from `core.parallel`, as `core.config` must not); the
-tensor-parallel rules are in `core.parallel.t5_sharding`.
+tensor-parallel rules are in `core.models.t5.sharding`.
 
 Pipeline (`t5_stage_split`, `t5_stage_layers`): the first `encoder_stages` stages hold the
 encoder (stage 0 also the shared embedding), the rest the decoder (its first stage another

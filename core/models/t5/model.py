@@ -9,8 +9,8 @@ layers; decoder blocks add cross-attention over the encoder output; the MLP is g
 output projection is separate (v1.1) or the embedding, with the decoder output scaled by
 hidden_size ** -0.5 first (`scaled_output`, the original).
 
-One `T5Model` is one pipeline stage (see `core.parallel.t5_sharding` for the names and tp
-splits, `core.t5_layout` for how stages share out encoder and decoder). Call it as
+One `T5Model` is one pipeline stage (see `core.models.t5.sharding` for the names and tp
+splits, `core.models.t5.layout` for how stages share out encoder and decoder). Call it as
 
     model(encoder_ids (B, S), decoder_input_ids=(B, T), labels=(B, T) | None,
           encoder_mask=(B, S) | None, local_logits=False)
@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.core.config import ConfigError, Layout, ModelConfig, TrainSchedule
-from tessera.core.model import Norm
+from tessera.core.models.decoder.model import Norm
+from tessera.core.models.t5.layout import t5_model_problems, t5_stage_layers, t5_stage_split
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import (
     ColumnParallelLinear,
@@ -56,7 +57,6 @@ from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import local_shape
 from tessera.core.stage import init_stage
-from tessera.core.t5_layout import t5_model_problems, t5_stage_layers, t5_stage_split
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,

@@ -24,14 +24,14 @@ The relative position bias is held by layer 0 of each stack, as Hugging Face doe
 by the stack's later layers; its columns are heads, so tp rank r holds the columns of its own
 query heads. T5 has no grouped-query attention and no biases on its linears.
 
-How pipeline stages share out encoder and decoder: `core.t5_layout`.
+How pipeline stages share out encoder and decoder: `core.models.t5.layout`.
 """
 
 from __future__ import annotations
 
 from tessera.core.config import ModelConfig
+from tessera.core.models.t5.layout import decoder_layers
 from tessera.core.parallel.sharding import ShardSpec
-from tessera.core.t5_layout import decoder_layers
 
 
 def t5_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,19 +1,18 @@
-"""The global parameter names and shapes of a BERT model (`core.bert`), for `sharding`.
+"""The global parameter names and shapes of a BERT model (`core.models.bert.model`), for `sharding`.
 
 The encoder layers reuse the decoder's names and split rules (fused `attention.wqkv`, column
 `feed_forward.w1`, row `attention.wo` / `feed_forward.w2`; `attention_norm` is the LayerNorm
 after attention, `ffn_norm` the one after the MLP). What BERT adds is replicated over tp except
 the masked-LM decoder bias `lm_head.bias`, which follows the vocabulary like the embedding
-(`sharding.shard_spec`): the decoder is column-parallel over the (padded) vocabulary, its
+(`bert_shard_spec`): the decoder is column-parallel over the (padded) vocabulary, its
 weight the word embedding itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tessera.core.config import ModelConfig
+from tessera.core.config import ModelConfig
+from tessera.core.models.decoder.sharding import decoder_shard_spec
+from tessera.core.parallel.sharding import ShardSpec
 
 
 def bert_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -43,3 +42,11 @@ def bert_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                    "lm_head.layer_norm.weight": (c,), "lm_head.layer_norm.bias": (c,),
                    "lm_head.bias": (config.vocab_size,)})
     return shapes
+
+
+def bert_shard_spec(name: str, config: ModelConfig) -> ShardSpec:
+    """How the global BERT parameter `name` is split over the tensor-parallel group: the
+    decoder's rules, and `lm_head.bias` over the vocabulary like the embedding."""
+    if name == "lm_head.bias":
+        return ShardSpec(dim=0, vocab=True)
+    return decoder_shard_spec(name, config)

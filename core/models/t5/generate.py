@@ -1,4 +1,4 @@
-"""Greedy text-to-text generation with a T5 (`core.t5.T5Model`, one pipeline stage, any tp).
+"""Greedy text-to-text generation with a T5 (`core.models.t5.model.T5Model`, one pipeline stage, any tp).
 
 The encoder runs once; the decoder then takes one token per step, its self-attention keys and
 values kept in a `T5Cache` together with the cross-attention keys and values of the encoder
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.core.t5 import T5Cache, T5Model
+from tessera.core.models.t5.model import T5Cache, T5Model
 
 
 @torch.no_grad()

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.config import Layout, ModelConfig
+from tessera.core.models.t5.layout import t5_stage_split
+from tessera.core.models.t5.model import T5Model
 from tessera.core.parallel.groups import ParallelGroups, rank_of
-from tessera.core.t5 import T5Model
-from tessera.core.t5_layout import t5_stage_split
 
 
 def embedding_stages(config: ModelConfig, num_stages: int, encoder_stages: int | None = None

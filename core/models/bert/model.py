@@ -11,7 +11,7 @@ vocabulary-parallel embedding and cross-entropy, so tensor and sequence parallel
 GPT. One `BertModel` is one pipeline stage, with the interface `GPTModel` offers the pipeline,
 checkpoint and optimizer code (`stage_id`, `is_first`, `is_last`, `global_name`, `output` as the
 tied decoder copy on a separate last stage, kept equal by `pipeline.sync_tied_embedding_grads`).
-Parameter names are in `core.parallel.bert_sharding`.
+Parameter names are in `core.models.bert.sharding`.
 
 `forward(x, labels=None, *, token_types=None, attention_mask=None, next_sentence=None,
 local_logits=False)`: `x` is token ids `(B, T)` on the first stage, else the previous stage's
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
-from tessera.core.model import MLP, Attention, Norm
+from tessera.core.models.decoder.model import MLP, Attention, Norm
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import (
     ColumnParallelLinear,

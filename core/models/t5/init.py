@@ -15,10 +15,10 @@ import zlib
 import torch
 
 from tessera.core.config import ConfigError, Layout, ModelConfig, TrainSchedule
+from tessera.core.models.t5.layout import decoder_layers
+from tessera.core.models.t5.model import T5Model
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import global_param_shapes, shard_tensor
-from tessera.core.t5 import T5Model
-from tessera.core.t5_layout import decoder_layers
 
 
 def init_t5_tensor(name: str, config: ModelConfig, seed: int,

@@ -1,0 +1,2 @@
+"""BERT, the bidirectional post-LayerNorm encoder with a masked-LM head: model, config checks,
+sharding."""

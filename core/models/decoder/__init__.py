@@ -1,0 +1,2 @@
+"""The decoder-only transformer (GPT-style) that gpt2, llama, nemotron, qwen3 and the
+Mixture-of-Experts families share (`families`), its sharding rules and initialization."""

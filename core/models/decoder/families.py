@@ -1,0 +1,36 @@
+"""The decoder-only families: one `Family` each, sharing the decoder (`model.GPTModel`), its
+sharding rules and initialization; they differ in the config values they fix (`traits`)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from tessera.core.models.family import Family, Lazy
+
+_HERE = "tessera.core.models.decoder"
+
+
+def decoder_family(name: str, **differs: Any) -> Family:
+    """A family built on the decoder, with `differs` (Family fields) in place of its parts."""
+    if "traits" in differs:
+        differs["traits"] = MappingProxyType(dict(differs["traits"]))
+    return Family(**{"name": name,
+                     "stage_class": Lazy(f"{_HERE}.model:GPTModel"),
+                     "param_shapes": Lazy(f"{_HERE}.sharding:decoder_param_shapes"),
+                     "shard_spec": Lazy(f"{_HERE}.sharding:decoder_shard_spec"),
+                     "init_tensor": Lazy(f"{_HERE}.init:init_decoder_tensor"),
+                     **differs})
+
+
+_LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", rotary_fraction=1.0)
+
+GPT2 = decoder_family("gpt2", traits=dict(norm="layernorm", position="learned", bias=True))
+LLAMA = decoder_family("llama", traits=_LLAMA)
+NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation="squared_relu",
+                                                  position="rope"))
+QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
+# Mixture-of-Experts is a block option of the decoder (`core.moe`).
+MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
+QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)
+QWEN3_MOE = decoder_family("qwen3_moe", traits=dict(_LLAMA, qk_norm=True))

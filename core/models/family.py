@@ -1,0 +1,125 @@
+"""`Family`: what a model family gives the generic code (configs, sharding, init, pipeline,
+checkpoints, training), so that code never names a family.
+
+A family module (the target of its registry line, `core.models.registry`) must import without
+torch: `ModelConfig` validation resolves the family, and `--help` and planning stay torch-free.
+So the fields that need torch name their function by import path with `Lazy`, imported on
+first call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from tessera.core.config import Layout, ModelConfig, divisors
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class Lazy:
+    """A callable named `"package.module:attribute"`, imported on first use."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._target: Any = None
+
+    def resolve(self) -> Any:
+        """The named object (imported once)."""
+        if self._target is None:
+            module, _, attribute = self.path.partition(":")
+            self._target = getattr(importlib.import_module(module), attribute)
+        return self._target
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.path!r})"
+
+
+def no_problems(config: ModelConfig) -> list[str]:
+    """A family that takes any `ModelConfig` its generic checks accept."""
+    return []
+
+
+def even_layer_problems(config: ModelConfig, layout: Layout) -> list[str]:
+    """Every stage holds `num_layers / stages` layers (`stage_layers_even`): they must divide."""
+    stages = layout.num_stages
+    if config.num_layers % stages:
+        return [f"num_layers {config.num_layers} is not divisible by pp {layout.pp} x "
+                f"virtual_stages {layout.virtual_stages} = {stages}; use a stage count in "
+                f"{divisors(config.num_layers)}"]
+    return []
+
+
+def stage_layers_even(config: ModelConfig, stage_id: int, num_stages: int) -> tuple[range, ...]:
+    """One stack of `num_layers` layers cut into `num_stages` equal contiguous blocks."""
+    per_stage = config.num_layers // num_stages
+    return (range(stage_id * per_stage, (stage_id + 1) * per_stage),)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family, as the generic code sees it. `config` is always a `ModelConfig` whose
+    `family` is `name`; global parameter names are the checkpoint's (layout-independent).
+
+    Required:
+    - `name`: the `ModelConfig.family` value (saved in checkpoint manifests; never renamed).
+    - `stage_class`: the `nn.Module` class of one pipeline stage (`Lazy`). Every stage has the
+      attributes of `core.stage.init_stage` and `global_name(local_name)`, and its forward with
+      labels returns the mean loss of its batch.
+    - `param_shapes(config)`: every global parameter name and its unsharded shape, in module
+      order (`core.parallel.sharding.global_param_shapes` asks this).
+    - `shard_spec(name, config)`: the `ShardSpec` of one of its global names over the tp group
+      (LoRA factors are derived from their base weight's by `sharding.shard_spec` itself).
+    - `init_tensor(name, config, seed, device)`: the fp32 global initial value of `name` for run
+      seed `seed`, the same under every layout (`core.init`).
+
+    With defaults (a decoder-style family states only what differs):
+    - `build_stage(config, layout, groups, stage_id, num_stages, schedule)`: stage `stage_id`
+      of `num_stages` for this rank, unmaterialized (called on the meta device); None: the
+      `stage_class` constructor. The pipeline builds stages only through this (`stage`).
+    - `stage_layers(config, stage_id, num_stages)`: the global layer indices of each layer stack
+      (one range per stack: decoder 1, encoder-decoder 2) that stage `stage_id` holds.
+    - `problems(config)`: what this family cannot take in a `ModelConfig`, each a message that
+      names the field and what to do (raised by `ModelConfig.__post_init__`).
+    - `layout_problems(config, layout)`: how `layout`'s stages cannot split this model
+      (`Layout.problems`); default: `num_layers` must divide over the stages.
+    - `objective`: the name of its pretraining objective (`training.objectives.OBJECTIVES`);
+      core never imports training, so it is a name.
+    - `traits`: the `ModelConfig` values this family fixes (e.g. Llama: RMSNorm, SwiGLU, RoPE);
+      what a converter checks before writing a config as this family.
+    - `norm`: the decoder's norm module class, built as `norm(config, sequence_parallel)` for
+      every norm of a decoder stage (`Lazy`); None: `core.models.decoder.model.Norm`.
+    - `norm_shapes(config)`: local name -> shape of the parameters of one such norm (e.g.
+      `{"weight": (hidden,)}`), matching `norm`; None: the decoder's (weight, and a bias unless
+      RMSNorm).
+    - `transformer_engine`: whether `build_model(backend="auto" | "te")` may swap its linears
+      for Transformer Engine's.
+    """
+
+    name: str
+    stage_class: Lazy
+    param_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    shard_spec: Callable[[str, ModelConfig], Any]
+    init_tensor: Callable[..., Any]
+    build_stage: Callable[..., nn.Module] | None = None
+    stage_layers: Callable[[ModelConfig, int, int], tuple[range, ...]] = stage_layers_even
+    problems: Callable[[ModelConfig], list[str]] = no_problems
+    layout_problems: Callable[[ModelConfig, Layout], list[str]] = even_layer_problems
+    objective: str = "causal-lm"
+    traits: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    norm: Lazy | None = None
+    norm_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
+    transformer_engine: bool = True
+
+    def stage(self, config: ModelConfig, layout: Layout | None = None, groups: Any = None,
+              stage_id: int = 0, num_stages: int = 1, schedule: Any = None) -> nn.Module:
+        """Stage `stage_id` of `num_stages` (`build_stage`, or the `stage_class` constructor)."""
+        build = self.build_stage or self.stage_class
+        return build(config, layout, groups, stage_id, num_stages, schedule)
