@@ -58,8 +58,6 @@ _NAMES: dict[str, tuple[str, ...]] = {
 # `cls.predictions.bias` again) and the position-id buffer of older files.
 _IGNORED = r"^cls\.predictions\.decoder\.(weight|bias)$|embeddings\.position_ids$"
 
-_TRAITS: dict[str, Any] = dict(norm="layernorm", position="learned", bias=True,
-                               tied_embeddings=True)
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -84,7 +82,7 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _check_exportable(c: ModelConfig) -> None:
-    check_traits(c, _TRAITS)
+    check_traits(c)
     if c.num_kv_heads != c.num_heads or c.head_dim * c.num_heads != c.hidden_size:
         raise ConversionError(f"HF BERT has neither grouped-query attention nor a free head_dim: "
                               f"num_kv_heads {c.num_kv_heads}, head_dim {c.head_dim}")

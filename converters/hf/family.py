@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tessera.core.config import ModelConfig
+from tessera.core.models.registry import family as core_family
 from tessera.core.parallel.sharding import global_param_shapes
 
 Read = Callable[[str], torch.Tensor]
@@ -38,10 +39,11 @@ def require(hf: dict[str, Any], key: str, allowed: tuple[Any, ...], default: Any
     return value
 
 
-def check_traits(config: ModelConfig, traits: dict[str, Any],
-                 clash: dict[str, Any] | None = None) -> None:
-    """Raise ConversionError when `config` differs from `traits` (what the family's HF model
-    computes) or `clash` (further differences the caller found) is not empty."""
+def check_traits(config: ModelConfig, clash: dict[str, Any] | None = None) -> None:
+    """Raise ConversionError when `config` differs from its family's `traits` (the values the
+    family fixes, `core.models.family.Family`: what its HF model computes) or `clash` (further
+    differences the caller found) is not empty."""
+    traits = dict(core_family(config).traits)
     clash = {**{k: getattr(config, k) for k, v in traits.items() if getattr(config, k) != v},
              **(clash or {})}
     if clash:

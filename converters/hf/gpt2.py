@@ -40,7 +40,6 @@ _TRANSPOSED = frozenset(f"transformer.h.{{}}.{leaf}.weight"
 # The causal-mask buffers older files store.
 _BUFFERS = r"\.attn\.(masked_)?bias$"
 
-_TRAITS: dict[str, Any] = dict(norm="layernorm", position="learned", bias=True)
 
 
 def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -66,7 +65,7 @@ def _check_exportable(c: ModelConfig) -> None:
         clash["activation"] = c.activation
     if c.num_kv_heads != c.num_heads or c.head_dim * c.num_heads != c.hidden_size:
         clash["num_kv_heads/head_dim"] = (c.num_kv_heads, c.head_dim)
-    check_traits(c, _TRAITS, clash)
+    check_traits(c, clash)
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:

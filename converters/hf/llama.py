@@ -53,8 +53,6 @@ SWIGLU_MLP: NameMap = {
 # Cached RoPE frequencies, a buffer some files store.
 ROTARY_BUFFERS = r"\.rotary_emb\.inv_freq$"
 
-LLAMA_TRAITS: dict[str, Any] = dict(norm="rmsnorm", activation="swiglu", position="rope",
-                                    rotary_fraction=1.0)
 
 
 def rope(hf: dict[str, Any], default_fraction: float) -> tuple[float, float]:
@@ -128,5 +126,5 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
 
 LLAMA = HfFamily(
     family="llama", config_from_hf=llama_config,
-    check_exportable=lambda c: check_traits(c, LLAMA_TRAITS), config_to_hf=_config_to_hf,
+    check_exportable=check_traits, config_to_hf=_config_to_hf,
     name_map={**LLAMA_LIKE, **SWIGLU_MLP}, ignored=ROTARY_BUFFERS, fp8_export=True)

@@ -15,8 +15,6 @@ from tessera.converters.hf.llama import (
 )
 from tessera.core.config import ModelConfig
 
-_TRAITS: dict[str, Any] = dict(norm="layernorm1p", activation="squared_relu", position="rope")
-
 
 def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     require(hf, "hidden_act", ("relu2",), "relu2")
@@ -37,7 +35,7 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
 
 NEMOTRON = HfFamily(
     family="nemotron", config_from_hf=_config_from_hf,
-    check_exportable=lambda c: check_traits(c, _TRAITS), config_to_hf=_config_to_hf,
+    check_exportable=check_traits, config_to_hf=_config_to_hf,
     name_map={**LLAMA_LIKE,
               "layers.{}.feed_forward.w1.weight": ("model.layers.{}.mlp.up_proj.weight",),
               "layers.{}.feed_forward.w1.bias": ("model.layers.{}.mlp.up_proj.bias",)},

@@ -29,8 +29,6 @@ QK_NORM_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-_TRAITS: dict[str, Any] = dict(norm="rmsnorm", activation="swiglu", position="rope",
-                               rotary_fraction=1.0, bias=False, qk_norm=True)
 
 
 def qwen3_base(hf: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +63,6 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
 
 QWEN3 = HfFamily(
     family="qwen3", config_from_hf=qwen3_config,
-    check_exportable=lambda c: check_traits(c, _TRAITS), config_to_hf=_config_to_hf,
+    check_exportable=check_traits, config_to_hf=_config_to_hf,
     name_map={**LLAMA_LIKE, **SWIGLU_MLP, **QK_NORM_NAMES}, ignored=ROTARY_BUFFERS,
     fp8_export=True)
