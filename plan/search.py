@@ -29,7 +29,7 @@ from tessera.plan import estimate as E
 from tessera.plan.cluster import check_gpu_count
 from tessera.plan.errors import PlanError
 from tessera.plan.hardware import PROFILES, Hardware
-from tessera.plan.t5_rules import is_t5, t5_config_problems, t5_job_problems, t5_search_space
+from tessera.plan.models.registry import plan_family
 
 RECOMPUTE = ("none", "selective", "full")
 # Layout gains a `cp` field with context parallelism; pass it when the core has it, so its
@@ -227,7 +227,7 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     if c.recompute not in RECOMPUTE:
         out.append(f"unknown recompute {c.recompute!r}; choose one of {list(RECOMPUTE)}")
     else:
-        out += t5_config_problems(model, c.recompute)
+        out += plan_family(model).config_problems(model, c.recompute)
     if c.dp < 1 or job.global_batch % c.dp:
         out.append(f"global batch {job.global_batch} is not divisible by dp {c.dp}")
     elif (job.global_batch // c.dp) % c.micro_batch:
@@ -283,7 +283,7 @@ def evaluate(job: TrainingJob, candidate_fields: dict[str, Any]) -> Candidate:
 def _check_job(job: TrainingJob) -> None:
     check_gpu_count(job.gpus, job.gpus_per_node)
     job.hardware.peak(job.precision)  # PlanError when the card lacks the precision
-    refused = t5_job_problems(job.model, job.precision)
+    refused = plan_family(job.model).job_problems(job.model, job.precision)
     if refused:
         raise PlanError("; ".join(refused))
     if job.global_batch < 1 or job.seq_len < 1:
@@ -316,11 +316,11 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
            and c <= job.gpus_per_node] or [1]
     if fit_only:
         tps = tps[::-1]
-    t5 = t5_search_space(model) if is_t5(model) else None
-    if t5:
-        cps = t5["cp"]
+    space = plan_family(model).search_space(model)  # None: the decoder's rules below
+    if space:
+        cps = space["cp"]
     for tp in _choices(fixed.tp, tps):
-        for pp in _choices(fixed.pp, t5["pp"] if t5 else divisors(L)):
+        for pp in _choices(fixed.pp, space["pp"] if space else divisors(L)):
             for cp in _choices(fixed.cp, cps if fixed.cp is None else []):
                 if n % (tp * pp * cp):
                     continue
@@ -334,16 +334,16 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                 if fit_only:
                     mbs = mbs[:1]
                 vs = [v for v in divisors(L // pp) if pp > 1 or v == 1] if L % pp == 0 else []
-                if t5:  # one stage per rank; pp need not divide the encoder's layers
-                    vs = t5["virtual_stages"]
+                if space:  # e.g. T5: one stage per rank; pp need not divide its encoder
+                    vs = space["virtual_stages"]
                 if fit_only:
                     vs = vs[:1]
                 sps = [False, True] if tp > 1 and s % tp == 0 else [False]
                 if fit_only:
                     sps = sps[-1:]
                 recs = ["full"] if fit_only else list(RECOMPUTE)
-                if t5:
-                    recs = t5["recompute"]
+                if space:
+                    recs = space["recompute"]
                 experts_grid = [(ep, etp) for ep in _choices(fixed.ep, eps)
                                 for etp in _choices(fixed.etp, etps)]
                 if fit_only:  # the most frugal: the largest expert grid
