@@ -23,7 +23,7 @@ HF_T5_SENTINELS = 100
 
 
 def app_for_family(args: argparse.Namespace, served_names: list[str]) -> Any | None:
-    """The one-process app for a checkpoint of a family in `ONE_PROCESS_APPS`; None for the
+    """The one-process app for a checkpoint whose family has one (`ONE_PROCESS_APPS`); None for the
     others (the decoder families)."""
     from tessera.core.checkpoint import read_manifest
 
