@@ -24,7 +24,7 @@ from _common import best_time, matmul_peak_tflops, record  # noqa: E402
 
 from tessera.converters.hf_mapping import config_to_hf  # noqa: E402
 from tessera.core import ModelConfig, build_model  # noqa: E402
-from tessera.core.models.decoder.model import model_flops_per_token  # noqa: E402
+from tessera.core.flops import model_flops_per_token  # noqa: E402
 from tessera.training.config import TrainConfig  # noqa: E402
 from tessera.training.optim import build_optimizer, param_groups  # noqa: E402
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from tessera.core.config import ConfigError, Layout, ModelConfig
 from tessera.core.expert_checkpoint import (
@@ -56,7 +57,6 @@ from tessera.core.expert_checkpoint import (
     write_expert_weights,
 )
 from tessera.core.files import atomic_file, dir_mode, file_mode
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.sharding import (
     global_param_shapes,
     shard_spec,
@@ -256,7 +256,7 @@ class CheckpointReader:
         return shard_tensor(name, self.global_tensor(name), self.manifest.model, tp_rank, tp_size)
 
 
-def stored_parameters(models: list[GPTModel]) -> dict[str, torch.nn.Parameter]:
+def stored_parameters(models: list[nn.Module]) -> dict[str, torch.nn.Parameter]:
     """The parameters one rank's file holds, by global name (the model chunks of one rank).
 
     Replicated tensors are stored once, by tp rank 0. A tied output copy on a separate last
@@ -277,7 +277,7 @@ def stored_parameters(models: list[GPTModel]) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def write_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str]]:
+def write_weights(directory: Path, models: list[nn.Module]) -> dict[str, list[str]]:
     """Write this rank's shard file into `directory`; return its part of the weight map."""
     g, config = models[0].groups, models[0].config
     file = shard_file_name(g.tp_rank, g.pp_rank)
@@ -290,7 +290,7 @@ def write_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str
 
 def save_checkpoint(
     path: str | os.PathLike,
-    models: GPTModel | list[GPTModel],
+    models: nn.Module | list[nn.Module],
     *,
     step: int = 0,
     tokenizer: str | os.PathLike | None = None,
@@ -341,7 +341,7 @@ def save_checkpoint(
     return path
 
 
-def _merge_weight_maps(maps: list[dict[str, list[str]]], model: GPTModel) -> dict[str, list[str]]:
+def _merge_weight_maps(maps: list[dict[str, list[str]]], model: nn.Module) -> dict[str, list[str]]:
     merged: dict[str, list[str]] = {}
     for part in maps:
         for name, files in part.items():
@@ -351,7 +351,7 @@ def _merge_weight_maps(maps: list[dict[str, list[str]]], model: GPTModel) -> dic
 
 
 @torch.no_grad()
-def load_weights(models: GPTModel | list[GPTModel], path: str | os.PathLike) -> Manifest:
+def load_weights(models: nn.Module | list[nn.Module], path: str | os.PathLike) -> Manifest:
     """Fill the model chunks of this rank from the checkpoint at `path`, whatever its layout."""
     models = models if isinstance(models, list) else [models]
     reader = CheckpointReader(path)
@@ -382,7 +382,7 @@ def _check_config(saved: ModelConfig, wanted: ModelConfig, path: Any) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str = "cpu") -> GPTModel:
+                    device: torch.device | str = "cpu") -> nn.Module:
     """A single-process model with the checkpoint's weights (any saved layout; FP8 dequantized).
 
     `dtype` defaults to the checkpoint's own dtype (its higher-precision dtype for FP8 ones).

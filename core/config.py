@@ -424,7 +424,14 @@ def _layout_problems(
         from tessera.core.moe.validate import moe_layout_problems
 
         out += moe_layout_problems(model, lay)
-    out += model_family(model).layout_problems(model, lay)  # how its stages split the model
+    stages, split = lay.num_stages, model_family(model).layout_problems
+    if split is not None:  # the family shares out its stages its own way (e.g. T5's two stacks)
+        out += split(model, lay)
+    elif model.num_layers % stages:
+        out.append(
+            f"num_layers {model.num_layers} is not divisible by pp {lay.pp} x virtual_stages "
+            f"{lay.virtual_stages} = {stages}; use a stage count in {divisors(model.num_layers)}"
+        )
     if lay.placement not in PLACEMENTS:
         out.append(f"unknown placement {lay.placement!r}; choose one of {list(PLACEMENTS)}")
     elif lay.placement == "v" and lay.virtual_stages != 2:

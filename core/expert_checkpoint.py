@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_expert_tensor
 
 if TYPE_CHECKING:
     from tessera.core.checkpoint import CheckpointReader
-    from tessera.core.models.decoder.model import GPTModel
 
 
 def expert_sharded(name: str, groups: ParallelGroups) -> bool:
@@ -41,7 +41,7 @@ def stored_in_pieces(name: str, files: list[str]) -> bool:
     return is_expert_param(name) and any(f.startswith("experts-") for f in files)
 
 
-def write_expert_weights(directory: Path, models: list[GPTModel]) -> dict[str, list[str]]:
+def write_expert_weights(directory: Path, models: list[nn.Module]) -> dict[str, list[str]]:
     """Write this rank's expert pieces (expert-data-parallel rank 0 only; nothing without
     expert parallelism) into `directory`; return its part of the weight map."""
     g = models[0].groups

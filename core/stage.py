@@ -4,7 +4,7 @@
 `init_stage` first, so the attributes the rest of the code reads from any stage (`config`,
 `layout`, `train_schedule`, `groups`, `stage_id`, `num_stages`, `is_first`, `is_last`) are
 set in one place and mean the same for every family. Which layers a stage holds differs by
-family (`sharding.stage_layers`, `t5_layout.t5_stage_layers`) and stays with the model.
+family (`core.models.family.Family.stage_layers`) and stays with the model.
 """
 
 from __future__ import annotations

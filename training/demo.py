@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tessera.core.files import atomic_file
 from tessera.training.config import PretrainConfig
+from tessera.training.objectives import objective_for
 
 DEMO_PROMPTS = ("Return the", "The default value")
 
@@ -112,12 +113,9 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     tok, prefix = run_dir / "data" / "tokenizer.model", run_dir / "data" / "corpus"
     cfg.data.data, cfg.data.tokenizer = [str(prefix)], str(tok)
     summary = pretrain(cfg)
-    if rank0 and summary.get("checkpoint") and cfg.model.family == "t5":
-        from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
-
-        print_t5_samples(summary["checkpoint"])
-    elif rank0 and summary.get("checkpoint"):
-        print_samples(summary["checkpoint"])
+    samples = objective_for(cfg.model).print_samples or print_samples  # the family's
+    if rank0 and summary.get("checkpoint"):
+        samples(summary["checkpoint"])
 
 
 def print_samples(checkpoint: str) -> None:

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tessera.core.expert_checkpoint import expert_sharded
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.expert_data_parallel import expert_parallel
 from tessera.core.parallel.sharding import shard_expert_tensor, unshard_tensors
 from tessera.core.parallel.zero import ShardedOptimizer
@@ -48,7 +48,7 @@ def expert_moments_file(ep_rank: int, etp_rank: int, pp_rank: int,
     return f"optim-experts-ep{ep_rank:02d}-etp{etp_rank:02d}-pp{pp_rank:02d}{edp}.safetensors"
 
 
-def collect_expert_moments(models: list[GPTModel], optimizer: Any
+def collect_expert_moments(models: list[nn.Module], optimizer: Any
                            ) -> tuple[str, dict[str, torch.Tensor], dict[str, str]] | None:
     """This rank's expert moments file (name, tensors, metadata), or None where it writes none
     (no expert parallelism, or, unless zero1 splits the rows over edp, an expert-data-parallel

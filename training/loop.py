@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from tessera.core.config import ConfigError
+from tessera.core.flops import model_flops_per_token
 from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe
 from tessera.core.fp8_training import Fp8Training, enable_fp8_training
 from tessera.core.init import build_model
-from tessera.core.models.decoder.model import GPTModel, model_flops_per_token
 from tessera.core.parallel import pipeline
 from tessera.core.parallel.context_parallel import document_ids
 from tessera.core.parallel.data_parallel import allreduce_gradients, wrap_data_parallel
@@ -57,7 +58,7 @@ class Job:
 
     cfg: PretrainConfig
     groups: ParallelGroups
-    stages: list[GPTModel]
+    stages: list[nn.Module]
     optimizer: torch.optim.Optimizer
     schedule: Any  # pipeline schedule, or None when pp == 1
     device: torch.device
@@ -96,7 +97,7 @@ def check_config(cfg: PretrainConfig, world: int) -> None:
 
 
 def build_rank_model(cfg: PretrainConfig, *, init: bool = True
-                     ) -> tuple[torch.device, ParallelGroups, list[GPTModel]]:
+                     ) -> tuple[torch.device, ParallelGroups, list[nn.Module]]:
     """Join the world, check the config against it, and build the groups and this rank's model
     chunks, seeded (`init=False` leaves the weights for a checkpoint to fill)."""
     device = resolve_device(cfg.train.device)
@@ -114,11 +115,6 @@ def build_rank_model(cfg: PretrainConfig, *, init: bool = True
         torch.manual_seed(cfg.train.seed + 7_919 * groups.cp_rank)
     tracker.seed(cfg.train.seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
-    if cfg.model.family == "t5":  # encoder-decoder stages (training.t5_loop)
-        from tessera.training.t5_loop import build_t5_rank_stages
-
-        return device, groups, build_t5_rank_stages(cfg, layout, schedule, groups, device,
-                                                    dtype, init)
     if layout.pp > 1:
         stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
                                        device=device, dtype=dtype, seed=cfg.train.seed,
@@ -141,7 +137,7 @@ def fp8_recipe(cfg: Any, device: torch.device) -> Fp8Recipe | None:
 
 
 def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
-             stages: list[GPTModel], eod_id: int | None = None) -> Job:
+             stages: list[nn.Module], eod_id: int | None = None) -> Job:
     """The optimizer (over parameters that require grad), pipeline schedule and precision;
     under `--data-parallel fsdp` the stages are wrapped by FSDP2 first. `eod_id` set: packed
     documents are isolated at that token (pretraining's `--isolate-documents`)."""
@@ -178,10 +174,8 @@ def setup(cfg: PretrainConfig) -> Job:
 
         eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
     job = make_job(cfg, device, groups, stages, eod_id)
-    if cfg.model.family == "t5":  # collective: every rank, once
-        from tessera.training.t5_loop import t5_embedding_sync
-
-        job.embedding_sync = t5_embedding_sync(cfg, groups, job.stages)
+    if job.objective.embedding_sync is not None:  # collective: every rank, once
+        job.embedding_sync = job.objective.embedding_sync(cfg, groups, job.stages)
     if cfg.parallel.cp_dynamic:
         job.dynamic_cp = DynamicCP.create(cfg.model, cfg.parallel.layout(), groups,
                                           cfg.parallel.cp_comm)
@@ -311,10 +305,8 @@ def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
     g, par = job.groups, job.cfg.parallel
     kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
     kw.update(extra or {})
-    if job.schedule is not None and job.embedding_sync is not None:  # T5 (training.t5_loop)
-        from tessera.training.t5_loop import t5_pipeline_eval_loss
-
-        loss = t5_pipeline_eval_loss(job.schedule, job.stages, tokens, labels, kw)
+    if job.schedule is not None and job.objective.pipeline_eval_loss is not None:
+        loss = job.objective.pipeline_eval_loss(job.schedule, job.stages, tokens, labels, kw)
         loss = pipeline.broadcast_loss(loss, par.layout(), g)
     elif job.schedule is not None:
         loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)

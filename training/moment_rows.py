@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from tessera.core.checkpoint import CheckpointError
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.zero import ShardedOptimizer
 
 
-def optimizer_slots(models: list[GPTModel], optimizer: Any) -> list[tuple[str, Any, int, int, int]]:
+def optimizer_slots(models: list[nn.Module], optimizer: Any) -> list[tuple[str, Any, int, int, int]]:
     """(global name, state key, start, stop, rows) for each parameter this rank's optimizer
     steps: the key is the tensor `optimizer.state` is indexed by (a row view for a
     `ShardedOptimizer`), rows `start:stop` of the parameter's dim 0 (of `rows`) are its part.

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tessera.core.checkpoint import CheckpointError, Manifest
 from tessera.core.expert_checkpoint import expert_sharded
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.sharding import (
     is_expert_param,
     shard_spec,
@@ -52,7 +52,7 @@ def _legacy_file(tp_rank: int, pp_rank: int) -> str:
     return f"optim-model-tp{tp_rank:02d}-pp{pp_rank:02d}.safetensors"
 
 
-def collect_moments(models: list[GPTModel], optimizer: Any, *, sharded: bool
+def collect_moments(models: list[nn.Module], optimizer: Any, *, sharded: bool
                     ) -> tuple[str, dict[str, torch.Tensor], dict[str, str]] | None:
     """This rank's moments file: (file name, tensors, metadata), or None where it writes none
     (`sharded=False`, ddp: only dp rank 0 writes). Call before FSDP2 modules are unsharded.
@@ -125,7 +125,7 @@ class _Pieces:
                          f"optimizer state {key} (tp rank {tp_rank})")
 
 
-def load_moments(path: Path, manifest: Manifest, record: dict[str, Any], models: list[GPTModel],
+def load_moments(path: Path, manifest: Manifest, record: dict[str, Any], models: list[nn.Module],
                  optimizer: Any) -> None:
     """Fill `optimizer.state` for this rank's parameters from the checkpoint at `path`."""
     g, config = models[0].groups, models[0].config

@@ -21,7 +21,15 @@ gathered in one `Objective`, picked by the model's family (`objective_for`):
   stage's output (`local_logits=True`) and the labels, the mean of one micro-batch;
 - `evaluate(model, documents, seq_len, batch, max_windows)`: what `tessera evaluate` reports
   for a single-process model over token documents (GPT: loss and perplexity; BERT: masked-LM
-  loss, perplexity and accuracy), a dict with at least `loss` and `tokens`.
+  loss, perplexity and accuracy), a dict with at least `loss` and `tokens`;
+- `embedding_sync(cfg, groups, stages)` (None: `pipeline.sync_tied_embedding_grads` is
+  enough): made once at setup, collective over the world; returns the per-step gradient sync
+  of embedding copies that the stages hold beyond the tied pair (T5);
+- `pipeline_eval_loss(schedule, stages, inputs, labels, extra)` (None: `pipeline_forward`,
+  which passes one hidden tensor between stages): the validation loss of one batch through
+  the training schedule run forward only, on the last stage's rank (None elsewhere);
+- `print_samples(checkpoint)`: what the demo prints from its final checkpoint (T5: span
+  fills; None: the demo's greedy continuations, `training.demo.print_samples`).
 
 A model's forward with labels must return the mean loss of its micro-batch (the loop averages
 micro-batches and data-parallel ranks), and without labels its output (logits) for evaluation.
@@ -29,12 +37,15 @@ micro-batches and data-parallel ranks), and without labels its output (logits) f
 GPT ("causal-lm") is the identity of what the loop always did: packed windows, `tokens` in,
 `labels` out, no extra inputs. BERT ("masked-lm") adds token types and the padding mask as
 extra inputs. T5 ("span-corruption", `training.t5_objective`) feeds the encoder ids to the
-first stage and the decoder input and encoder mask to every stage. A new family registers one
-`Objective` in `OBJECTIVES` and its family in `FAMILY_OBJECTIVES`.
+first stage and the decoder input and encoder mask to every stage. A model family names its
+objective (`core.models.family.Family.objective`); a family's own objective lives in its
+training module (`training.bert_objective`, `training.t5_objective`), named by one line of
+`_FAMILY_OBJECTIVES`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera.core.config import ConfigError, ModelConfig
-from tessera.training import t5_objective as t5
+from tessera.core.models.registry import family as model_family
 
 if TYPE_CHECKING:
     from tessera.training.config import PretrainConfig
@@ -63,12 +74,6 @@ def _gpt_evaluate(*args: Any) -> dict[str, float]:
     return evaluate(*args)
 
 
-def _bert_evaluate(*args: Any) -> dict[str, float]:
-    from tessera.training.evaluate_mlm import evaluate_masked_lm
-
-    return evaluate_masked_lm(*args)
-
-
 @dataclass(frozen=True)
 class Objective:
     """One family's part of pretraining; see the module docstring for each member's contract."""
@@ -80,6 +85,9 @@ class Objective:
     split_batch: Callable[[Batch], Split]
     pipeline_loss: Callable[[ModelConfig, Any], Callable] = _default_pipeline_loss
     evaluate: Callable[..., dict[str, float]] = _gpt_evaluate
+    embedding_sync: Callable[[PretrainConfig, Any, list], Callable[[], None]] | None = None
+    pipeline_eval_loss: Callable[..., torch.Tensor | None] | None = None
+    print_samples: Callable[[str], None] | None = None
 
 
 # ------------------------------------------------------------------------------ causal LM
@@ -105,68 +113,28 @@ CAUSAL_LM = Objective(
 )
 
 
-# ------------------------------------------------------------------------------ masked LM
+# Objectives of the other families, each in its family's training module (imported on first
+# use, as `core.models.registry` does for the families): name -> "module:attribute".
+_FAMILY_OBJECTIVES: dict[str, str] = {
+    "masked-lm": "tessera.training.bert_objective:MASKED_LM",
+    "span-corruption": "tessera.training.t5_objective:SPAN_CORRUPTION",
+}
 
 
-def _bert_problems(cfg: PretrainConfig) -> list[str]:
-    out = []
-    if cfg.parallel.cp > 1:
-        out.append(f"--cp {cfg.parallel.cp}: context parallelism splits causal attention; a "
-                   "BERT encoder attends both ways and runs with --cp 1 (use --tp/--pp/--dp)")
-    if cfg.data.isolate_documents:
-        out.append("--isolate-documents is for packed decoder samples; BERT samples are "
-                   "[CLS] A [SEP] B [SEP] pairs with their own padding mask: leave it off")
-    if cfg.model.binary_head and cfg.parallel.pp > 1:
-        out.append("the next-sentence head (binary_head=true) runs only without pipeline "
-                   "parallelism (pp 1); set binary_head=false or --pp 1")
-    return out
-
-
-def _bert_vocab(data_vocab: int, set_vocab: int | None) -> int:
-    from tessera.training.bert_dataset import bert_specials
-
-    return bert_specials(data_vocab, set_vocab).vocab_size
-
-
-def _bert_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
-    from tessera.training.bert_dataset import BertSpecials, MaskingConfig, build_bert_datasets
-
-    t = cfg.train
-    specials = BertSpecials.of_model(cfg.model.vocab_size)  # `model_vocab` made room
-    train_ds, valid_ds, _ = build_bert_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], specials,
-        t.seed, cfg.data.data_cache or None, MaskingConfig(nsp=cfg.model.binary_head))
-    return train_ds, valid_ds
-
-
-def _bert_split(batch: Batch) -> Split:
-    extra = {"token_types": batch["token_types"], "attention_mask": batch["attention_mask"]}
-    if "next_sentence" in batch:
-        extra["next_sentence"] = batch["next_sentence"]
-    return batch["tokens"], batch["labels"], extra
-
-
-MASKED_LM = Objective(name="masked-lm", problems=_bert_problems, model_vocab=_bert_vocab,
-                      datasets=_bert_datasets, split_batch=_bert_split, evaluate=_bert_evaluate)
-
-
-# ------------------------------------------------------------------------------ span corruption
-
-
-SPAN_CORRUPTION = Objective(name="span-corruption", problems=t5.problems,  # T5
-                            model_vocab=t5.model_vocab, datasets=t5.datasets,
-                            split_batch=t5.split_batch, evaluate=t5.evaluate)
-
-
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CAUSAL_LM, MASKED_LM, SPAN_CORRUPTION)}
-FAMILY_OBJECTIVES: dict[str, str] = {"bert": "masked-lm",  # every other family: causal-lm
-                                     "t5": "span-corruption"}
+def objective_named(name: str) -> Objective:
+    """The `Objective` called `name` (raises `ConfigError` for an unknown one)."""
+    if name == CAUSAL_LM.name:
+        return CAUSAL_LM
+    if name not in _FAMILY_OBJECTIVES:
+        raise ConfigError(f"unknown pretraining objective {name!r}; known: "
+                          f"{', '.join([CAUSAL_LM.name, *_FAMILY_OBJECTIVES])}")
+    module, _, attribute = _FAMILY_OBJECTIVES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def objective_for(config: ModelConfig) -> Objective:
-    """The pretraining objective of `config`'s family."""
-    return OBJECTIVES[FAMILY_OBJECTIVES.get(config.family, "causal-lm")]
+    """The pretraining objective that `config`'s family names (`Family.objective`)."""
+    return objective_named(model_family(config).objective)
 
 
 def check_objective(cfg: PretrainConfig) -> None:

@@ -17,9 +17,9 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.data_parallel import build_zero_optimizer
 from tessera.core.parallel.expert_data_parallel import (
     expert_grad_norm_squared,
@@ -31,7 +31,7 @@ from tessera.core.parallel.sharding import is_expert_param, shard_spec, stored_s
 from tessera.training.config import TrainConfig
 
 
-def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
+def param_groups(models: list[nn.Module], weight_decay: float) -> list[dict]:
     """Two AdamW groups: matrices decay; biases, norms and 1-D tensors do not."""
     decay, no_decay = [], []
     for model in models:
@@ -43,7 +43,7 @@ def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
+def build_optimizer(models: list[nn.Module], cfg: TrainConfig,
                     shard_over: ParallelGroups | None = None) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel per tensor) where torch has the kernel.
 
@@ -86,7 +86,7 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
 
 
-def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
+def global_grad_norm(models: list[nn.Module]) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, identical on every rank of the job."""
     g = models[0].groups
     device = next(models[0].parameters()).device
@@ -124,7 +124,7 @@ def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_gradients(models: list[GPTModel], max_norm: float) -> float:
+def clip_gradients(models: list[nn.Module], max_norm: float) -> float:
     """Scale every gradient so the global norm is at most `max_norm`; return the norm before."""
     norm = global_grad_norm(models)
     if max_norm > 0:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from tessera.core.checkpoint import (
     MANIFEST,
@@ -48,7 +49,6 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import Fp8Training
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
 from tessera.training.expert_moments import collect_expert_moments
@@ -73,7 +73,7 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
+def save_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module],
                              optimizer: torch.optim.Optimizer, *, step: int,
                              consumed_samples: int, config: dict[str, Any],
                              tokenizer: str | None, keep_last: int,
@@ -127,7 +127,7 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[GPTModel],
 
 
 @contextmanager
-def gathered_parameters(models: list[GPTModel]) -> Iterator[None]:
+def gathered_parameters(models: list[nn.Module]) -> Iterator[None]:
     """Inside, FSDP2 modules hold whole (unsharded) parameters; a no-op for any other model.
 
     Collective over the dp group: every dp rank enters it together.
@@ -148,7 +148,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def load_training_checkpoint(path: Path, models: list[GPTModel],
+def load_training_checkpoint(path: Path, models: list[nn.Module],
                              optimizer: torch.optim.Optimizer,
                              fp8: Fp8Training | None = None) -> dict[str, Any]:
     """Restore weights, optimizer moments (any layout), the FP8 state (any layout, same
@@ -210,7 +210,7 @@ def restore_fp8_state(fp8: Fp8Training, saved: dict[str, Any] | None, files: lis
 
 
 @torch.no_grad()
-def _load_weights(models: list[GPTModel], path: Path) -> Manifest:
+def _load_weights(models: list[nn.Module], path: Path) -> Manifest:
     """`load_weights`, also into FSDP2 parameters (each dp rank fills its own rows)."""
     from torch.distributed.tensor import DTensor
 

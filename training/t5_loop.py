@@ -1,9 +1,8 @@
-"""What the pretraining loop does differently for T5 (family "t5"): building its stages, keeping
-the pipeline's embedding copies equal, and the validation loss under pipeline parallelism.
+"""What the pretraining loop does differently for T5 (family "t5"), through its objective's hooks
+(`training.objectives.SPAN_CORRUPTION`): keeping the pipeline's embedding copies equal, and the
+validation loss under pipeline parallelism. Its stages are built as every family's
+(`core.init.build_model`).
 
-- `build_t5_rank_stages`: this rank's `T5Model` stage (`core.models.t5.init.build_t5_stages`: the
-  same layout-independent initialization as one process; the encoder/decoder split of
-  `core.models.t5.layout.t5_stage_split`).
 - `t5_embedding_sync`: made once at setup (collective over the world, as `init_groups`); the
   step calls it in place of `pipeline.sync_tied_embedding_grads`, summing the gradients of the
   embedding copies held by the encoder's first stage, the decoder's first stage and (tied) the
@@ -20,19 +19,9 @@ from typing import Any
 
 import torch
 
-from tessera.core.config import Layout, TrainSchedule
-from tessera.core.models.t5.init import build_t5_stages
 from tessera.core.models.t5.model import T5Model
 from tessera.core.models.t5.pipeline import sync_t5_embedding_grads, t5_embedding_group
 from tessera.core.parallel.groups import ParallelGroups
-
-
-def build_t5_rank_stages(cfg: Any, layout: Layout, schedule: TrainSchedule,
-                         groups: ParallelGroups, device: torch.device, dtype: torch.dtype,
-                         init: bool) -> list[T5Model]:
-    """This rank's T5 stage, seeded from the run seed (`init=False`: for a checkpoint)."""
-    return build_t5_stages(cfg.model, layout, groups, schedule=schedule, device=device,
-                           dtype=dtype, seed=cfg.train.seed, init=init)
 
 
 def t5_embedding_sync(cfg: Any, groups: ParallelGroups, stages: list[T5Model]

@@ -1,4 +1,4 @@
-"""T5's part of pretraining (`training.objectives.SPAN_CORRUPTION`): span-corruption batches.
+"""T5's part of pretraining (`SPAN_CORRUPTION`, see `training.objectives`): span-corruption batches.
 
 A sample is `training.t5_data.T5SpanDataset`'s: `seq_len` encoder tokens (`--seq-len` is the
 encoder length; the target length follows from it), the decoder input and the labels. The
@@ -21,12 +21,14 @@ packing), virtual pipeline stages, activation recomputation, FP8, and data witho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.core.models.t5.layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS
 from tessera.core.models.t5.tokens import DEFAULT_SENTINELS
+from tessera.training.objectives import Objective
 
 if TYPE_CHECKING:
     from tessera.training.config import PretrainConfig
@@ -129,3 +131,27 @@ def evaluate(model: Any, documents: Any, seq_len: int, batch: int = 8,
     from tessera.training.evaluate_t5 import evaluate_span_corruption
 
     return evaluate_span_corruption(model, documents, seq_len, batch, max_windows, **kw)
+
+
+def _print_samples(checkpoint: str) -> None:
+    from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
+
+    print_t5_samples(checkpoint)
+
+
+def _embedding_sync(cfg: PretrainConfig, groups: Any, stages: list) -> Callable[[], None]:
+    from tessera.training.t5_loop import t5_embedding_sync
+
+    return t5_embedding_sync(cfg, groups, stages)
+
+
+def _pipeline_eval_loss(*args: Any) -> torch.Tensor | None:
+    from tessera.training.t5_loop import t5_pipeline_eval_loss
+
+    return t5_pipeline_eval_loss(*args)
+
+
+SPAN_CORRUPTION = Objective(name="span-corruption", problems=problems, model_vocab=model_vocab,
+                            datasets=datasets, split_batch=split_batch, evaluate=evaluate,
+                            embedding_sync=_embedding_sync,
+                            pipeline_eval_loss=_pipeline_eval_loss, print_samples=_print_samples)

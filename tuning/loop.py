@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
 from tessera.core.config import ConfigError
+from tessera.core.flops import model_flops_per_token
 from tessera.core.lora import (
     attach_lora,
     mark_only_lora_as_trainable,
@@ -41,7 +42,6 @@ from tessera.core.lora import (
     set_lora_dropout,
 )
 from tessera.core.lora_format import AdapterConfig, AdapterError, check_base, save_adapter
-from tessera.core.models.decoder.model import model_flops_per_token
 from tessera.core.parallel.zero import ShardedOptimizer
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb

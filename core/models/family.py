@@ -4,7 +4,9 @@ checkpoints, training), so that code never names a family.
 A family module (the target of its registry line, `core.models.registry`) must import without
 torch: `ModelConfig` validation resolves the family, and `--help` and planning stay torch-free.
 So the fields that need torch name their function by import path with `Lazy`, imported on
-first call.
+first call. This module imports nothing from tessera: `core.config` asks the registry, which
+returns a `Family`, so `config` below means a `core.config.ModelConfig` and `layout` a
+`Layout`, untyped here to keep that one-way.
 """
 
 from __future__ import annotations
@@ -13,12 +15,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
-
-from tessera.core.config import Layout, ModelConfig, divisors
-
-if TYPE_CHECKING:
-    from torch import nn
+from typing import Any
 
 
 class Lazy:
@@ -42,22 +39,12 @@ class Lazy:
         return f"Lazy({self.path!r})"
 
 
-def no_problems(config: ModelConfig) -> list[str]:
+def no_problems(config: Any) -> list[str]:
     """A family that takes any `ModelConfig` its generic checks accept."""
     return []
 
 
-def even_layer_problems(config: ModelConfig, layout: Layout) -> list[str]:
-    """Every stage holds `num_layers / stages` layers (`stage_layers_even`): they must divide."""
-    stages = layout.num_stages
-    if config.num_layers % stages:
-        return [f"num_layers {config.num_layers} is not divisible by pp {layout.pp} x "
-                f"virtual_stages {layout.virtual_stages} = {stages}; use a stage count in "
-                f"{divisors(config.num_layers)}"]
-    return []
-
-
-def stage_layers_even(config: ModelConfig, stage_id: int, num_stages: int) -> tuple[range, ...]:
+def stage_layers_even(config: Any, stage_id: int, num_stages: int) -> tuple[range, ...]:
     """One stack of `num_layers` layers cut into `num_stages` equal contiguous blocks."""
     per_stage = config.num_layers // num_stages
     return (range(stage_id * per_stage, (stage_id + 1) * per_stage),)
@@ -89,7 +76,7 @@ class Family:
     - `problems(config)`: what this family cannot take in a `ModelConfig`, each a message that
       names the field and what to do (raised by `ModelConfig.__post_init__`).
     - `layout_problems(config, layout)`: how `layout`'s stages cannot split this model
-      (`Layout.problems`); default: `num_layers` must divide over the stages.
+      (`Layout.problems`); None: `num_layers` must divide over the stages (`stage_layers_even`).
     - `objective`: the name of its pretraining objective (`training.objectives.OBJECTIVES`);
       core never imports training, so it is a name.
     - `traits`: the `ModelConfig` values this family fixes (e.g. Llama: RMSNorm, SwiGLU, RoPE);
@@ -105,21 +92,21 @@ class Family:
 
     name: str
     stage_class: Lazy
-    param_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
-    shard_spec: Callable[[str, ModelConfig], Any]
+    param_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
+    shard_spec: Callable[[str, Any], Any]
     init_tensor: Callable[..., Any]
-    build_stage: Callable[..., nn.Module] | None = None
-    stage_layers: Callable[[ModelConfig, int, int], tuple[range, ...]] = stage_layers_even
-    problems: Callable[[ModelConfig], list[str]] = no_problems
-    layout_problems: Callable[[ModelConfig, Layout], list[str]] = even_layer_problems
+    build_stage: Callable[..., Any] | None = None
+    stage_layers: Callable[[Any, int, int], tuple[range, ...]] = stage_layers_even
+    problems: Callable[[Any], list[str]] = no_problems
+    layout_problems: Callable[[Any, Any], list[str]] | None = None
     objective: str = "causal-lm"
     traits: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     norm: Lazy | None = None
-    norm_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
+    norm_shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
     transformer_engine: bool = True
 
-    def stage(self, config: ModelConfig, layout: Layout | None = None, groups: Any = None,
-              stage_id: int = 0, num_stages: int = 1, schedule: Any = None) -> nn.Module:
+    def stage(self, config: Any, layout: Any = None, groups: Any = None, stage_id: int = 0,
+              num_stages: int = 1, schedule: Any = None) -> Any:
         """Stage `stage_id` of `num_stages` (`build_stage`, or the `stage_class` constructor)."""
         build = self.build_stage or self.stage_class
         return build(config, layout, groups, stage_id, num_stages, schedule)

@@ -8,12 +8,10 @@ family is one folder under `core/models/` and one line here.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tessera.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tessera.core.models.family import Family
+from tessera.core.models.family import Family
 
 _DECODER = "tessera.core.models.decoder.families"
 FAMILIES: dict[str, str] = {
@@ -26,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": f"{_DECODER}:QWEN3_MOE",
     "bert": "tessera.core.models.bert.family:BERT",
     "t5": "tessera.core.models.t5.family:T5",
+    "scalenorm": "tessera.core.models.scalenorm.family:SCALENORM",
 }
 
 _loaded: dict[str, Family] = {}

@@ -2,7 +2,8 @@
 checks of a training schedule against a layout, and the gradient syncs that a pipelined step
 needs around them.
 
-Each pipeline rank holds one or more `GPTModel` stages (model chunks), placed by the `Layout`
+Each pipeline rank holds one or more stages (model chunks, the model family's stage modules,
+`core.models.family.Family.stage`), placed by the `Layout`
 (`sharding.stage_ids`): one for 1F1B/GPipe, `virtual_stages` for the looped schedules (rank r
 holds stages r, r + pp, ...), and two in a V for ZBV/DualPipeV (placement `v`: rank r holds
 stages r and 2pp - 1 - r, so rank 0 holds the first and the last). `build_stages` returns those
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,9 +49,6 @@ from tessera.core.config import (
 from tessera.core.parallel.expert_data_parallel import expert_schedule_problems
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import last_stage_pp_rank, stage_ids
-
-if TYPE_CHECKING:
-    from tessera.core.models.decoder.model import GPTModel
 
 # name -> torch.distributed.pipelining schedule class name
 SCHEDULES: dict[str, str] = {
@@ -71,6 +69,9 @@ SPLIT_BACKWARD_SCHEDULES = frozenset({"zero-bubble", "zbv", "dualpipev"})
 _SINGLE_STAGE = frozenset({"gpipe", "1f1b"})
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Builds one stage: `build(config, layout, groups, schedule=, stage_id=, num_stages=, device=,
+# dtype=, seed=, init=, backend=)`, as `core.init.build_model` does for any family.
+StageBuilder = Callable[..., nn.Module]
 DATA_PARALLEL = ("ddp", "fsdp", "zero1")
 _LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(Layout))
 _SCHEDULE_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainSchedule))
@@ -233,19 +234,23 @@ def build_stages(
     seed: int = 0,
     init: bool = True,
     backend: str = "auto",
-) -> list[GPTModel]:
-    """This rank's model chunks (`GPTModel`s), one per local pipeline stage, in execution order
-    (`sharding.stage_ids` of the layout's placement); `backend` as `build_model`'s.
+    build: StageBuilder | None = None,
+) -> list[nn.Module]:
+    """This rank's model chunks, one per local pipeline stage, in execution order
+    (`sharding.stage_ids` of the layout's placement), each made by `build` (default:
+    `core.init.build_model`, which builds the config's family's stage); `backend` as
+    `build_model`'s.
 
     `schedule` gives the chunks their recomputation (None: none; inference needs no schedule).
     Initialization is layout-independent (`core.init`): every chunk equals the matching slice
     of the single-process model built with the same `seed`.
     """
-    from tessera.core.init import build_model
+    if build is None:
+        from tessera.core.init import build_model as build
 
     layout.validate(config)
     return [
-        build_model(config, layout, groups, schedule=schedule, stage_id=s,
+        build(config, layout, groups, schedule=schedule, stage_id=s,
                     num_stages=layout.num_stages, device=device, dtype=dtype, seed=seed,
                     init=init, backend=backend)
         for s in stage_ids(layout, groups.pp_rank)
@@ -256,7 +261,7 @@ def pipeline_loss_fn(config: ModelConfig, groups: ParallelGroups) -> LossFn:
     """The schedule's loss: mean vocab-parallel cross-entropy of one micro-batch.
 
     It takes the last stage's local logits `(B, T, V_padded / tp)` and labels `(B, T)`
-    (-100 = ignored) and returns the mean over the non-ignored labels, as `GPTModel` does.
+    (-100 = ignored) and returns the mean over the non-ignored labels, as a stage does.
     With context parallelism the logits are this cp rank's tokens and the labels the whole
     sequence's; the mean is over the whole sequence (`context_parallel.global_mean_loss`).
     """
@@ -316,7 +321,7 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def pipeline_step(
     schedule: Any,
-    stages: Sequence[GPTModel],
+    stages: Sequence[nn.Module],
     groups: ParallelGroups,
     input_ids: torch.Tensor | None,
     labels: torch.Tensor | None,
@@ -371,7 +376,7 @@ def broadcast_loss(
     return out
 
 
-def sync_tied_embedding_grads(stages: Sequence[GPTModel], groups: ParallelGroups) -> None:
+def sync_tied_embedding_grads(stages: Sequence[nn.Module], groups: ParallelGroups) -> None:
     """Sum the gradients of a tied embedding's two copies (first stage's `tok_embeddings` and
     the last stage's `output`), so both take the same update and stay equal.
 
@@ -416,7 +421,7 @@ def sync_sequence_parallel_grads(modules: Sequence[nn.Module], groups: ParallelG
         g.copy_(part.view_as(g))
 
 
-def sync_kv_replica_grads(stages: Sequence[GPTModel], groups: ParallelGroups) -> None:
+def sync_kv_replica_grads(stages: Sequence[nn.Module], groups: ParallelGroups) -> None:
     """Sum the gradients of replicated kv heads over their replica group.
 
     When tp exceeds `num_kv_heads`, each kv head (its rows of `attention.wqkv`, see

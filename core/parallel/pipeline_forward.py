@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from tessera.core.models.decoder.model import GPTModel
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import stage_owners
 
 
 @torch.no_grad()
-def pipeline_forward(stages: Sequence[GPTModel], groups: ParallelGroups, input_ids: torch.Tensor,
+def pipeline_forward(stages: Sequence[nn.Module], groups: ParallelGroups, input_ids: torch.Tensor,
                      **kwargs: Any) -> torch.Tensor | None:
     """Run all stages once; return the last stage's output on the rank holding it, else None.
 

@@ -12,7 +12,6 @@ tensor-parallel regions. Callers see `(B, T, ...)`.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -22,8 +21,9 @@ from torch import nn
 from tessera.core import fused
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
+from tessera.core.models.registry import family as model_family
 from tessera.core.moe.layer import MoEFeedForward
-from tessera.core.moe.shapes import is_moe_layer, moe_active_expert_weights
+from tessera.core.moe.shapes import is_moe_layer
 from tessera.core.parallel import context_parallel as cpar
 from tessera.core.parallel.context_parallel import SegmentedContext, SequenceContext
 from tessera.core.parallel.groups import ParallelGroups
@@ -58,6 +58,11 @@ class Norm(nn.Module):
             return fused.rms_norm(x, self.weight, self.eps)
         weight = self.weight + 1 if self.kind == "layernorm1p" else self.weight
         return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
+
+
+def make_norm(config: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """One norm of a decoder stage: the family's own (`Family.norm`), else `Norm`."""
+    return (model_family(config).norm or Norm)(config, sequence_parallel)
 
 
 class Rotary(nn.Module):
@@ -166,9 +171,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups,
                  sp: bool, selective_recompute: bool):
         super().__init__()
-        self.attention_norm = Norm(config, sp)
+        self.attention_norm = make_norm(config, sp)
         self.attention = Attention(config, layer, groups, sp, selective_recompute)
-        self.ffn_norm = Norm(config, sp)
+        self.ffn_norm = make_norm(config, sp)
         self.feed_forward = (MoEFeedForward(config, layer, groups, sp)  # Mixture-of-Experts
                              if is_moe_layer(config, layer) else MLP(config, layer, groups, sp))
         self.dropout, self.sp = config.dropout, sp
@@ -236,7 +241,7 @@ class GPTModel(nn.Module):
         n_full = len(self.layer_ids) if rc.recompute_layers is None else rc.recompute_layers
         self.recompute_ids = set(self.layer_ids[:n_full]) if rc.recompute == "full" else set()
         if self.is_last:
-            self.norm = Norm(config, sp)
+            self.norm = make_norm(config, sp)
             rows = local_shape("tok_embeddings.weight", config, g.tp_size)[0]
             self.output = None
             if not (config.tied_embeddings and self.is_first):
@@ -362,24 +367,6 @@ class GPTModel(nn.Module):
         if local_logits:
             return logits
         return gather_from_tp(logits, self.groups.tp_group)[..., : self.config.vocab_size]
-
-
-def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, counted as Megatron does (Narayanan et al., 2021).
-
-    6 per weight of every matrix multiply (forward 2, backward 4), the output projection
-    included and embedding lookups not, plus the attention scores and weighted values:
-    12 * layers * seq_len * heads * head_dim (counted as if unmasked, as Megatron does).
-    """
-    from tessera.core.parallel.sharding import global_param_shapes
-
-    matmul = sum(math.prod(shape) for name, shape in global_param_shapes(config).items()
-                 if len(shape) == 2 and "embeddings" not in name)
-    if config.tied_embeddings:  # the embedding table is also the output projection
-        matmul += config.vocab_size * config.hidden_size
-    matmul += moe_active_expert_weights(config)  # Mixture-of-Experts: the k experts run
-    attention = 12 * config.num_layers * seq_len * config.num_heads * config.head_dim
-    return 6 * matmul + attention
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The sharding rules of T5 (`ModelConfig.family == "t5"`): global names and shapes, and
-tensor-parallel splits. `sharding.global_param_shapes` and
-`sharding.shard_spec` hand T5 configs to `t5_param_shapes` and `t5_shard_spec`, so every
-caller of those (checkpoints, converters, the server) sees T5 weights through the same rules.
+"""The sharding rules of T5 (family "t5"): global names and shapes, and tensor-parallel splits.
+They are the T5 family's `param_shapes` and `shard_spec` (`family.T5`), so every caller of
+`sharding.global_param_shapes` / `sharding.shard_spec` (checkpoints, converters, the server)
+sees T5 weights through the same rules.
 
 Global names (the checkpoint's), `{i}` a layer index of its stack:
 

@@ -1,7 +1,7 @@
 """The FLOP count behind every MFU figure, against the closed form in the Megatron paper."""
 
 from tessera.core import ModelConfig
-from tessera.core.models.decoder.model import model_flops_per_token
+from tessera.core.flops import model_flops_per_token
 
 
 def test_gpt2_matches_megatron_closed_form():
