@@ -44,6 +44,13 @@ def test_a_family_without_a_mapping_is_refused_naming_those_with_one(monkeypatch
         config_to_hf(config)
 
 
+def test_a_new_core_family_without_a_mapping_is_refused_on_export():
+    config = ModelConfig.from_name("llama-tiny", family="scalenorm")  # core/models/scalenorm
+    with pytest.raises(ConversionError, match="family 'scalenorm' has no Hugging Face mapping; "
+                                              "families with one: gpt2, llama"):
+        config_to_hf(config)
+
+
 def test_export_checks_the_core_familys_traits():
     config = ModelConfig(family="llama", norm="rmsnorm", activation="swiglu", position="rope",
                          vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,

@@ -1,5 +1,6 @@
-"""The planner models families through its registry, keyed by the core family names; a family
-it has no model for is refused with a message that says so, before any estimate."""
+"""The planner models families through its registry, keyed by the core family names: every
+family built on the decoder's stage gets the decoder's model without a line of its own, and a
+family it has no model for is refused with a message that says so, before any estimate."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def test_decoder_families_share_one_model_and_t5_has_its_own():
     llama, mixtral, t5 = (plan_family(ModelConfig.from_name(n))
                           for n in ("llama-tiny", "mixtral-tiny", "t5-tiny"))
     assert llama is mixtral and t5 is not llama
+    # A family that only swaps the decoder's norm (core/models/scalenorm) needs no line here.
+    assert plan_family(ModelConfig.from_name("llama-tiny", family="scalenorm")) is llama
     assert t5.launch_flags == " --tokenizer TOKENIZER" and llama.launch_flags == ""
 
 
