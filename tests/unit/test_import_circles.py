@@ -1,0 +1,69 @@
+"""No import circle inside the packages whose families live behind registries (converters,
+plan), counting imports inside functions too: built with grimp (import-linter's graph) over
+the tree `make lint` lays out, `tessera/<package>` linked to the top-level folders."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+grimp = pytest.importorskip("grimp")
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBPACKAGES = ("core", "training", "tuning", "converters", "serving", "clients", "plan")
+
+
+def circles(graph, package: str) -> list[list[str]]:
+    """The strongly connected groups of more than one module inside `package` (Tarjan)."""
+    mods = sorted(m for m in graph.modules if m == package or m.startswith(package + "."))
+    inside = set(mods)
+    edges = {m: sorted(d for d in graph.find_modules_directly_imported_by(m) if d in inside)
+             for m in mods}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for m in mods:
+        if m not in index:
+            visit(m)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    tree = tmp_path_factory.mktemp("import-tree")
+    (tree / "tessera").mkdir()
+    for f in (ROOT / "tessera").glob("*.py"):
+        (tree / "tessera" / f.name).symlink_to(f)
+    for d in SUBPACKAGES:
+        (tree / "tessera" / d).symlink_to(ROOT / d)
+    sys.path.insert(0, str(tree))
+    try:
+        yield grimp.build_graph("tessera", cache_dir=None)
+    finally:
+        sys.path.remove(str(tree))
+
+
+@pytest.mark.parametrize("package", ["tessera.converters", "tessera.plan"])
+def test_no_import_circle_inside(graph, package):
+    assert len([m for m in graph.modules if m.startswith(package + ".")]) > 15  # the real tree
+    assert circles(graph, package) == []
