@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +55,8 @@ def check_traits(config: ModelConfig, clash: dict[str, Any] | None = None) -> No
 def with_shared_fields(fields: dict[str, Any], config: ModelConfig, *, dtype: str,
                        bos_token_id: int | None, eos_token_id: int | list[int] | None,
                        pad_token_id: int | None) -> dict[str, Any]:
-    """`fields` plus the `config.json` keys every decoder-style family writes alike."""
+    """`fields` plus the `config.json` keys the decoder families and BERT write alike
+    (initialization, tying, special tokens, dtype)."""
     return {**fields, "initializer_range": config.init_std,
             "tie_word_embeddings": config.tied_embeddings, "bos_token_id": bos_token_id,
             "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
@@ -91,6 +92,7 @@ def _as_is(config: ModelConfig, hf_names: Set[str]) -> ModelConfig:
 class HfFamily:
     """One family's Hugging Face mapping.
 
+    - `family`: the core family (`ModelConfig.family`) it maps, its registry key;
     - `config_from_hf(config.json dict) -> ModelConfig`: raises ConversionError (or KeyError
       for a missing field) for anything the Tessera model cannot compute exactly;
     - `check_exportable(config)`: raises ConversionError when no HF model of the family
@@ -119,8 +121,8 @@ class HfFamily:
     from_weights: Callable[[ModelConfig, Set[str]], ModelConfig] = _as_is
     fan_in_fan_out: bool = False
     fp8_export: bool = False
-    fp8_refusal: str = field(default="the FP8 loaders of transformers and vLLM do not "
-                             "quantize its Hugging Face model")
+    fp8_refusal: str = ("the FP8 loaders of transformers and vLLM do not quantize its Hugging "
+                        "Face model")
 
     def tensor_pairs(self, config: ModelConfig, hf_names: Set[str] | None = None) -> TensorPairs:
         """(Tessera global name, [(HF name, transposed?), ...]) in `global_param_shapes` order."""

@@ -50,7 +50,11 @@ def hf_family(family: str) -> HfFamily:
         raise ConversionError(f"family {family!r} has no Hugging Face mapping; families with "
                               f"one: {', '.join(_FAMILIES)}")
     module, attribute = target.split(":")
-    return getattr(importlib.import_module(module), attribute)
+    found = getattr(importlib.import_module(module), attribute)
+    if found.family != family:
+        raise ConversionError(f"registry line {family!r} -> {target} holds the mapping of "
+                              f"{found.family!r}; fix the line")
+    return found
 
 
 def family_of_model_type(model_type: str | None) -> str | None:

@@ -65,3 +65,11 @@ def test_generic_converters_import_no_family_module_until_asked():
             "print(sorted(m for m in sys.modules if m.startswith('tessera.converters.hf.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['tessera.converters.hf.family', 'tessera.converters.hf.registry']"
+
+
+def test_a_registry_line_naming_another_familys_mapping_is_refused(monkeypatch):
+    lines = importlib.import_module("tessera.converters.hf.registry")._FAMILIES
+    monkeypatch.setitem(lines, "llama", lines["gpt2"])
+    with pytest.raises(ConversionError, match="registry line 'llama' .* holds the mapping of "
+                                              "'gpt2'; fix the line"):
+        hf_family("llama")
