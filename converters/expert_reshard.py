@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from tessera.converters.safetensors_stream import SafetensorsWriter
+from tessera.converters.streaming_reader import Scratch, StreamingReader
 from tessera.core.checkpoint import CheckpointError
 from tessera.core.config import ConfigError, Layout, ModelConfig
 from tessera.core.expert_checkpoint import expert_file_name, stored_in_pieces
@@ -45,9 +45,6 @@ from tessera.core.parallel.sharding import (
     expert_piece,
     is_expert_param,
 )
-
-if TYPE_CHECKING:
-    from tessera.converters.reshard import StreamingReader, _Scratch
 
 # (writer, ep rank, etp rank) of one target file holding a piece of a bank.
 Target = tuple[SafetensorsWriter, int, int]
@@ -120,7 +117,7 @@ def piece_coordinates(file: str) -> tuple[int, int]:
 
 def stream_expert_bank(reader: StreamingReader, name: str, out_dtype: torch.dtype,
                        targets: list[Target], grid: tuple[int, int], config: ModelConfig,
-                       scratch: _Scratch, chunk_bytes: int) -> None:
+                       scratch: Scratch, chunk_bytes: int) -> None:
     """Write expert bank `name` into every target file holding it, walking the global bank
     `(E, R, C)` expert by expert in row chunks (see the module docstring).
 
@@ -179,7 +176,7 @@ def _overlaps(piece: ExpertPiece, g0: int, g1: int):
 
 
 def _read_rows(reader: StreamingReader, name: str, expert: int, g0: int, g1: int, cols: int,
-               dtype: torch.dtype, sources: list, scratch: _Scratch) -> torch.Tensor:
+               dtype: torch.dtype, sources: list, scratch: Scratch) -> torch.Tensor:
     """Rows `[g0, g1)` of expert `expert`'s matrix, gathered from the source pieces."""
     chunk = scratch.get("chunk", (g1 - g0, cols), dtype)
     for file, piece, rows_local in sources:
@@ -196,7 +193,7 @@ def _read_rows(reader: StreamingReader, name: str, expert: int, g0: int, g1: int
 
 
 def _write_rows(name: str, expert: int, g0: int, g1: int, chunk: torch.Tensor, outs: list,
-                scratch: _Scratch) -> None:
+                scratch: Scratch) -> None:
     """Write rows `[g0, g1)` of expert `expert`'s matrix into every target piece holding it."""
     for writer, piece, rows_local in outs:
         base = (expert - piece.experts[0]) * rows_local

@@ -21,8 +21,9 @@ Only the four linear layers of every block are quantized (`weight_format.quantiz
 rule Tessera's own FP8 checkpoints follow); embeddings, norms and the output layer keep the
 export dtype and are listed in `modules_to_not_convert` (`ignore` for compressed-tensors). The
 quantizer is `core.fp8.quantize` (scale `448 / amax`); its reciprocal is what is stored.
-Families: `FP8_FAMILIES` (Qwen3's per-head q/k norms are norms, so not converted either). The
-Mixture-of-Experts families are refused: their experts are grouped weights, not such linears.
+Families: those whose mapping says `fp8_export` (`converters.hf`; Qwen3's per-head q/k norms
+are norms, so not converted either). The Mixture-of-Experts families are refused: their experts
+are grouped weights, not such linears.
 
 Import (`dequantizing_reader`) reads either form, and vLLM's per-tensor `quant_method: "fp8"`
 too, dequantizing each weight to fp32 exactly as the loaders do (`q.float() * scale`).
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from tessera.converters.hf.registry import hf_family, mapped_families
 from tessera.converters.hf_mapping import ConversionError, Read, hf_parts, tensor_pairs
 from tessera.core.config import ModelConfig
 from tessera.core.fp8 import E4M3_MAX, Block, check_blocks, expand_blocks, quantize, weight_amax
@@ -44,7 +46,6 @@ from tessera.core.parallel.weight_format import quantizable
 
 SCHEMES = ("block", "tensor")
 DEFAULT_BLOCK = 128
-FP8_FAMILIES = ("llama", "nemotron", "qwen3")  # their HF linears are nn.Linear (GPT-2's: Conv1D)
 _SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 _INPUT_SCALE_NAMES = ("input_scale", "activation_scale")
 
@@ -74,19 +75,24 @@ class Fp8Export:
         return (self.block, self.block) if self.scheme == "block" else None
 
 
+def fp8_families() -> list[str]:
+    """The families whose Hugging Face linears the FP8 loaders quantize."""
+    return [f for f in mapped_families() if hf_family(f).fp8_export]
+
+
 def check_fp8_exportable(config: ModelConfig, spec: Fp8Export) -> None:
     """Raise ConversionError if `config` cannot be written in `spec`'s form: a family whose HF
     linears the FP8 loaders do not quantize, or a dimension the block does not divide."""
     if config.num_experts:  # experts are grouped weights; `quantizable` covers dense linears
         raise ConversionError(
-            f"FP8 Hugging Face export supports the dense families {', '.join(FP8_FAMILIES)}, "
+            f"FP8 Hugging Face export supports the dense families {', '.join(fp8_families())}, "
             f"not the Mixture-of-Experts family {config.family!r}: its experts would stay "
             "unquantized; export it without --fp8")
-    if config.family not in FP8_FAMILIES:
+    family = hf_family(config.family)
+    if not family.fp8_export:
         raise ConversionError(
-            f"FP8 Hugging Face export supports the families {', '.join(FP8_FAMILIES)}, not "
-            f"{config.family!r}: GPT-2 stores its linear layers as Conv1D, which the FP8 loaders "
-            "of transformers and vLLM do not quantize; export it without --fp8")
+            f"FP8 Hugging Face export supports the families {', '.join(fp8_families())}, not "
+            f"{config.family!r}: {family.fp8_refusal}; export it without --fp8")
     if spec.block_shape is None:
         return
     for name, targets in tensor_pairs(config):

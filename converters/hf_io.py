@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from tessera.converters.hf_bert import bert_head_from_weights
 from tessera.converters.hf_fp8 import (
     Fp8Export,
     check_fp8_exportable,
@@ -50,6 +49,7 @@ from tessera.converters.hf_fp8 import (
 from tessera.converters.hf_mapping import (
     ConversionError,
     Read,
+    config_for_weights,
     config_from_hf,
     config_to_hf,
     export_tensors,
@@ -160,7 +160,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | str 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     src = open_hf_dir(hf_dir)
     config = dataclasses.replace(config_from_hf(src.config), name=hf_dir.resolve().name)
-    config = bert_head_from_weights(config, src.names)  # BERT: an NSP head its config omits
+    config = config_for_weights(config, src.names)
     shapes = global_param_shapes(config)
     read, names = dequantizing_reader(src.config, src.read, src.names)
     tensors = import_tensors(config, read, names)

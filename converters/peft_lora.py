@@ -6,7 +6,7 @@
 model into a Tessera adapter directory for a given Tessera base checkpoint.
 
 Modules. The HF modules a Tessera linear layer is made of come from the base weight map
-(`hf_mapping.NAME_MAPS`), so the adapter maps exactly as the base does: a fused Tessera module
+(`converters.hf`), so the adapter maps exactly as the base does: a fused Tessera module
 whose base weight stacks several HF weights along its rows (Llama's `attention.wqkv` =
 `[q_proj; k_proj; v_proj]`, SwiGLU's `feed_forward.w1` = `[gate_proj; up_proj]`) has B split by
 those rows (sizes from `sharding.shard_spec`) and A copied to each part, since
@@ -57,7 +57,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tessera.converters.hf_mapping import NAME_MAPS, ConversionError, config_to_hf
+from tessera.converters.hf.registry import hf_family, mapped_families
+from tessera.converters.hf_mapping import ConversionError, config_to_hf
 from tessera.core.checkpoint import atomic_directory, read_manifest
 from tessera.core.config import ModelConfig
 from tessera.core.files import save_safetensors
@@ -115,10 +116,14 @@ class PeftLoraError(ConversionError):
 def _linear_map(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Tessera linear leaf (`attention.wqkv`) -> its HF module leaves under one layer, in the
     order the base map stacks them along the rows (`model.layers.{}.self_attn.q_proj`, ...)."""
-    names = NAME_MAPS.get(config.family)
+    try:
+        names = hf_family(config.family).name_map
+    except ConversionError as exc:
+        raise PeftLoraError(str(exc)) from None
     if names is None:
-        raise PeftLoraError(f"family {config.family!r} has no Hugging Face mapping; known: "
-                            f"{', '.join(NAME_MAPS)}")
+        with_maps = [f for f in mapped_families() if hf_family(f).name_map is not None]
+        raise PeftLoraError(f"family {config.family!r} has no per-layer Hugging Face name map "
+                            f"for LoRA; families with one: {', '.join(with_maps)}")
     return {leaf: tuple(n.removesuffix(".weight") for n in names[f"layers.{{}}.{leaf}.weight"])
             for leaf in LORA_LINEARS}
 
@@ -229,7 +234,7 @@ def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLi
         "target_modules": _target_names(config, list(ranks)),
         "rank_pattern": rank_pattern,
         "alpha_pattern": {n: adapter.scaling * r for n, r in rank_pattern.items()},
-        "fan_in_fan_out": config.family == "gpt2",  # Conv1D; peft sets it itself, and warns
+        "fan_in_fan_out": hf_family(config.family).fan_in_fan_out,  # Conv1D; peft sets it too
         "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
         "layers_pattern": None, "exclude_modules": None, "revision": None,

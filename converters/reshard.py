@@ -54,14 +54,10 @@ from tessera.converters.expert_reshard import (
     split_expert_files,
     stream_expert_bank,
 )
-from tessera.converters.safetensors_stream import (
-    SafetensorsFile,
-    SafetensorsFormatError,
-    SafetensorsWriter,
-)
+from tessera.converters.safetensors_stream import SafetensorsWriter
+from tessera.converters.streaming_reader import FP8, Scratch, StreamingReader
 from tessera.core.checkpoint import (
     CheckpointError,
-    CheckpointReader,
     Manifest,
     atomic_directory,
     build_manifest,
@@ -72,12 +68,10 @@ from tessera.core.checkpoint import (
     write_manifest,
 )
 from tessera.core.config import Layout, ModelConfig
-from tessera.core.expert_checkpoint import stored_in_pieces
 from tessera.core.fp8 import quantize, weight_amax
 from tessera.core.models.registry import family as model_family
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import (
-    expert_local_shape,
     global_param_shapes,
     is_expert_param,
     num_parameters,
@@ -94,7 +88,6 @@ from tessera.core.parallel.weight_format import quantizable
 from tessera.core.progress import progress_iter
 from tessera.core.units import human_bytes, human_count
 
-FP8 = torch.float8_e4m3fn
 # Rows of a tensor moved per step (of the widest dtype involved): peak memory is a few of these.
 CHUNK_BYTES = 32 << 20
 
@@ -138,83 +131,6 @@ class ConvertSummary:
 def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
-
-
-class StreamingReader(CheckpointReader):
-    """`CheckpointReader` over plain file reads (no memory map), counting the bytes it reads."""
-
-    def __init__(self, path: str | Path):
-        super().__init__(path)
-        self.bytes_read = 0
-
-    def _open(self, file: str) -> SafetensorsFile:
-        if file not in self._files:
-            full = self.path / file
-            if not full.is_file():
-                raise CheckpointError(f"{full} is missing; the checkpoint is incomplete")
-            try:
-                self._files[file] = SafetensorsFile(full)
-            except (SafetensorsFormatError, OSError) as exc:
-                raise CheckpointError(f"{full} is not a readable safetensors file ({exc})") from exc
-        return self._files[file]
-
-    def _get(self, file: str, key: str) -> torch.Tensor:
-        t = super()._get(file, key)
-        self.bytes_read += t.numel() * t.element_size()
-        return t
-
-    def read_rows(self, file: str, key: str, row: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows `[row, row + len(out))` of tensor `key` of `file`, read into `out`."""
-        return self._read_into(file, key, row, out, flat=False)
-
-    def read_flat_rows(self, file: str, key: str, row: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows `[row, row + len(out))` of tensor `key` of `file` viewed as 2-D (an expert
-        bank `(E, R, C)` as `(E * R, C)`), read into `out`."""
-        return self._read_into(file, key, row, out, flat=True)
-
-    def _read_into(self, file: str, key: str, row: int, out: torch.Tensor, *, flat: bool
-                   ) -> torch.Tensor:
-        handle = self._open(file)
-        try:
-            (handle.read_flat_rows_into if flat else handle.read_rows_into)(key, row, out)
-        except (SafetensorsFormatError, OSError) as exc:
-            raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({exc})") from exc
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-    def read(self, file: str, key: str) -> torch.Tensor:
-        """Tensor `key` of `file` exactly as stored (an FP8 one still quantized)."""
-        return self._get(file, key)
-
-    def stored_dtype(self, name: str) -> torch.dtype:
-        return self._open(self.manifest.weight_map[name][0]).info(name)[0]
-
-    def check(self) -> None:
-        """Open every file and check every tensor's presence and shape, before any work."""
-        config = self.manifest.model
-        for name, files in self.manifest.weight_map.items():
-            for rank, file in enumerate(files):
-                # The rank's stored form; replicated: the global shape; an expert-parallel
-                # source's expert bank: its expert-grid piece.
-                lay = self.manifest.layout
-                want = expert_local_shape(name, config, lay.ep, lay.etp) if (
-                    stored_in_pieces(name, files)) else stored_shape(
-                    name, config, rank, len(files))
-                handle = self._open(file)
-                if name not in handle.keys():
-                    raise CheckpointError(f"{self.path / file} lacks tensor {name!r} (see weight_map)")
-                dtype, shape = handle.info(name)
-                if shape != want:
-                    raise CheckpointError(
-                        f"{self.path / file}: {name} has shape {shape}, but {len(files)} shard(s) "
-                        f"of the manifest's model need {want}")
-                if dtype == FP8 and name + ".scale" not in handle.keys():
-                    raise CheckpointError(f"{self.path / file}: FP8 tensor {name} has no scale")
-
-    def close(self) -> None:
-        for handle in self._files.values():
-            handle.close()
-        self._files.clear()
 
 
 @dataclass
@@ -400,7 +316,7 @@ def _write_files(reader: StreamingReader, plan: _Plan, tmp: Path, progress: bool
                                               metadata={"format": "pt"})
             for name in banks:
                 pieces.setdefault(name, []).append(file)
-        shapes, scratch = global_param_shapes(config), _Scratch()
+        shapes, scratch = global_param_shapes(config), Scratch()
         order = [n for n in shapes if n in holders or n in pieces]  # as save_checkpoint
         for name in progress_iter(order, "reshard", unit="tensor", enabled=progress):
             if is_expert_param(name):  # expert by expert, into whole banks or grid pieces
@@ -424,26 +340,10 @@ def _write_files(reader: StreamingReader, plan: _Plan, tmp: Path, progress: bool
     return sum(w.size for w in writers.values()), weight_map
 
 
-class _Scratch:
-    """Named byte buffers reused for every chunk of every tensor: memory stays a few chunks,
-    with no fresh pages to fault in, nor freed blocks for the allocator to keep, per chunk."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized contiguous tensor of `shape` and `dtype` over buffer `key`."""
-        n = math.prod(shape) * dtype.itemsize
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self._bufs[key] = torch.empty(n, dtype=torch.uint8)
-        return buf[:n].view(dtype).view(shape)
-
-
 def _stream_tensor(reader: StreamingReader, name: str, shape: tuple[int, ...],
                    out_dtype: torch.dtype, granularity: str,
                    targets: list[tuple[int, SafetensorsWriter, tuple[int, ...]]], tp: int,
-                   config: ModelConfig, scratch: _Scratch) -> None:
+                   config: ModelConfig, scratch: Scratch) -> None:
     """Write tensor `name` (global `shape`) into every target file holding it, `targets`: (tp
     rank, its file's writer, its local shape), walking the global tensor in row chunks.
 

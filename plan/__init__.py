@@ -23,10 +23,10 @@ from tessera.plan.search import (
     TrainingJob,
     evaluate,
     explain,
-    plan_training,
     within_model_error,
 )
 from tessera.plan.serving import ServingOption, ServingPlan, plan_serving
+from tessera.plan.training_plan import plan_training
 
 __all__ = [
     "MODEL_ERROR",

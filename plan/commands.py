@@ -97,9 +97,9 @@ def _train(args: argparse.Namespace) -> int:
     per_node = args.gpus_per_node or (gpus if args.gpu == "cpu" else 8)
     model, model_fields = _model(args)
     from tessera.plan.flag_checks import check_recompute_layers
-    from tessera.plan.t5_rules import t5_mode_problems
+    from tessera.plan.models.registry import plan_family
 
-    refused = t5_mode_problems(model, measure=args.measure)
+    refused = plan_family(model).mode_problems(model, measure=args.measure)
     if refused:
         raise PlanError("; ".join(refused))
     check_recompute_layers(args, model.num_layers)
@@ -143,8 +143,7 @@ def _train(args: argparse.Namespace) -> int:
         print("\n" + measured_text(shown, measured, rho, setting))
     if args.output:
         run = f"-m tessera pretrain --config {args.output} --data PREFIX"
-        if model.family == "t5":  # span corruption puts its sentinels above the tokenizer's
-            run += " --tokenizer TOKENIZER"
+        run += plan_family(model).launch_flags
         launch = (f"torchrun --nproc-per-node {gpus} {run}" if gpus <= per_node else
                   f"torchrun --nnodes {gpus // per_node} --nproc-per-node {per_node} {run}")
         print(f"\nwrote {args.output}; run it with\n  {launch}")

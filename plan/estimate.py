@@ -70,6 +70,7 @@ from tessera.core.config import Layout, ModelConfig
 from tessera.core.parallel.expert_groups import edp_size
 from tessera.plan import formulas as F
 from tessera.plan.hardware import Hardware
+from tessera.plan.models.registry import plan_family
 
 # How many times the memory-bound ops move the bytes of a layer's stored activations in a
 # forward pass. Fused kernels (bias-GeLU, bias-dropout-add, scale-mask-softmax, as Megatron
@@ -225,13 +226,14 @@ def micro_batches(job: Job, c: Config) -> int:
 
 
 def memory(job: Job, c: Config) -> Memory:
-    """Peak memory per GPU: the larger of the first pipeline rank (embedding, the most
-    micro-batches in flight) and the last (output layer and logits, one in flight). A T5:
-    `t5_estimate.memory`."""
-    if job.model.family == "t5":
-        from tessera.plan import t5_estimate
+    """Peak memory per GPU of `c`, by the family's model (`plan.models.registry`)."""
+    return plan_family(job.model).memory(job, c)
 
-        return t5_estimate.memory(job, c)
+
+def decoder_memory(job: Job, c: Config) -> Memory:
+    """Peak memory per GPU of a decoder-only model: the larger of the first pipeline rank
+    (embedding, the most micro-batches in flight) and the last (output layer and logits, one in
+    flight)."""
     model, s, b = job.model, job.seq_len, c.micro_batch
     h, L = model.hidden_size, model.num_layers
     params = F.params_per_rank(job.counts(), c.tp, c.pp, c.ep, c.etp)
@@ -463,19 +465,15 @@ def hardware_flops(job: Job, recompute: str) -> float:
     output layer x 3. For a GPT shape this is exactly `formulas.ptdp_flops_per_iteration`."""
     key = ("flops", recompute)
     if key not in job.cache:
-        job.cache[key] = _step_flops(job, recompute)
+        job.cache[key] = plan_family(job.model).step_flops(job, recompute)
     return job.cache[key]
 
 
-def _step_flops(job: Job, recompute: str) -> float:
-    """Dense layers run the dense MLP, MoE layers their top-k routed experts and the shared
-    expert (`formulas.moe_active_mlp_weights`); the router and the shared expert's gate
-    (E + 1 logits a token) are not counted, as in Megatron-LM's
-    `num_floating_point_operations`. A T5: `t5_estimate.step_flops` (no recomputation)."""
-    if job.model.family == "t5":
-        from tessera.plan import t5_estimate
-
-        return t5_estimate.step_flops(job)
+def decoder_step_flops(job: Job, recompute: str) -> float:
+    """FLOPs of one step of a decoder-only model. Dense layers run the dense MLP, MoE layers
+    their top-k routed experts and the shared expert (`formulas.moe_active_mlp_weights`); the
+    router and the shared expert's gate (E + 1 logits a token) are not counted, as in
+    Megatron-LM's `num_floating_point_operations`."""
     model = job.model
     tokens = job.global_batch * job.seq_len
     counts = job.counts()
@@ -513,12 +511,12 @@ def _grad_reduce_window(job: Job, c: Config, layer_backward: float, recompute: f
 
 
 def step_time(job: Job, c: Config) -> StepTime:
-    """Predicted time of one training step of `c`, split by cause (see the module doc). A T5:
-    `t5_estimate.step_time`."""
-    if job.model.family == "t5":
-        from tessera.plan import t5_estimate
+    """Predicted time of one training step of `c`, split by cause, by the family's model."""
+    return plan_family(job.model).step_time(job, c)
 
-        return t5_estimate.step_time(job, c)
+
+def decoder_step_time(job: Job, c: Config) -> StepTime:
+    """Predicted time of one training step of a decoder-only model (see the module doc)."""
     model, hw = job.model, job.hardware
     peak = hw.peak(job.precision) * 1e12
     lt = _layer_times(job, c)

@@ -28,8 +28,8 @@ from tessera.core.config import Layout, ModelConfig, divisors
 from tessera.plan import estimate as E
 from tessera.plan.cluster import check_gpu_count
 from tessera.plan.errors import PlanError
-from tessera.plan.hardware import PROFILES, Hardware
-from tessera.plan.t5_rules import is_t5, t5_config_problems, t5_job_problems, t5_search_space
+from tessera.plan.hardware import Hardware
+from tessera.plan.models.registry import plan_family
 
 RECOMPUTE = ("none", "selective", "full")
 # Layout gains a `cp` field with context parallelism; pass it when the core has it, so its
@@ -227,7 +227,7 @@ def config_problems(job: TrainingJob, c: E.Config) -> list[str]:
     if c.recompute not in RECOMPUTE:
         out.append(f"unknown recompute {c.recompute!r}; choose one of {list(RECOMPUTE)}")
     else:
-        out += t5_config_problems(model, c.recompute)
+        out += plan_family(model).config_problems(model, c.recompute)
     if c.dp < 1 or job.global_batch % c.dp:
         out.append(f"global batch {job.global_batch} is not divisible by dp {c.dp}")
     elif (job.global_batch // c.dp) % c.micro_batch:
@@ -283,7 +283,7 @@ def evaluate(job: TrainingJob, candidate_fields: dict[str, Any]) -> Candidate:
 def _check_job(job: TrainingJob) -> None:
     check_gpu_count(job.gpus, job.gpus_per_node)
     job.hardware.peak(job.precision)  # PlanError when the card lacks the precision
-    refused = t5_job_problems(job.model, job.precision)
+    refused = plan_family(job.model).job_problems(job.model, job.precision)
     if refused:
         raise PlanError("; ".join(refused))
     if job.global_batch < 1 or job.seq_len < 1:
@@ -316,11 +316,11 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
            and c <= job.gpus_per_node] or [1]
     if fit_only:
         tps = tps[::-1]
-    t5 = t5_search_space(model) if is_t5(model) else None
-    if t5:
-        cps = t5["cp"]
+    space = plan_family(model).search_space(model)  # None: the decoder's rules below
+    if space:
+        cps = space["cp"]
     for tp in _choices(fixed.tp, tps):
-        for pp in _choices(fixed.pp, t5["pp"] if t5 else divisors(L)):
+        for pp in _choices(fixed.pp, space["pp"] if space else divisors(L)):
             for cp in _choices(fixed.cp, cps if fixed.cp is None else []):
                 if n % (tp * pp * cp):
                     continue
@@ -334,16 +334,16 @@ def _configs(job: TrainingJob, fixed: Fixed, fit_only: bool = False) -> Iterator
                 if fit_only:
                     mbs = mbs[:1]
                 vs = [v for v in divisors(L // pp) if pp > 1 or v == 1] if L % pp == 0 else []
-                if t5:  # one stage per rank; pp need not divide the encoder's layers
-                    vs = t5["virtual_stages"]
+                if space:  # e.g. T5: one stage per rank; pp need not divide its encoder
+                    vs = space["virtual_stages"]
                 if fit_only:
                     vs = vs[:1]
                 sps = [False, True] if tp > 1 and s % tp == 0 else [False]
                 if fit_only:
                     sps = sps[-1:]
                 recs = ["full"] if fit_only else list(RECOMPUTE)
-                if t5:
-                    recs = t5["recompute"]
+                if space:
+                    recs = space["recompute"]
                 experts_grid = [(ep, etp) for ep in _choices(fixed.ep, eps)
                                 for etp in _choices(fixed.etp, etps)]
                 if fit_only:  # the most frugal: the largest expert grid
@@ -397,128 +397,6 @@ def _settle_recompute_layers(job: TrainingJob, c: E.Config, fixed: Fixed) -> E.C
     while k < per_chunk and E.memory(ej, replace(c, recompute_layers=k)).total > cap:
         k += 1
     return replace(c, recompute_layers=None if k >= per_chunk else k)
-
-
-def _rank_key(c: Candidate) -> tuple[float, float]:
-    return (c.step_time_s, c.memory_gib)
-
-
-def plan_training(job: TrainingJob, fixed: Fixed = Fixed(), top: int | None = None
-                  ) -> list[Candidate]:
-    """The configurations of `job` that fit, fastest first (`top` of them, all when None).
-
-    Raises `PlanError` when none fits, saying how short memory is and what would fit (the
-    fewest GPUs, or a card with more memory, at the same batch)."""
-    _check_job(job)
-    if fixed.recompute is not None and fixed.recompute not in RECOMPUTE:
-        raise PlanError(f"unknown recompute {fixed.recompute!r}; choose one of {list(RECOMPUTE)}")
-    fits: list[Candidate] = []
-    smallest: tuple[float, E.Config] | None = None
-    seen = 0
-    cap = job.hardware.memory_gib
-    too_big: dict[tuple[Any, ...], int] = {}  # layout -> smallest micro-batch that does not fit
-    for c in _configs(job, fixed):
-        key = (c.tp, c.pp, c.cp, c.ep, c.etp, c.virtual_stages, c.sequence_parallel,
-               c.recompute)
-        if c.micro_batch > too_big.get(key, c.micro_batch):
-            continue  # memory grows with the micro-batch (micro-batches come in ascending order)
-        c2 = _settle_recompute_layers(job, c, fixed)
-        if c2 is None:
-            continue
-        seen += 1
-        mem = E.memory(job._estimate, c2)
-        if mem.total <= cap:  # only what fits is timed
-            fits.append(_candidate(job, c2, mem))
-            continue
-        too_big[key] = min(too_big.get(key, c.micro_batch), c.micro_batch)
-        if smallest is None or mem.total < smallest[0]:
-            smallest = (mem.total, c2)
-    if not fits:
-        raise PlanError(_nothing_fits(job, fixed, seen,
-                                      _candidate(job, smallest[1]) if smallest else None))
-    fits.sort(key=_rank_key)
-    return fits[:top] if top else fits
-
-
-def _fits_somewhere(job: TrainingJob, fixed: Fixed) -> bool:
-    ej = job._estimate
-    for c in _configs(job, fixed, fit_only=True):
-        if E.memory(ej, replace(c, recompute_layers=None)).total <= job.hardware.memory_gib:
-            return True
-    return False
-
-
-def _fewest_gpus(job: TrainingJob, fixed: Fixed, most: int = 128) -> int | None:
-    """About the fewest GPUs (up to `most` x as many, whole nodes beyond one) on which `job`
-    fits: doubling until it fits, then bisecting the whole-node counts in between (assuming
-    that what fits on n GPUs fits on more)."""
-    node = job.gpus_per_node
-
-    def whole(n: int) -> int:
-        return n if n <= node else -(-n // node) * node
-
-    def fits(n: int) -> bool:
-        return _fits_somewhere(replace(job, gpus=n), fixed)
-
-    lo, hi = job.gpus, None
-    while whole(lo * 2) <= job.gpus * most:
-        if fits(whole(lo * 2)):
-            hi = whole(lo * 2)
-            break
-        lo = whole(lo * 2)
-    if hi is None:
-        return None
-    while hi > node and hi - lo > node:  # bisect over whole nodes
-        mid = whole((lo + hi) // 2 // node * node) if (lo + hi) // 2 > node else whole(hi // 2)
-        if mid <= lo or mid >= hi:
-            break
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def _nothing_fits(job: TrainingJob, fixed: Fixed, seen: int, smallest: Candidate | None
-                  ) -> str:
-    hw = job.hardware
-    if not seen:
-        from tessera.plan.diagnose import fixed_alternatives
-
-        head = (f"no valid configuration of {job.model.name} on {job.gpus} GPUs with global "
-                f"batch {job.global_batch} and sequence {job.seq_len}{_fixed_text(fixed)}")
-        culprits = fixed_alternatives(job, fixed)
-        if culprits:
-            return head + ":\n  - " + "\n  - ".join(culprits)
-        return (head + ": no tp x pp x cp x dp split satisfies the divisibility rules (check "
-                "that the batch divides by the data-parallel sizes the GPU count leaves, and "
-                "the fixed dimensions together)")
-    msg = (f"{job.model.name} does not fit on {job.gpus} x {hw.name} ({hw.memory_gib:.1f} GiB) "
-           f"with global batch {job.global_batch}{_fixed_text(fixed)}: the most frugal "
-           f"configuration ({smallest.layout}, micro-batch {smallest.micro_batch}, recompute "
-           f"{smallest.recompute}) needs {smallest.memory_gib:.1f} GiB per GPU "
-           f"(weights {smallest.memory.weights:.1f}, optimizer {smallest.memory.optimizer:.1f}, "
-           f"activations {smallest.memory.activations:.1f}).")
-    hints = []
-    fewest = _fewest_gpus(job, fixed)
-    if fewest:
-        hints.append(f"{fewest} x {hw.name} would fit")
-    for other in sorted(PROFILES.values(), key=lambda p: p.memory_gib):
-        if other.memory_gib > hw.memory_gib and job.precision in other.peak_tflops:
-            if _fits_somewhere(replace(job, hardware=other), fixed):
-                hints.append(f"{job.gpus} x {other.name} ({other.memory_gib:.0f} GiB) would fit")
-                break
-    if hints:
-        msg += " What would fit: " + "; ".join(hints) + "."
-    else:
-        msg += " Neither more GPUs (up to 128x) nor a larger card fits it: shrink the model."
-    return msg
-
-
-def _fixed_text(fixed: Fixed) -> str:
-    items = [f"{f.name}={getattr(fixed, f.name)}" for f in fields(fixed)
-             if getattr(fixed, f.name) is not None]
-    return f" (fixed: {', '.join(items)})" if items else ""
 
 
 # The model's demonstrated error on throughput: the largest |predicted / measured - 1| over

@@ -95,9 +95,9 @@ def plan_serving(
     the fewest GPUs that would hold it, or what the constraints would have to be. `tp` / `pp`
     fix those sizes (PlanError, saying which are valid, when none is).
     """
-    from tessera.plan.t5_rules import t5_mode_problems
+    from tessera.plan.models.registry import plan_family
 
-    refused = t5_mode_problems(model, serve=True)
+    refused = plan_family(model).mode_problems(model, serve=True)
     if refused:
         raise PlanError("; ".join(refused))
     check_gpu_count(gpus, gpus_per_node)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from tessera.converters.hf_mapping import config_to_hf  # noqa: E402
 from tessera.core.config import ModelConfig  # noqa: E402
-from tessera.plan.t5_formulas import (  # noqa: E402
+from tessera.plan.models.t5.formulas import (  # noqa: E402
     t5_decoder_length,
     t5_flops_per_step,
     t5_parameter_counts,

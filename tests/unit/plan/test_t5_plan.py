@@ -71,7 +71,7 @@ def test_t5_fp8_refused():
 
 def test_t5_memory_is_the_busiest_stage():
     # pp 2: stage 0 holds the embedding and 6 encoder layers, stage 1 the 6 decoder layers, a
-    # copy of the embedding and the untied output: 162,623,616 parameters (t5_formulas'
+    # copy of the embedding and the untied output: 162,623,616 parameters (formulas'
     # per-stage count, whose sum over stages is checked against HF in test_t5_counts.py),
     # 2 bytes each in bf16, 4 for the fp32 main gradients. At micro-batch 1 stage 0's two
     # micro-batches of encoder activations (~0.25 GB) weigh less than stage 1's extra 53M
@@ -87,7 +87,7 @@ def test_t5_memory_is_the_busiest_stage():
 def test_t5_flops_and_mfu_count_both_stacks():
     from tessera.plan import estimate as E
     from tessera.plan import evaluate
-    from tessera.plan.t5_formulas import t5_flops_per_step
+    from tessera.plan.models.t5.formulas import t5_flops_per_step
 
     job = _job()
     flops = t5_flops_per_step(job.model, 256, 512, 116)
@@ -124,10 +124,10 @@ def test_t5_output_yaml_is_what_pretrain_runs(tmp_path, capsys):
 
 
 def test_t5_layer_activations_by_hand():
-    from tessera.plan.t5_formulas import (
+    from tessera.plan.models.t5.formulas import (
         t5_decoder_layer_activation_bytes as dec,
     )
-    from tessera.plan.t5_formulas import (
+    from tessera.plan.models.t5.formulas import (
         t5_encoder_layer_activation_bytes as enc,
     )
 

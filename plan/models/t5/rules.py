@@ -12,13 +12,9 @@ from tessera.core.config import ModelConfig
 from tessera.core.models.t5.layout import T5_RECOMPUTE, T5_REFUSED_PRECISIONS, t5_pipeline_sizes
 
 
-def is_t5(model: ModelConfig) -> bool:
-    return model.family == "t5"
-
-
 def t5_job_problems(model: ModelConfig, precision: str) -> list[str]:
-    """What a whole job asks of a T5 that T5 pretraining refuses (empty for other models)."""
-    if is_t5(model) and precision in T5_REFUSED_PRECISIONS:
+    """What a whole job asks of a T5 that T5 pretraining refuses."""
+    if precision in T5_REFUSED_PRECISIONS:
         return [f"T5 does not train in {precision} (`tessera pretrain` refuses it: FP8 covers "
                 "the decoder-only blocks); plan with --precision bf16 (or fp32 on CPUs)"]
     return []
@@ -26,11 +22,9 @@ def t5_job_problems(model: ModelConfig, precision: str) -> list[str]:
 
 def t5_mode_problems(model: ModelConfig, serve: bool = False, measure: bool = False
                      ) -> list[str]:
-    """The planner's modes that do not model a T5 yet (empty for other models): serving (its
-    KV cache and time per token are a decoder-only's) and `--measure` (its runs read token
-    data without a tokenizer, which T5's sentinels need)."""
-    if not is_t5(model):
-        return []
+    """The planner's modes that do not model a T5 yet: serving (its KV cache and time per
+    token are a decoder-only's) and `--measure` (its runs read token data without a tokenizer,
+    which T5's sentinels need)."""
     out = []
     if serve:
         out.append("--serve plans decoder-only models; T5's encoder pass and cross-attention "
@@ -44,7 +38,7 @@ def t5_mode_problems(model: ModelConfig, serve: bool = False, measure: bool = Fa
 
 def t5_config_problems(model: ModelConfig, recompute: str) -> list[str]:
     """What one configuration's schedule asks of a T5 that T5 pretraining refuses."""
-    if is_t5(model) and recompute not in T5_RECOMPUTE:
+    if recompute not in T5_RECOMPUTE:
         return [f"T5 trains without activation recomputation (`tessera pretrain` refuses "
                 f"recompute {recompute}); use recompute {T5_RECOMPUTE[0]}"]
     return []

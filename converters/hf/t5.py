@@ -1,8 +1,7 @@
 """The Hugging Face <-> Tessera contract for `T5ForConditionalGeneration` (model type "t5").
 
-`converters.hf_mapping` hands T5 configs and tensors here; `hf_io.import_hf` / `export_hf` and
-resharding then work as for the decoder families (the tp splits and pipeline split of T5
-weights live in `core.models.t5.sharding`).
+`hf_io.import_hf` / `export_hf` and resharding work on T5 as on the decoder families (the tp
+splits and pipeline split of T5 weights live in `core.models.t5.sharding`).
 
 Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transformers' gelu_new is
 the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
@@ -21,9 +20,10 @@ checkpoints are not read.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Set
 from typing import Any
 
+from tessera.converters.hf.family import ConversionError, HfFamily, TensorPairs
 from tessera.core.config import ModelConfig
 from tessera.core.models.t5.layout import decoder_layers
 from tessera.core.models.t5.sharding import t5_param_shapes
@@ -56,21 +56,15 @@ _TOP = {"tok_embeddings.weight": "shared.weight", "encoder.norm.weight":
         "output.weight": "lm_head.weight"}
 
 
-def _fail(message: str) -> Exception:
-    from tessera.converters.hf_mapping import ConversionError
-
-    return ConversionError(message)
-
-
-def t5_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """The `ModelConfig` of a transformers T5 `config.json` (v4 or v5)."""
     proj = hf.get("feed_forward_proj", "relu")
     if proj not in _ACTIVATIONS:
-        raise _fail(f"t5 config: feed_forward_proj={proj!r} is not supported (supported: "
-                    f"{', '.join(map(repr, _ACTIVATIONS))})")
+        raise ConversionError(f"t5 config: feed_forward_proj={proj!r} is not supported "
+                              f"(supported: {', '.join(map(repr, _ACTIVATIONS))})")
     if hf.get("num_decoder_layers") == 0:
-        raise _fail("t5 config: num_decoder_layers=0 (an encoder only) is not a "
-                    "T5ForConditionalGeneration")
+        raise ConversionError("t5 config: num_decoder_layers=0 (an encoder only) is not a "
+                              "T5ForConditionalGeneration")
     tied = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
     layers = hf.get("num_layers", 6)
     start = hf.get("decoder_start_token_id")
@@ -88,7 +82,7 @@ def t5_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         decoder_start_token_id=hf.get("pad_token_id", 0) if start is None else start)
 
 
-def check_t5_exportable(config: ModelConfig) -> None:
+def _check_exportable(config: ModelConfig) -> None:
     """Raise ConversionError when `config` computes what no transformers T5 does."""
     want = dict(norm="rmsnorm", position="relative", bias=False,
                 scaled_output=config.tied_embeddings, num_kv_heads=config.num_heads)
@@ -96,15 +90,14 @@ def check_t5_exportable(config: ModelConfig) -> None:
     if config.activation not in ("geglu", "relu"):
         clash["activation"] = config.activation
     if clash:
-        raise _fail(f"this t5 model cannot be written as a Hugging Face T5: {clash} differ from "
-                    f"what it computes ({want}, activation geglu or relu)")
+        raise ConversionError(f"this t5 model cannot be written as a Hugging Face T5: {clash} "
+                              f"differ from what it computes ({want}, activation geglu or relu)")
 
 
-def t5_config_to_hf(config: ModelConfig, *, dtype: str = "float32",
-                    bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
-                    pad_token_id: int | None = None) -> dict[str, Any]:
+def _config_to_hf(config: ModelConfig, *, dtype: str, bos_token_id: int | None,
+                  eos_token_id: int | list[int] | None, pad_token_id: int | None
+                  ) -> dict[str, Any]:
     """The `config.json` of `config` for `T5ForConditionalGeneration` (v5 and v4 read it)."""
-    check_t5_exportable(config)
     c = config
     return dict(
         architectures=["T5ForConditionalGeneration"], model_type="t5", vocab_size=c.vocab_size,
@@ -124,7 +117,7 @@ def t5_config_to_hf(config: ModelConfig, *, dtype: str = "float32",
         eos_token_id=eos_token_id, bos_token_id=bos_token_id, dtype=dtype, torch_dtype=dtype)
 
 
-def t5_tensor_pairs(config: ModelConfig) -> Iterator[tuple[str, list[tuple[str, bool]]]]:
+def _tensor_pairs(config: ModelConfig, hf_names: Set[str] | None) -> TensorPairs:
     """(Tessera global name, [(HF name, transposed?), ...]) in `t5_param_shapes` order."""
     gated = config.gated
     for name in t5_param_shapes(config):
@@ -142,7 +135,7 @@ def t5_tensor_pairs(config: ModelConfig) -> Iterator[tuple[str, list[tuple[str, 
         yield name, [(f"{stack}.block.{layer}.{h}", False) for h in hf]
 
 
-def t5_unread(config: ModelConfig) -> set[str]:
+def _unread(config: ModelConfig) -> set[str]:
     """HF tensors a T5 import may find and leaves unread: the tied copies and the unused
     cross-attention bias of old checkpoints."""
     out = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
@@ -150,3 +143,8 @@ def t5_unread(config: ModelConfig) -> set[str]:
     if config.tied_embeddings:
         out.add("lm_head.weight")
     return out
+
+
+T5 = HfFamily(
+    family="t5", config_from_hf=_config_from_hf, check_exportable=_check_exportable,
+    config_to_hf=_config_to_hf, pairs=_tensor_pairs, unread=_unread)

@@ -1,10 +1,10 @@
 """Memory and step time of one training configuration of a T5 (encoder-decoder), from
-`t5_formulas` and the same rates and rules `estimate` uses for decoder-only models.
+`plan.models.t5.formulas` and the same rates and rules `estimate` uses for decoder-only models.
 
 What differs from a decoder-only model (`estimate`'s module doc has the shared rules):
 
 - two stacks over two lengths: encoder layers over `s_e = seq_len` tokens, decoder layers over
-  `s_d = t5_formulas.t5_decoder_length(seq_len)` (the span-corruption targets) with a
+  `s_d = formulas.t5_decoder_length(seq_len)` (the span-corruption targets) with a
   cross-attention whose k and v run over the encoder output;
 - pipeline stages follow `core.models.t5.layout.t5_stage_split` (encoder stages, then decoder
   stages), so stages differ: memory is the most loaded stage's (its parameters, and its
@@ -21,7 +21,7 @@ What differs from a decoder-only model (`estimate`'s module doc has the shared r
 - the embedding is used by stage 0 and by the first decoder stage (and, tied, by the last): with
   pp > 1 their gradients are all-reduced after the backward (`core.models.t5.pipeline`).
 
-T5 trains without recomputation, virtual stages, cp, ep and fp8 (`plan.t5_rules`), so those
+T5 trains without recomputation, virtual stages, cp, ep and fp8 (`plan.models.t5.rules`), so those
 terms are 0 here. Throughput counts encoder tokens (`global_batch x seq_len`).
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from tessera.core.models.t5.layout import t5_stage_layers
 from tessera.plan import estimate as E
 from tessera.plan import formulas as F
-from tessera.plan import t5_formulas as T
+from tessera.plan.models.t5 import formulas as T
 
 
 def decoder_length(job: E.Job, c: E.Config) -> int:
@@ -186,7 +186,7 @@ def step_time(job: E.Job, c: E.Config) -> E.StepTime:
 
 
 def step_flops(job: E.Job) -> float:
-    """FLOPs of one step (`t5_formulas.t5_flops_per_step`; no recomputation), over the decoder
+    """FLOPs of one step (`formulas.t5_flops_per_step`; no recomputation), over the decoder
     length of the unpadded targets."""
     return T.t5_flops_per_step(job.model, job.global_batch, job.seq_len,
                                T.t5_decoder_length(job.seq_len))

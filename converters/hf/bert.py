@@ -1,6 +1,5 @@
 """The Hugging Face `BertForMaskedLM` / `BertForPreTraining` <-> Tessera BERT contract.
 
-Registered into `hf_mapping` (name map, config both ways, the tied copies to skip), so
 `tessera convert` imports, exports and reshards BERT like the decoder families. The decoder
 of the masked-LM head is the word embedding (`cls.predictions.decoder.weight`, a tied copy
 that transformers does not save) and its bias is `cls.predictions.bias` (`decoder.bias` is the
@@ -18,10 +17,17 @@ import dataclasses
 from collections.abc import Set
 from typing import Any
 
+from tessera.converters.hf.family import (
+    ConversionError,
+    HfFamily,
+    check_traits,
+    require,
+    with_shared_fields,
+)
 from tessera.core.config import ModelConfig
 
 _L = "bert.encoder.layer.{}."
-BERT_NAMES: dict[str, tuple[str, ...]] = {
+_NAMES: dict[str, tuple[str, ...]] = {
     "tok_embeddings.weight": ("bert.embeddings.word_embeddings.weight",),
     "pos_embeddings.weight": ("bert.embeddings.position_embeddings.weight",),
     "type_embeddings.weight": ("bert.embeddings.token_type_embeddings.weight",),
@@ -50,24 +56,20 @@ BERT_NAMES: dict[str, tuple[str, ...]] = {
 
 # HF entries that are tied copies or buffers: the decoder (the word embedding and
 # `cls.predictions.bias` again) and the position-id buffer of older files.
-BERT_IGNORED = r"|^cls\.predictions\.decoder\.(weight|bias)$|embeddings\.position_ids$"
+_IGNORED = r"^cls\.predictions\.decoder\.(weight|bias)$|embeddings\.position_ids$"
 
-BERT_TRAITS: dict[str, Any] = dict(norm="layernorm", position="learned", bias=True,
-                                   tied_embeddings=True)
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def bert_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """The Tessera config of a HF BERT `config.json`; ConversionError for what it cannot run."""
-    from tessera.converters.hf_mapping import _require
-
-    act = _require(hf, "hidden_act", tuple(_ACTIVATIONS), "gelu")
-    _require(hf, "position_embedding_type", ("absolute",), "absolute")
-    _require(hf, "is_decoder", (False,), False)
-    _require(hf, "add_cross_attention", (False,), False)
+    act = require(hf, "hidden_act", tuple(_ACTIVATIONS), "gelu")
+    require(hf, "position_embedding_type", ("absolute",), "absolute")
+    require(hf, "is_decoder", (False,), False)
+    require(hf, "add_cross_attention", (False,), False)
     dropout = hf.get("hidden_dropout_prob", 0.1)
-    _require(hf, "attention_probs_dropout_prob", (dropout,), dropout)
+    require(hf, "attention_probs_dropout_prob", (dropout,), dropout)
     return ModelConfig(
         name="bert", family="bert", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
@@ -79,29 +81,36 @@ def bert_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         binary_head="BertForPreTraining" in (hf.get("architectures") or []))
 
 
-def bert_config_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """The family-specific `config.json` fields of a Tessera BERT (`config_to_hf` adds the
-    shared ones)."""
+def _check_exportable(c: ModelConfig) -> None:
+    check_traits(c)
     if c.num_kv_heads != c.num_heads or c.head_dim * c.num_heads != c.hidden_size:
-        from tessera.converters.hf_mapping import ConversionError
-
         raise ConversionError(f"HF BERT has neither grouped-query attention nor a free head_dim: "
                               f"num_kv_heads {c.num_kv_heads}, head_dim {c.head_dim}")
-    return dict(architectures=["BertForPreTraining" if c.binary_head else "BertForMaskedLM"],
-                model_type="bert", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                intermediate_size=c.ffn_hidden_size,
-                hidden_act="gelu" if c.activation == "gelu" else "gelu_pytorch_tanh",
-                max_position_embeddings=c.max_position_embeddings,
-                type_vocab_size=c.type_vocab_size, layer_norm_eps=c.norm_eps,
-                hidden_dropout_prob=c.dropout, attention_probs_dropout_prob=c.dropout)
 
 
-def bert_head_from_weights(config: ModelConfig, hf_names: Set[str]) -> ModelConfig:
+def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
+    fields = dict(architectures=["BertForPreTraining" if c.binary_head else "BertForMaskedLM"],
+                  model_type="bert", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                  intermediate_size=c.ffn_hidden_size,
+                  hidden_act="gelu" if c.activation == "gelu" else "gelu_pytorch_tanh",
+                  max_position_embeddings=c.max_position_embeddings,
+                  type_vocab_size=c.type_vocab_size, layer_norm_eps=c.norm_eps,
+                  hidden_dropout_prob=c.dropout, attention_probs_dropout_prob=c.dropout)
+    return with_shared_fields(fields, c, **shared)
+
+
+def _head_from_weights(config: ModelConfig, hf_names: Set[str]) -> ModelConfig:
     """`config` with the next-sentence head on when the HF weights hold it (pooler and
     `cls.seq_relationship`) although `architectures` says `BertForMaskedLM`, as the original
     BERT checkpoints on the Hub do; any other config is returned as it is."""
     head = {"bert.pooler.dense.weight", "cls.seq_relationship.weight"}
-    if config.family != "bert" or config.binary_head or not head <= set(hf_names):
+    if config.binary_head or not head <= set(hf_names):
         return config
     return dataclasses.replace(config, binary_head=True)
+
+
+BERT = HfFamily(
+    family="bert", config_from_hf=_config_from_hf, check_exportable=_check_exportable,
+    config_to_hf=_config_to_hf, name_map=_NAMES, ignored=_IGNORED,
+    from_weights=_head_from_weights)

@@ -1,0 +1,130 @@
+"""The Hugging Face <-> Tessera contract of `LlamaForCausalLM` (model types llama and mistral,
+a Llama with an optional sliding window, accepted only when the window covers every position).
+
+Also the Llama-like pieces the other RoPE decoders build on (Nemotron, Qwen3, the MoE
+families): the attention/norm/embedding name map, the shared config fields and RoPE. q/k/v are
+stacked into the fused `attention.wqkv`, gate/up into the fused SwiGLU `feed_forward.w1`; the
+split sizes on the way back come from `sharding.shard_spec`. Rope scaling, a real sliding
+window and separate attention/MLP bias flags are errors that name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.converters.hf.family import (
+    ConversionError,
+    HfFamily,
+    NameMap,
+    check_traits,
+    require,
+    with_shared_fields,
+)
+from tessera.core.config import ModelConfig
+
+LLAMA_LIKE: NameMap = {
+    "tok_embeddings.weight": ("model.embed_tokens.weight",),
+    "layers.{}.attention_norm.weight": ("model.layers.{}.input_layernorm.weight",),
+    "layers.{}.attention_norm.bias": ("model.layers.{}.input_layernorm.bias",),
+    "layers.{}.attention.wqkv.weight": ("model.layers.{}.self_attn.q_proj.weight",
+                                        "model.layers.{}.self_attn.k_proj.weight",
+                                        "model.layers.{}.self_attn.v_proj.weight"),
+    "layers.{}.attention.wqkv.bias": ("model.layers.{}.self_attn.q_proj.bias",
+                                      "model.layers.{}.self_attn.k_proj.bias",
+                                      "model.layers.{}.self_attn.v_proj.bias"),
+    "layers.{}.attention.wo.weight": ("model.layers.{}.self_attn.o_proj.weight",),
+    "layers.{}.attention.wo.bias": ("model.layers.{}.self_attn.o_proj.bias",),
+    "layers.{}.ffn_norm.weight": ("model.layers.{}.post_attention_layernorm.weight",),
+    "layers.{}.ffn_norm.bias": ("model.layers.{}.post_attention_layernorm.bias",),
+    "layers.{}.feed_forward.w2.weight": ("model.layers.{}.mlp.down_proj.weight",),
+    "layers.{}.feed_forward.w2.bias": ("model.layers.{}.mlp.down_proj.bias",),
+    "norm.weight": ("model.norm.weight",),
+    "norm.bias": ("model.norm.bias",),
+    "output.weight": ("lm_head.weight",),
+}
+
+SWIGLU_MLP: NameMap = {
+    "layers.{}.feed_forward.w1.weight": ("model.layers.{}.mlp.gate_proj.weight",
+                                         "model.layers.{}.mlp.up_proj.weight"),
+    "layers.{}.feed_forward.w1.bias": ("model.layers.{}.mlp.gate_proj.bias",
+                                       "model.layers.{}.mlp.up_proj.bias"),
+}
+
+# Cached RoPE frequencies, a buffer some files store.
+ROTARY_BUFFERS = r"\.rotary_emb\.inv_freq$"
+
+
+
+def rope(hf: dict[str, Any], default_fraction: float) -> tuple[float, float]:
+    """(rope_theta, partial rotary fraction) from transformers v5 `rope_parameters` or the
+    older top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` fields."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConversionError(f"rope scaling type {kind!r} is not supported (only plain RoPE); "
+                              "the Tessera model has no scaled rotary embedding")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor",
+                                                          default_fraction))
+    return float(theta), float(fraction)
+
+
+def llama_like_fields(hf: dict[str, Any], default_fraction: float) -> dict[str, Any]:
+    """The `ModelConfig` fields every Llama-like config.json gives the same way."""
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    if attention_bias != mlp_bias:
+        raise ConversionError(
+            f"{hf['model_type']} config: attention_bias={attention_bias} but mlp_bias={mlp_bias}; "
+            "Tessera has one `bias` flag for every linear layer, so both must be equal")
+    theta, fraction = rope(hf, default_fraction)
+    return dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"], position="rope",
+        rope_theta=theta, rotary_fraction=fraction, bias=bool(attention_bias),
+        tied_embeddings=hf.get("tie_word_embeddings", False),
+        dropout=hf.get("attention_dropout", 0.0), init_std=hf.get("initializer_range", 0.02))
+
+
+def llama_config(hf: dict[str, Any]) -> ModelConfig:
+    """`ModelConfig` of a `LlamaForCausalLM` / `MistralForCausalLM` config.json."""
+    require(hf, "hidden_act", ("silu",), "silu")
+    window = hf.get("sliding_window")  # Mistral: a window covering every position is no window
+    if window is not None and window < hf["max_position_embeddings"]:
+        raise ConversionError(
+            f"{hf['model_type']} config: sliding_window={window} is smaller than "
+            f"max_position_embeddings={hf['max_position_embeddings']}; Tessera attends to the "
+            "whole causal context, so sliding-window attention cannot be converted exactly")
+    fields = llama_like_fields(hf, 1.0)
+    if fields["rotary_fraction"] != 1.0:
+        raise ConversionError(f"{hf['model_type']} config: partial_rotary_factor="
+                              f"{fields['rotary_fraction']} is not supported for Llama models")
+    return ModelConfig(name=hf["model_type"], family="llama", norm="rmsnorm",
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", **fields)
+
+
+def rope_decoder_fields(c: ModelConfig, architecture: str, hidden_act: str) -> dict[str, Any]:
+    """The `config.json` fields of a Llama-like dense model (norm epsilon excepted)."""
+    return dict(architectures=[architecture], model_type=c.family, vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_act=hidden_act,
+                max_position_embeddings=c.max_position_embeddings,
+                attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=c.dropout)
+
+
+def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
+    rope_fields = {"rope_type": "default", "rope_theta": c.rope_theta}
+    fields = {**rope_decoder_fields(c, "LlamaForCausalLM", "silu"),
+              "rope_parameters": rope_fields, "rope_theta": c.rope_theta,
+              "rms_norm_eps": c.norm_eps}  # top-level keys: for v4
+    return with_shared_fields(fields, c, **shared)
+
+
+LLAMA = HfFamily(
+    family="llama", config_from_hf=llama_config,
+    check_exportable=check_traits, config_to_hf=_config_to_hf,
+    name_map={**LLAMA_LIKE, **SWIGLU_MLP}, ignored=ROTARY_BUFFERS, fp8_export=True)

@@ -1,0 +1,1 @@
+"""The planner's view of each model family (formulas, estimates, search rules) and its registry."""

@@ -1,0 +1,1 @@
+"""The planner's model of T5 (encoder-decoder): counts, estimates and what it may propose."""
