@@ -194,7 +194,7 @@ def _start(args: argparse.Namespace):
                                     args.draft_checkpoint, args.ngram_min, args.ngram_max)
     tasks = None
     if args.prompts:
-        from tessera.tuning.prompt_table import load_prompt_tables
+        from tessera.core.prompt_table import load_prompt_tables
 
         tasks = load_prompt_tables(args.prompts, args.checkpoint)
     # background=False: the step loop runs on this (main) thread, see `serving.bridge`.

@@ -34,10 +34,10 @@ from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import local_kv_heads
+from tessera.core.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 from tessera.serving.adapters import AdapterRegistry, LoRAServing, detach_stacked
 from tessera.serving.compiled import CompiledDecode
 from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
-from tessera.tuning.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 
 log = logging.getLogger(__name__)
 

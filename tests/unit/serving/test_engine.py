@@ -16,9 +16,9 @@ import torch
 
 import tessera.serving.engine as engine_module
 from tessera.core import ModelConfig, build_model
+from tessera.core.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 from tessera.serving.engine import LLMEngine
 from tessera.serving.types import GenerationRequest, Overloaded, RequestError, SamplingParams
-from tessera.tuning.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 from tests.serving_helper import collect, full_forward_greedy, one_at_a_time, train_tiny_tokenizer
 
 FAMILIES = ["gpt2-tiny", "llama-tiny", "nemotron-tiny"]
