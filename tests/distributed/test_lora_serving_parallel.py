@@ -15,8 +15,8 @@ from tessera.core.checkpoint import save_checkpoint
 from tessera.core.fingerprint import base_fingerprint
 from tessera.core.lora_format import AdapterConfig, AdapterError, lora_names, save_adapter
 from tessera.core.parallel.sharding import global_param_shapes
-from tessera.serving.adapters import AdapterBusy, LoRAServing, UnknownAdapter
-from tessera.serving.distributed import start_rank
+from tessera.serving.engine.adapters import AdapterBusy, LoRAServing, UnknownAdapter
+from tessera.serving.engine.distributed import start_rank
 from tests.distributed_helper import run_ranks
 from tests.serving_helper import collect
 

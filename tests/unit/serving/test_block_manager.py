@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from tessera.serving.block_manager import SCRATCH_BLOCK, BlockHasher, BlockManager
+from tessera.serving.engine.block_manager import SCRATCH_BLOCK, BlockHasher, BlockManager
 
 
 def test_chained_sha256_digests_of_full_blocks_only():

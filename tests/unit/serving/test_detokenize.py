@@ -2,7 +2,7 @@
 
 import pytest
 
-from tessera.serving.detokenize import IncrementalDecoder, OutputText, find_stop, stop_prefix_length
+from tessera.serving.engine.detokenize import IncrementalDecoder, OutputText, find_stop, stop_prefix_length
 from tests.serving_helper import train_tiny_tokenizer
 
 

@@ -19,10 +19,10 @@ from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
 from tessera.core.kv_cache import KVCache  # noqa: E402
 from tessera.core.parallel.groups import ParallelGroups  # noqa: E402
 from tessera.core.quantize import quantize  # noqa: E402
-from tessera.serving.compiled import CompiledDecode  # noqa: E402
-from tessera.serving.distributed import start_rank  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
-from tessera.serving.executor import LocalExecutor, ModelRunner  # noqa: E402
+from tessera.serving.engine.compiled import CompiledDecode  # noqa: E402
+from tessera.serving.engine.distributed import start_rank  # noqa: E402
+from tessera.serving.engine.executor import LocalExecutor, ModelRunner  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.serving_helper import collect  # noqa: E402
 

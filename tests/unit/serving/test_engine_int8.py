@@ -6,8 +6,7 @@ import torch
 
 from tessera.core import ModelConfig, build_model, save_checkpoint
 from tessera.core.quantize import Int8
-from tessera.serving.bridge import run_beside
-from tessera.serving.engine import LLMEngine
+from tessera.serving.engine import LLMEngine, run_beside
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tests.serving_helper import full_forward_greedy
 

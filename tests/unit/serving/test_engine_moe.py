@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
-from tessera.serving.app import create_app  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.http.app import create_app  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.serving_helper import collect, full_forward_greedy, train_tiny_tokenizer  # noqa: E402
 

@@ -16,8 +16,8 @@ import torch
 from tessera.core import ModelConfig, build_model
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.serving.engine import LLMEngine
-from tessera.serving.kv_config import KVCacheConfig
-from tessera.serving.metrics import ServingMetrics
+from tessera.serving.engine.kv_config import KVCacheConfig
+from tessera.serving.http.metrics import ServingMetrics
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tests.serving_helper import collect, full_forward_greedy
 

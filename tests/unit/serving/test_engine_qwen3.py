@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
-from tessera.serving.kv_config import KVCacheConfig  # noqa: E402
+from tessera.serving.engine.kv_config import KVCacheConfig  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.serving_helper import collect, full_forward_greedy  # noqa: E402
 

@@ -17,9 +17,9 @@ from scipy.stats import chi2
 
 from tessera.core import ModelConfig, build_model
 from tessera.serving.engine import LLMEngine
-from tessera.serving.kv_config import KVCacheConfig
-from tessera.serving.metrics import ServingMetrics
-from tessera.serving.speculative import SpeculativeConfig, config_from_flags, ngram_proposal
+from tessera.serving.engine.kv_config import KVCacheConfig
+from tessera.serving.engine.speculative import SpeculativeConfig, config_from_flags, ngram_proposal
+from tessera.serving.http.metrics import ServingMetrics
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tests.serving_helper import collect, full_forward_greedy, train_tiny_tokenizer
 
@@ -348,9 +348,9 @@ def _serve(argv, monkeypatch):
     from tessera.serving.cli import main
 
     seen = {}
-    app_module = types.ModuleType("tessera.serving.app")
+    app_module = types.ModuleType("tessera.serving.http.app")
     app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
-    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
 
     def run(server):
         seen["speculator"] = seen["engine"].speculator
@@ -361,7 +361,7 @@ def _serve(argv, monkeypatch):
 
 
 def test_serve_speculative_flags(checkpoints, monkeypatch, capsys):
-    from tessera.serving.speculative import DraftProposer, NgramProposer
+    from tessera.serving.engine.speculative import DraftProposer, NgramProposer
 
     target, draft, other = checkpoints
     code, seen = _serve(["--checkpoint", str(target), "--speculative", "draft",
@@ -384,7 +384,7 @@ def test_serve_speculative_flags(checkpoints, monkeypatch, capsys):
 
 
 def test_a_draft_with_another_tokenizer_is_refused():
-    from tessera.serving.speculative import check_same_vocabulary
+    from tessera.serving.engine.speculative import check_same_vocabulary
 
     class Tok:
         vocab_size = 4

@@ -1,6 +1,6 @@
 """Where the engine's step loop runs: a background thread, or the caller's (`run`, `run_beside`).
 
-The caller's thread is the fast one on CPU (see `serving.bridge`); both must give the same
+The caller's thread is the fast one on CPU (see `serving.engine.bridge`); both must give the same
 tokens, and an engine driven by `run_beside` must stay usable between calls.
 """
 
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from tessera.core import ModelConfig, build_model
-from tessera.serving.bridge import run_beside
-from tessera.serving.engine import LLMEngine
+from tessera.serving.engine import LLMEngine, run_beside
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tests.serving_helper import full_forward_greedy
 

@@ -19,8 +19,8 @@ from tessera.core.config import ModelConfig  # noqa: E402
 from tessera.core.init import build_model  # noqa: E402
 from tessera.core.tokenizer import load_tokenizer  # noqa: E402
 from tessera.serving.cli import build_parser, served_names  # noqa: E402
-from tessera.serving.family_apps import app_for_family  # noqa: E402
-from tessera.serving.fill_mask import FillMask, create_fill_mask_app  # noqa: E402
+from tessera.serving.http.family_apps import app_for_family  # noqa: E402
+from tessera.serving.http.fill_mask import FillMask, create_fill_mask_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")

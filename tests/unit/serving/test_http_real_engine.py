@@ -15,8 +15,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from tessera.core import ModelConfig, build_model
-from tessera.serving.app import create_app
 from tessera.serving.engine import LLMEngine
+from tessera.serving.http.app import create_app
 from tests.serving_helper import train_tiny_tokenizer
 
 from .conftest import sse_json

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tessera.serving.kv_config import KVCacheConfig, parse_memory, resolve_num_blocks
+from tessera.serving.engine.kv_config import KVCacheConfig, parse_memory, resolve_num_blocks
 
 
 def test_sizes_and_fractions():

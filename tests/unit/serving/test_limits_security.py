@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from tessera.serving.app import create_app
+from tessera.serving.http.app import create_app
 
 from .fake_engine import FakeEngine
 

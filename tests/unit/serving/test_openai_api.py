@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.serving.schemas import ChatCompletionResponse, CompletionResponse, ErrorResponse
-from tessera.serving.service import derive_seed
+from tessera.serving.http.schemas import ChatCompletionResponse, CompletionResponse, ErrorResponse
+from tessera.serving.http.service import derive_seed
 
 from .conftest import sse_data, sse_json
 from .fake_engine import BOS

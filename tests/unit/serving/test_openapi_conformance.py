@@ -15,7 +15,7 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tessera.serving.app import create_app  # noqa: E402
+from tessera.serving.http.app import create_app  # noqa: E402
 
 from .fake_engine import FakeEngine  # noqa: E402
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from tessera.core.sampling import RowSettings, apply_penalties, choose_tokens
-from tessera.serving.sampler import Sampler
+from tessera.serving.engine.sampler import Sampler
 from tessera.serving.types import SamplingParams
 
 

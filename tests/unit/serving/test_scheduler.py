@@ -2,9 +2,9 @@
 priorities, admission without overtaking, and preemption of the newest under block pressure
 with recomputation that finds its own blocks in the prefix cache."""
 
-from tessera.serving.block_manager import BlockHasher, BlockManager
-from tessera.serving.kv_space import PagedSpace, SeqState, SlotSpace
-from tessera.serving.scheduler import Scheduler
+from tessera.serving.engine.block_manager import BlockHasher, BlockManager
+from tessera.serving.engine.kv_space import PagedSpace, SeqState, SlotSpace
+from tessera.serving.engine.scheduler import Scheduler
 
 
 def _seq(n: int, priority: int = 0, bs: int | None = None, start: int = 100) -> SeqState:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tessera.serving.app import create_app
+from tessera.serving.http.app import create_app
 from tests.serving_helper import running_server
 
 from .fake_engine import FakeEngine

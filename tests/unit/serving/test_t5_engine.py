@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.core.t5_tokens import SentinelTokenizer  # noqa: E402
 from tessera.core.tokenizer import train_tokenizer  # noqa: E402
-from tessera.serving.app import create_app  # noqa: E402
 from tessera.serving.cli import build_parser, served_names  # noqa: E402
-from tessera.serving.family_apps import app_for_family, t5_sentinels  # noqa: E402
-from tessera.serving.t5_engine import T5Engine  # noqa: E402
+from tessera.serving.engine.t5_engine import T5Engine  # noqa: E402
+from tessera.serving.http.app import create_app  # noqa: E402
+from tessera.serving.http.family_apps import app_for_family, t5_sentinels  # noqa: E402
 
 SENTINELS = 20
 PROMPT = "the cat sees <extra_id_0> moon and <extra_id_1>"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from fastapi.responses import Response
 
-from tessera.serving.errors import ApiError, decode_json
+from tessera.serving.http.errors import ApiError, decode_json
 
 HEADER_LENGTH = "inference-header-content-length"
 

@@ -5,7 +5,7 @@ of the first piece (`'is'` for `' is'`, `''` for a whitespace piece), and a byte
 alone is not a character. OpenAI's logprob tokens concatenate to the text they score, and
 clients (lm-eval, `text_offset` users) rely on it. So a token's text here is what it adds to
 the decoded text after a few tokens of left context, exactly as the engine's incremental
-detokenizer (`serving.detokenize`) builds the output text:
+detokenizer (`serving.engine.detokenize`) builds the output text:
 
 - a token that leaves a partial character (the text ends in U+FFFD) gets `""`, and the token
   that completes the character gets the whole character;
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
-ANCHOR = 4  # tokens of left context decoded along (as serving.detokenize does)
+ANCHOR = 4  # tokens of left context decoded along (as serving.engine.detokenize does)
 
 
 class TokenTexts:

@@ -1,7 +1,7 @@
 """`tessera serve` for the model families the decoder engine does not run, each on one process.
 
-- BERT (`serving.fill_mask`): `POST /v1/fill_mask` and its model/health routes.
-- T5 (`serving.t5_engine`): text-to-text through the generation routes (OpenAI completions,
+- BERT (`serving.http.fill_mask`): `POST /v1/fill_mask` and its model/health routes.
+- T5 (`serving.engine.t5_engine`): text-to-text through the generation routes (OpenAI completions,
   Triton generate, `/api`), greedy, one request at a time. Its tokenizer is the checkpoint's
   with sentinel tokens `<extra_id_k>` placed above it (`core.t5_tokens`): `--t5-sentinels N`,
   by default as many as the model's vocabulary has room for above the tokenizer, at most 100
@@ -31,7 +31,7 @@ def app_for_family(args: argparse.Namespace, served_names: list[str]) -> Any | N
         raise ValueError(f"a {family.upper()} checkpoint is served on one process, unquantized "
                          "and without prompt tables: drop --tp/--pp/--prompts/--quantize")
     if family == "bert":
-        from tessera.serving.fill_mask import fill_mask_app
+        from tessera.serving.http.fill_mask import fill_mask_app
 
         return fill_mask_app(args.checkpoint, served_names[0], dtype=args.dtype,
                              api_key=args.api_key, max_body_bytes=args.max_body_bytes)
@@ -56,9 +56,9 @@ def _t5_app(args: argparse.Namespace, served_names: list[str]) -> Any:
     from tessera.core.t5_init import load_t5_checkpoint
     from tessera.core.t5_tokens import SentinelTokenizer
     from tessera.core.tokenizer import load_tokenizer
-    from tessera.serving.app import create_app
     from tessera.serving.cli import app_limits
-    from tessera.serving.t5_engine import T5Engine
+    from tessera.serving.engine.t5_engine import T5Engine
+    from tessera.serving.http.app import create_app
 
     model = load_t5_checkpoint(str(args.checkpoint))
     tok = None

@@ -20,8 +20,8 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tessera.serving.errors import ApiError, error_response
-from tessera.serving.triton_codec import decompress
+from tessera.serving.http.errors import ApiError, error_response
+from tessera.serving.http.triton_codec import decompress
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
 

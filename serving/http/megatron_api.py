@@ -18,11 +18,11 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tessera.serving import schemas as S
-from tessera.serving.errors import ApiError, body_doc, parse_body
-from tessera.serving.security import read_body
-from tessera.serving.service import Result, Service, json_logprob, raise_failures
-from tessera.serving.token_text import TokenTexts, fit_to, prompt_texts
+from tessera.serving.http import schemas as S
+from tessera.serving.http.errors import ApiError, body_doc, parse_body
+from tessera.serving.http.security import read_body
+from tessera.serving.http.service import Result, Service, json_logprob, raise_failures
+from tessera.serving.http.token_text import TokenTexts, fit_to, prompt_texts
 from tessera.serving.types import GenerationRequest, SamplingParams
 
 router = APIRouter(tags=["Megatron-LM"])

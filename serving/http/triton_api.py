@@ -26,10 +26,10 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tessera.serving import schemas as S
-from tessera.serving.errors import ApiError, body_doc, decode_json, validate
-from tessera.serving.security import read_body
-from tessera.serving.service import (
+from tessera.serving.http import schemas as S
+from tessera.serving.http.errors import ApiError, body_doc, decode_json, validate
+from tessera.serving.http.security import read_body
+from tessera.serving.http.service import (
     Batch,
     EventStream,
     Result,
@@ -39,9 +39,9 @@ from tessera.serving.service import (
     raise_failures,
     sse,
 )
-from tessera.serving.triton_codec import decode_request, encode_response
+from tessera.serving.http.triton_codec import decode_request, encode_response
+from tessera.serving.http.version import SERVER_VERSION
 from tessera.serving.types import GenerationRequest, SamplingParams
-from tessera.serving.version import SERVER_VERSION
 
 router = APIRouter(tags=["KServe v2 / Triton"])
 

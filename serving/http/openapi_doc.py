@@ -1,7 +1,7 @@
 """The OpenAPI document made true: what FastAPI infers, corrected to what the routes answer.
 
 FastAPI documents a 200 JSON body and a 422 for every route; the routes here read their bodies
-themselves and answer errors through `serving.errors`. `complete(schema)` rewrites, per
+themselves and answer errors through `serving.http.errors`. `complete(schema)` rewrites, per
 operation:
 
 - errors: 400 instead of 422; the statuses each kind of route can answer (auth 401, unknown
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.serving import schemas as S
+from tessera.serving.http import schemas as S
 
 _REF = "#/components/schemas/{model}"
 _PLAIN_ERROR = {"title": "PlainError", "type": "object", "required": ["error"],

@@ -2,7 +2,7 @@
 rank), and bind each request's rows to its adapter's slot.
 
 `LLMEngine` inherits these; they read the engine's `adapters` (the runner's
-`serving.adapters.AdapterRegistry`, or None when it serves no adapters), `executor` and
+`serving.engine.adapters.AdapterRegistry`, or None when it serves no adapters), `executor` and
 `_task_len` (adapter names must not shadow prompt-tuned tasks). Kept apart from the step loop,
 which only calls `_bind_adapter` when a request arrives and `_adapter_rows` per forward pass.
 """
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tessera.core.lora_format import AdapterError
-from tessera.serving.adapters import AdapterRegistry, UnknownAdapter
-from tessera.serving.executor import Executor, LocalExecutor
+from tessera.serving.engine.adapters import AdapterRegistry, UnknownAdapter
+from tessera.serving.engine.executor import Executor, LocalExecutor
 from tessera.serving.types import RequestError
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class AdapterOps:
     _task_len: dict[str, int]
 
     def adapter_names(self) -> list[str]:
-        """The LoRA adapters loaded now (`serving.adapters`), by name."""
+        """The LoRA adapters loaded now (`serving.engine.adapters`), by name."""
         return self.adapters.names() if self.adapters is not None else []
 
     def load_adapter(self, name: str, path: str | Path) -> str:

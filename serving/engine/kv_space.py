@@ -4,13 +4,13 @@ Two kinds, one interface (`KVSpace`), so one scheduler serves both:
 - `SlotSpace`: wave 1's cache (`core.kv_cache.KVCache`). A sequence takes one slot, a row
   that holds the whole context, when admitted; growing never fails; a pass names rows by slot.
 - `PagedSpace`: the paged cache (`core.paged_kv_cache.PagedKVCache`). A sequence holds a list
-  of blocks (`SeqState.blocks`), taken as it grows (`serving.block_manager`); growing fails
+  of blocks (`SeqState.blocks`), taken as it grows (`serving.engine.block_manager`); growing fails
   when no block is free (the scheduler then preempts); a pass names rows by block tables.
   With prefix caching, admission starts a sequence on the cached blocks of its prefix, and
   blocks are registered for others as soon as they are full and computed.
 
 `rollback` cuts a sequence back to fewer cached tokens (freeing trailing blocks): speculative
-decoding (`serving.speculative`) drops rejected draft tokens with it.
+decoding (`serving.engine.speculative`) drops rejected draft tokens with it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from tessera.serving.block_manager import SCRATCH_BLOCK, BlockHasher, BlockManager
+from tessera.serving.engine.block_manager import SCRATCH_BLOCK, BlockHasher, BlockManager
 
 
 @dataclass(eq=False, kw_only=True)
@@ -44,7 +44,7 @@ class SeqState:
     reuse_prefix: bool = True  # look cached blocks up at admission (else only register)
     registered: int = 0  # leading blocks registered in the prefix cache
     preemptions: int = 0
-    # Speculative decoding (serving.speculative): draft tokens to run after `tokens` this step,
+    # Speculative decoding (serving.engine.speculative): draft tokens to run after `tokens` this step,
     # not yet verified (never part of `tokens`, so never hashed into the prefix cache).
     draft: list[int] = field(default_factory=list)
 

@@ -43,7 +43,7 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0
 _ENGINE_GAUGES = {"running": ("num_requests_running", "requests the engine is decoding"),
                   "waiting": ("num_requests_waiting", "requests queued in the engine"),
                   "kv_cache_usage": ("kv_cache_usage_perc", "fraction of KV cache in use (0..1)"),
-                  # the paged KV cache (serving.block_manager); absent with slots
+                  # the paged KV cache (serving.engine.block_manager); absent with slots
                   "kv_blocks_used": ("kv_cache_blocks_used", "KV blocks held by requests"),
                   "kv_blocks_free": ("kv_cache_blocks_free",
                                      "KV blocks held by no request (cached ones included)"),
@@ -55,7 +55,7 @@ _ENGINE_COUNTERS = {
     "prefix_cache_hits_tokens_total": ("prefix_cache_hits",
                                        "prompt tokens found in the prefix cache"),
     "preemptions_total": ("num_preemptions", "requests preempted for lack of KV blocks"),
-    # speculative decoding (serving.speculative): acceptance rate = accepted / draft tokens
+    # speculative decoding (serving.engine.speculative): acceptance rate = accepted / draft tokens
     "spec_draft_tokens_total": ("spec_decode_num_draft_tokens", "draft tokens verified"),
     "spec_accepted_tokens_total": ("spec_decode_num_accepted_tokens",
                                    "draft tokens accepted by verification"),

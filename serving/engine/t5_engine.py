@@ -22,7 +22,7 @@ import torch
 from tessera.core.t5 import T5Model
 from tessera.core.t5_generate import t5_greedy
 from tessera.core.t5_tokens import SentinelTokenizer
-from tessera.serving.bridge import RequestStream, Sink
+from tessera.serving.engine.bridge import RequestStream, Sink
 from tessera.serving.types import GenerationOutput, GenerationRequest, RequestError
 
 

@@ -15,7 +15,7 @@ pass of a step goes, over the default process group:
    last stage gathers the logits over tp inside the model, and its tp rank 0 sends the kept
    rows `(N, vocab)` fp32 to rank 0, which samples.
 
-LoRA adapters (`serving.adapters`): each rank holds its pieces of every adapter in the same
+LoRA adapters (`serving.engine.adapters`): each rank holds its pieces of every adapter in the same
 slot. A load or unload asked for while serving (`DistributedExecutor.change_adapters`, from any
 thread) is applied by the engine thread before its next step or heartbeat: header `ADAPTERS`,
 then the operation broadcast as an object, applied so that every rank ends in the same state
@@ -50,9 +50,9 @@ from tessera.core.parallel.groups import ParallelGroups, init_groups, rank_of
 from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages
 from tessera.core.parallel.sharding import last_stage_pp_rank
-from tessera.serving.adapters import LoRAServing
-from tessera.serving.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
-from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
+from tessera.serving.engine.adapters import LoRAServing
+from tessera.serving.engine.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
+from tessera.serving.engine.kv_config import KVCacheConfig, resolve_num_blocks
 
 STEP, IDLE, STOP = 1, 2, 3
 ADAPTERS = 4  # load or unload a LoRA adapter on every rank (`_Channel.adapter_op`)
@@ -114,7 +114,7 @@ class _Channel:
         return h.tolist()
 
     def send_batch(self, batch: StepBatch) -> None:
-        # Each row's LoRA adapter slot travels too (-1 for none: serving.adapters).
+        # Each row's LoRA adapter slot travels too (-1 for none: serving.engine.adapters).
         adapters = batch.adapters if batch.adapters is not None else torch.full_like(batch.tasks, -1)
         body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots.flatten(),
                           batch.tasks, batch.keep, adapters.to(batch.tasks.device)]).to(self.device)
@@ -212,7 +212,7 @@ class DistributedExecutor:
     def change_adapters(self, op: str, name: str, path: str | None = None) -> Future:
         """Thread-safe: ask every rank to "load" (from `path`) or "unload" adapter `name`; the
         engine thread applies it before its next step or heartbeat. The future's result is
-        None, or it holds the error (`serving.adapters`' kinds)."""
+        None, or it holds the error (`serving.engine.adapters`' kinds)."""
         done: Future = Future()
         self._adapter_ops.put((op, name, path, done))
         return done
@@ -309,10 +309,10 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
 
     `tasks` (prompt-tuned tables) must be given on every rank; `tokenizer` (rank 0) defaults to
     the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
-    `compile_decode` (one process only) compiles the decode step (`serving.compiled`);
-    `kv` is the KV cache (`serving.kv_config`; paged by default, slots with `compile_decode`),
+    `compile_decode` (one process only) compiles the decode step (`serving.engine.compiled`);
+    `kv` is the KV cache (`serving.engine.kv_config`; paged by default, slots with `compile_decode`),
     with one block count for every rank (the smallest any rank's memory allows); `lora`
-    serves per-request LoRA adapters (`serving.adapters`; every rank loads its pieces of the
+    serves per-request LoRA adapters (`serving.engine.adapters`; every rank loads its pieces of the
     adapters given at start, in the same slots);
     `engine_kwargs` go to `LLMEngine` on rank 0.
     """

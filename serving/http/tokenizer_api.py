@@ -20,10 +20,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tessera.serving import schemas as S
-from tessera.serving.errors import ApiError, body_doc, parse_body
-from tessera.serving.security import read_body
-from tessera.serving.service import Service
+from tessera.serving.http import schemas as S
+from tessera.serving.http.errors import ApiError, body_doc, parse_body
+from tessera.serving.http.security import read_body
+from tessera.serving.http.service import Service
 
 router = APIRouter(tags=["tokenizer"])
 

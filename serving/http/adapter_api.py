@@ -4,7 +4,7 @@ The routes, bodies and plain-text answers are vLLM's: `{"lora_name": NAME, "lora
 loads the adapter directory DIR (a Tessera adapter, or a PEFT one when the server was started by
 `tessera serve`) as NAME; `{"lora_name": NAME}` unloads it. The adapter is then selected by
 `model: "BASE:NAME"` or `"NAME"` (OpenAI), `/v2/models/BASE:NAME/...` or the `adapter` input
-(Triton), and the `adapter` field (`/api`); see `serving.adapters`.
+(Triton), and the `adapter` field (`/api`); see `serving.engine.adapters`.
 
 Security: loading reads a directory of the server's file system, so both routes are off unless
 the app was made with `allow_runtime_lora=True` (`tessera serve --allow-runtime-lora`); off, they
@@ -15,7 +15,7 @@ another base, rank above `--max-lora-rank`); 404 unloading an adapter that is no
 for a name already loaded, no free slot, or unloading an adapter that unfinished requests still
 use (it is refused, not waited for: unload again once they are done). Over tensor/pipeline-
 parallel ranks, every rank loads the directory from its own file system before the engine's
-next step (`serving.distributed`), so the answer comes after at most a step or a heartbeat.
+next step (`serving.engine.distributed`), so the answer comes after at most a step or a heartbeat.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from tessera.core.lora_format import AdapterError
-from tessera.serving.adapters import AdapterBusy, UnknownAdapter
-from tessera.serving.errors import ApiError, body_doc, parse_body
-from tessera.serving.schemas import _Request
-from tessera.serving.security import read_body
-from tessera.serving.service import Service
+from tessera.serving.engine.adapters import AdapterBusy, UnknownAdapter
+from tessera.serving.http.errors import ApiError, body_doc, parse_body
+from tessera.serving.http.schemas import _Request
+from tessera.serving.http.security import read_body
+from tessera.serving.http.service import Service
 
 router = APIRouter(tags=["LoRA adapters"])
 FLAG = "--allow-runtime-lora"

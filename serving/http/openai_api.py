@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tessera.serving import schemas as S
-from tessera.serving.errors import ApiError, body_doc, openai_error_body, parse_body
-from tessera.serving.security import read_body
-from tessera.serving.service import (
+from tessera.serving.http import schemas as S
+from tessera.serving.http.errors import ApiError, body_doc, openai_error_body, parse_body
+from tessera.serving.http.security import read_body
+from tessera.serving.http.service import (
     Batch,
     EventStream,
     Result,
@@ -38,7 +38,7 @@ from tessera.serving.service import (
     raise_failures,
     sse,
 )
-from tessera.serving.token_text import TokenTexts, fit_to, prompt_texts
+from tessera.serving.http.token_text import TokenTexts, fit_to, prompt_texts
 from tessera.serving.types import GenerationRequest, SamplingParams, TokenLogprob
 
 router = APIRouter(tags=["OpenAI"])

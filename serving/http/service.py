@@ -33,8 +33,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tessera.serving.errors import ApiError
-from tessera.serving.metrics import ServingMetrics
+from tessera.serving.http.errors import ApiError
+from tessera.serving.http.metrics import ServingMetrics
 from tessera.serving.types import (
     Engine,
     GenerationOutput,

@@ -29,7 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tessera.serving import (
+from tessera.serving.http import (
     adapter_api,
     megatron_api,
     openai_api,
@@ -37,12 +37,12 @@ from tessera.serving import (
     tokenizer_api,
     triton_api,
 )
-from tessera.serving.errors import install_error_handlers
-from tessera.serving.openai_api import ChatTemplate
-from tessera.serving.security import OPEN_PATHS, GuardMiddleware
-from tessera.serving.service import Limits, Service
+from tessera.serving.http.errors import install_error_handlers
+from tessera.serving.http.openai_api import ChatTemplate
+from tessera.serving.http.security import OPEN_PATHS, GuardMiddleware
+from tessera.serving.http.service import Limits, Service
+from tessera.serving.http.version import SERVER_VERSION
 from tessera.serving.types import Engine
-from tessera.serving.version import SERVER_VERSION
 
 operations = APIRouter(tags=["operations"])
 
@@ -60,7 +60,7 @@ def is_ready(request: Request) -> bool:
 
 @operations.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus text format; see `tessera.serving.metrics` for the series."""
+    """Prometheus text format; see `tessera.serving.http.metrics` for the series."""
     return Response(request.app.state.service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -92,9 +92,9 @@ def create_app(
             `/v1/chat/completions`; default: "role: content" lines, then "assistant:".
         model_aliases: more names the base model answers to (answers name `model_name`).
         body_timeout_s: a request body that stalls this long gets 408 and a closed connection
-            (the header deadline is the server's: `serving.connections`).
+            (the header deadline is the server's: `serving.http.connections`).
         allow_runtime_lora: let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
-            load and unload LoRA adapters (`serving.adapter_api`); off, they answer 403.
+            load and unload LoRA adapters (`serving.http.adapter_api`); off, they answer 403.
     """
     if max_concurrency < 1 or max_body_bytes < 1:
         raise ValueError("max_concurrency and max_body_bytes must be positive")

@@ -3,7 +3,7 @@
 The engine (rank 0) decides each step as a `StepBatch` of token ids, absolute positions, KV
 cache slots and task indices, and asks an executor for the logits of chosen positions. The
 `ModelRunner` is what every rank runs: its own pipeline stages and its own KV cache (local
-layers, local kv heads). `LocalExecutor` runs it in this process; `serving.distributed` runs it
+layers, local kv heads). `LocalExecutor` runs it in this process; `serving.engine.distributed` runs it
 on every rank of a tensor/pipeline-parallel layout with rank 0 broadcasting the batch.
 
 Prompt-tuned tasks: a task is a table of virtual-token embeddings `(n_virtual, hidden)`. A
@@ -13,7 +13,7 @@ on the first stage, replaces the embeddings at absolute positions `< n_virtual` 
 request's rows with the table's rows. Plain and tasked requests, and requests of different
 tasks, share a batch.
 
-LoRA adapters per request: with `lora=`, the runner's `serving.adapters.AdapterRegistry` hooks
+LoRA adapters per request: with `lora=`, the runner's `serving.engine.adapters.AdapterRegistry` hooks
 every adaptable linear layer, and each batch's `adapters` (a slot per row, -1 for none) selects
 which adapter each row adds, as the task hook does for virtual tokens.
 """
@@ -35,9 +35,9 @@ from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import local_kv_heads
 from tessera.core.prompts import VirtualPrompts, attach_prompts, fixed_prompts
-from tessera.serving.adapters import AdapterRegistry, LoRAServing, detach_stacked
-from tessera.serving.compiled import CompiledDecode
-from tessera.serving.kv_config import KVCacheConfig, resolve_num_blocks
+from tessera.serving.engine.adapters import AdapterRegistry, LoRAServing, detach_stacked
+from tessera.serving.engine.compiled import CompiledDecode
+from tessera.serving.engine.kv_config import KVCacheConfig, resolve_num_blocks
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class StepBatch:
     slots: torch.Tensor  # (B,) long, KV cache slot of each row; (B, W) block tables if paged
     tasks: torch.Tensor  # (B,) long, task index (see `task_names`) or -1 for none
     keep: torch.Tensor  # (N,) long, flat indices into B * T whose logits are wanted
-    # Per-request LoRA: (B,) long, each row's adapter slot (serving.adapters), -1 for none;
+    # Per-request LoRA: (B,) long, each row's adapter slot (serving.engine.adapters), -1 for none;
     # None when no row of the batch uses an adapter.
     adapters: torch.Tensor | None = None
 
@@ -69,11 +69,11 @@ def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
 class ModelRunner:
     """One rank's share of every step: its model stages, its KV cache and the task hook.
 
-    `kv` chooses the cache (`serving.kv_config`); without it, wave 1's slot cache of
+    `kv` chooses the cache (`serving.engine.kv_config`); without it, wave 1's slot cache of
     `max_batch` slots. A paged cache's block count must be the same on every rank (give
     `kv.num_blocks`; `distributed.start_rank` agrees on one).
 
-    `lora` serves per-request LoRA adapters (`serving.adapters`): `adapters` is then this rank's
+    `lora` serves per-request LoRA adapters (`serving.engine.adapters`): `adapters` is then this rank's
     registry, and each batch's `adapters` rows select them.
     """
 
@@ -119,7 +119,7 @@ class ModelRunner:
                                      f"{c.hidden_size})")
             # Task index = position in `task_names` order, as the engine numbers them.
             self.hook = attach_prompts(first, fixed_prompts({n: tasks[n] for n in self.tasks}))
-        # Per-request LoRA: every adaptable layer gets a slot-stacked hook (serving.adapters).
+        # Per-request LoRA: every adaptable layer gets a slot-stacked hook (serving.engine.adapters).
         if lora is not None and compile_decode:
             raise ValueError("LoRA adapters are served eagerly: drop --compile, or --lora")
         self.adapters = AdapterRegistry(self.stages, lora) if lora is not None else None

@@ -101,7 +101,7 @@ class FillMaskRequest(BaseModel):
 def create_fill_mask_app(fill: FillMask, *, api_key: str | None = None,
                          max_body_bytes: int = 1 << 20) -> FastAPI:
     """The HTTP app of one fill-mask model (see the module docstring)."""
-    from tessera.serving.security import GuardMiddleware
+    from tessera.serving.http.security import GuardMiddleware
 
     app = FastAPI(title=f"Tessera fill-mask: {fill.model_name}", redoc_url=None,
                   description="BERT fill-mask (POST /v1/fill_mask).")
@@ -129,7 +129,7 @@ def create_fill_mask_app(fill: FillMask, *, api_key: str | None = None,
 
 def fill_mask_app(checkpoint: str, model_name: str, *, dtype: str | None = None,
                   api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
-    """The fill-mask app of the BERT checkpoint at `checkpoint` (`serving.family_apps` picks it
+    """The fill-mask app of the BERT checkpoint at `checkpoint` (`serving.http.family_apps` picks it
     for `tessera serve`), answering as `model_name`."""
     from tessera.core.checkpoint import load_checkpoint
     from tessera.core.tokenizer import load_tokenizer

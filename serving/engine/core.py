@@ -4,14 +4,14 @@
 thread by default, or the thread that calls `run()` (`background=False`). The asyncio side (the
 HTTP layer) calls `generate`, which validates and queues the request at once (raising
 `RequestError` or `Overloaded` before any work) and returns an async iterator that receives the
-request's `GenerationOutput`s (`serving.bridge`). Which thread should run the loop, and why it
-matters on CPU: `serving.bridge`.
+request's `GenerationOutput`s (`serving.engine.bridge`). Which thread should run the loop, and why it
+matters on CPU: `serving.engine.bridge`.
 
-The parts: `serving.scheduler` decides each step (first come, first served, optional
-priorities, a token budget, preemption), `serving.kv_space` and `serving.block_manager` hold the
-KV cache's bookkeeping (a paged pool with prefix caching by default, `serving.kv_config`; wave 1's
-slots with `KVCacheConfig(kind="slots")`), `serving.sampler` turns logits into tokens,
-`serving.validation` checks requests; the engine keeps the loop.
+The parts: `serving.engine.scheduler` decides each step (first come, first served, optional
+priorities, a token budget, preemption), `serving.engine.kv_space` and `serving.engine.block_manager` hold the
+KV cache's bookkeeping (a paged pool with prefix caching by default, `serving.engine.kv_config`; wave 1's
+slots with `KVCacheConfig(kind="slots")`), `serving.engine.sampler` turns logits into tokens,
+`serving.engine.validation` checks requests; the engine keeps the loop.
 
 Each step:
 1. aborts (a closed iterator) and timeouts are applied; finished requests free their KV;
@@ -28,7 +28,7 @@ Each step:
    batched call fails, rows are retried one by one and only the failing request ends;
 5. per request: stop tokens, stop strings, lengths, incremental text, and an output event.
 
-Speculative decoding (`speculative=`, `serving.speculative`): before planning, each decoding
+Speculative decoding (`speculative=`, `serving.engine.speculative`): before planning, each decoding
 request that can speculate gets up to k draft tokens (prompt lookup or a draft model); its row
 runs its last token and the drafts (1 + k tokens, counted by the budget and the KV space), the
 logits of every position are kept, exact rejection sampling decides what is emitted, the KV
@@ -45,10 +45,10 @@ task, same `cache_salt`, same LoRA adapter weights) and computes the rest; the o
 same as without the cache. Requests asking for prompt logprobs compute their whole prompt (they
 still publish blocks).
 
-Per-request LoRA (`serving.adapters`, with a runner built with `lora=`): a request names a
+Per-request LoRA (`serving.engine.adapters`, with a runner built with `lora=`): a request names a
 loaded adapter (`GenerationRequest.adapter`); its rows carry the adapter's slot in the step's
 `StepBatch.adapters`, so one pass mixes adapters, tasks and plain rows. `load_adapter` /
-`unload_adapter` (`serving.engine_adapters`) change the loaded set while serving, on every rank.
+`unload_adapter` (`serving.engine.adapter_ops`) change the loaded set while serving, on every rank.
 
 Metrics: `stats()` returns gauges and counters; `add_observer(fn)` registers `fn(name, value)`,
 called from the engine thread (keep it cheap and thread-safe, e.g. a Prometheus histogram's
@@ -73,12 +73,12 @@ from tessera.core.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.sampling import choose_tokens, uniforms_from
 from tessera.core.tokenizer import Tokenizer
-from tessera.serving.adapters import AdapterRegistry
-from tessera.serving.block_manager import BlockHasher, BlockManager
-from tessera.serving.bridge import RequestStream, Sink
-from tessera.serving.detokenize import OutputText
-from tessera.serving.engine_adapters import AdapterOps
-from tessera.serving.executor import (
+from tessera.serving.engine.adapter_ops import AdapterOps
+from tessera.serving.engine.adapters import AdapterRegistry
+from tessera.serving.engine.block_manager import BlockHasher, BlockManager
+from tessera.serving.engine.bridge import RequestStream, Sink
+from tessera.serving.engine.detokenize import OutputText
+from tessera.serving.engine.executor import (
     Executor,
     LocalExecutor,
     ModelRunner,
@@ -86,11 +86,12 @@ from tessera.serving.executor import (
     StopServing,
     task_names,
 )
-from tessera.serving.kv_config import KVCacheConfig
-from tessera.serving.kv_space import KVSpace, PagedSpace, SeqState, SlotSpace
-from tessera.serving.sampler import Sampler
-from tessera.serving.scheduler import Scheduler
-from tessera.serving.speculative import SpeculativeConfig, Speculator, build_speculator
+from tessera.serving.engine.kv_config import KVCacheConfig
+from tessera.serving.engine.kv_space import KVSpace, PagedSpace, SeqState, SlotSpace
+from tessera.serving.engine.sampler import Sampler
+from tessera.serving.engine.scheduler import Scheduler
+from tessera.serving.engine.speculative import SpeculativeConfig, Speculator, build_speculator
+from tessera.serving.engine.validation import Limits, request_problems
 from tessera.serving.types import (
     FinishReason,
     GenerationOutput,
@@ -100,7 +101,6 @@ from tessera.serving.types import (
     SamplingParams,
     TokenLogprob,
 )
-from tessera.serving.validation import Limits, request_problems
 
 log = logging.getLogger("tessera.serving")
 
@@ -142,7 +142,7 @@ class _Sequence(SeqState):
     finished: bool = False
     aborted: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
-    adapter: int = -1  # per-request LoRA: the adapter's slot (serving.adapters), -1 for none
+    adapter: int = -1  # per-request LoRA: the adapter's slot (serving.engine.adapters), -1 for none
 
     @property
     def params(self) -> SamplingParams:
@@ -169,13 +169,13 @@ class LLMEngine(AdapterOps):
         max_logprobs: the largest `logprobs` (top alternatives) a request may ask for.
         eos_id: the end-of-sequence id (default: the tokenizer's).
         seed: seeds the generators of requests that give no seed (default: from the OS).
-        compile_decode: run decode passes compiled by TorchInductor (`serving.compiled`: one
+        compile_decode: run decode passes compiled by TorchInductor (`serving.engine.compiled`: one
             process only; compiles for a while here, in the constructor).
-        kv: the KV cache (`serving.kv_config`): paged with prefix caching by default, slots
+        kv: the KV cache (`serving.engine.kv_config`): paged with prefix caching by default, slots
             with `compile_decode`. With an executor, its runner's cache is used and only
             `kv.prefix_caching` is read from here. `max_batch` then bounds the requests
             running at once, the pool's blocks their tokens.
-        speculative: speculative decoding (`serving.speculative`): n-gram prompt lookup or a
+        speculative: speculative decoding (`serving.engine.speculative`): n-gram prompt lookup or a
             draft model; None (the default) decodes one token per step.
     """
 
@@ -226,10 +226,10 @@ class LLMEngine(AdapterOps):
                           "computed_tokens_total": 0,
                           **{f"requests_finished_{r}_total": 0 for r in FINISH_REASONS}}
         self._looping = self._stopped = False
-        # Per-request LoRA: the runner's adapter slots (serving.adapters), None without --lora.
+        # Per-request LoRA: the runner's adapter slots (serving.engine.adapters), None without --lora.
         self.adapters: AdapterRegistry | None = getattr(runner, "adapters", None)
         self._thread: threading.Thread | None = None
-        # Speculative decoding (serving.speculative)
+        # Speculative decoding (serving.engine.speculative)
         self.speculator: Speculator | None = None
         if speculative is not None:
             self.speculator = build_speculator(

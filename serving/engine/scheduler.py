@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tessera.serving.kv_space import KVSpace, SeqState
+from tessera.serving.engine.kv_space import KVSpace, SeqState
 
 
 @dataclass
