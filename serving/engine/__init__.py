@@ -8,6 +8,6 @@ drafts, applies stops, detokenizes, finishes requests and counts metrics. `LLMEn
 """
 
 from tessera.serving.engine.bridge import run_beside
-from tessera.serving.engine.core import LLMEngine
+from tessera.serving.engine.llm_engine import LLMEngine
 
 __all__ = ["LLMEngine", "run_beside"]

@@ -51,8 +51,10 @@ from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline import build_stages
 from tessera.core.parallel.sharding import last_stage_pp_rank
 from tessera.serving.engine.adapters import LoRAServing
-from tessera.serving.engine.executor import LocalExecutor, ModelRunner, StepBatch, StopServing
+from tessera.serving.engine.executor import LocalExecutor, StopServing
 from tessera.serving.engine.kv_config import KVCacheConfig, resolve_num_blocks
+from tessera.serving.engine.runner import ModelRunner, RunnerOutput, StepBatch
+from tessera.serving.engine.scheduler import StepPlan
 
 STEP, IDLE, STOP = 1, 2, 3
 ADAPTERS = 4  # load or unload a LoRA adapter on every rank (`_Channel.adapter_op`)
@@ -229,6 +231,9 @@ class DistributedExecutor:
                 done.set_exception(error)
             else:
                 done.set_result(None)
+
+    def execute_model(self, plan: StepPlan, pad_id: int) -> RunnerOutput:
+        return self.runner.execute_model(plan, pad_id, self.run)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         if self._stopped:

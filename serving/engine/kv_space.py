@@ -21,7 +21,10 @@ from typing import Protocol
 
 import torch
 
+from tessera.core.kv_cache import KVCache
+from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.serving.engine.block_manager import SCRATCH_BLOCK, BlockHasher, BlockManager
+from tessera.serving.engine.kv_config import KVCacheConfig
 
 
 @dataclass(eq=False, kw_only=True)
@@ -175,3 +178,15 @@ class PagedSpace:
             held = seq.blocks[:width]
             tables[r, :len(held)] = torch.tensor(held, dtype=torch.long)
         return tables
+
+
+def kv_space_for(cache: KVCache | PagedKVCache, kv: KVCacheConfig | None, max_batch: int
+                 ) -> tuple[KVSpace, BlockManager | None, int | None]:
+    """The scheduler's view of a runner's cache: the space, the paged cache's bookkeeping (None
+    for slots) and the tokens the whole pool holds (None for slots). Prefix caching follows
+    `kv.prefix_caching` (on without a config)."""
+    if not isinstance(cache, PagedKVCache):
+        return SlotSpace(max_batch), None, None
+    blocks = BlockManager(cache.num_blocks, cache.block_size,
+                          kv.prefix_caching if kv is not None else True)
+    return PagedSpace(blocks), blocks, blocks.num_usable * cache.block_size

@@ -26,14 +26,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from tessera.serving.engine.kv_space import KVSpace, SeqState
 
 
 @dataclass
 class StepPlan:
+    """The scheduler's output for one step: what the model runner runs, and what changed."""
+
     rows: list[tuple[SeqState, int]] = field(default_factory=list)  # (sequence, tokens to run)
     admitted: list[SeqState] = field(default_factory=list)
     preempted: list[SeqState] = field(default_factory=list)
+    # Each row's place in the KV cache: `KVSpace.rows(seqs, length)` of the scheduler's space.
+    kv_rows: Callable[[list[SeqState], int], torch.Tensor] | None = None
 
 
 def _rank(seq: SeqState) -> tuple[int, int]:
@@ -95,7 +101,7 @@ class Scheduler:
     # ----------------------------------------------------------------- a step
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(kv_rows=self.space.rows)
         rows: dict[SeqState, int] = {}
         gone: set[SeqState] = set()
         budget = self.max_step_tokens

@@ -130,8 +130,8 @@ class DraftProposer:
     """A draft model with its own slot KV cache (one slot per running request)."""
 
     def __init__(self, model: Any, max_batch: int, context: int, pad_id: int):
-        from tessera.serving.engine.executor import ModelRunner
         from tessera.serving.engine.kv_config import KVCacheConfig
+        from tessera.serving.engine.runner import ModelRunner
 
         if model.config.max_position_embeddings < context:
             raise ValueError(f"the draft model's context ({model.config.max_position_embeddings}"
@@ -157,7 +157,7 @@ class DraftProposer:
     def _pass(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """One forward of the draft: rows of (slot, tokens, start position); the logits of each
         row's last token `(B, V)`."""
-        from tessera.serving.engine.executor import StepBatch
+        from tessera.serving.engine.runner import StepBatch
 
         B, T = len(rows), max(len(t) for _, t, _ in rows)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-import tessera.serving.engine.core as engine_module
+import tessera.serving.engine.outputs as engine_module
 from tessera.core import ModelConfig, build_model
 from tessera.core.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 from tessera.serving.engine import LLMEngine

@@ -22,7 +22,8 @@ from tessera.core.quantize import quantize  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
 from tessera.serving.engine.compiled import CompiledDecode  # noqa: E402
 from tessera.serving.engine.distributed import start_rank  # noqa: E402
-from tessera.serving.engine.executor import LocalExecutor, ModelRunner  # noqa: E402
+from tessera.serving.engine.executor import LocalExecutor  # noqa: E402
+from tessera.serving.engine.runner import ModelRunner  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 from tests.serving_helper import collect  # noqa: E402
 

@@ -41,8 +41,9 @@ from tessera.core.lora_format import (  # noqa: E402
 from tessera.core.parallel.sharding import global_param_shapes  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
 from tessera.serving.engine.adapters import AdapterBusy, AdapterRegistry, LoRAServing  # noqa: E402
-from tessera.serving.engine.executor import LocalExecutor, ModelRunner  # noqa: E402
+from tessera.serving.engine.executor import LocalExecutor  # noqa: E402
 from tessera.serving.engine.kv_config import KVCacheConfig  # noqa: E402
+from tessera.serving.engine.runner import ModelRunner  # noqa: E402
 from tessera.serving.engine.speculative import SpeculativeConfig  # noqa: E402
 from tessera.serving.http.app import create_app  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
