@@ -7,33 +7,50 @@ samples, verifies drafts, applies stops, detokenizes, finishes and counts
 (`serving.engine.outputs`). With speculative decoding (`serving.engine.speculative`), drafts are
 proposed before scheduling (the scheduler counts their tokens) and cut to what was scheduled.
 
-Everything here runs on the engine thread, except `abort`, which any thread may call.
+`run_loop` steps until shutdown or a stopped rank; everything here runs on that thread, except
+`abort` and setting `closing`, which any thread may do (under `lock`, which also guards the
+engine's queue).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
-from tessera.serving.engine.executor import Executor
+from tessera.serving.engine.executor import Executor, StopServing
 from tessera.serving.engine.outputs import OutputProcessor
 from tessera.serving.engine.request import EngineRequest
 from tessera.serving.engine.scheduler import Scheduler
 from tessera.serving.engine.speculative import Speculator
 from tessera.serving.engine.stats import EngineStats
 
+log = logging.getLogger("tessera.serving")
+
 
 class EngineCore:
-    """The step and the request lifecycle around it; `wake` is set whenever there is news."""
+    """The step loop and the request lifecycle around it; `wake` is set whenever there is news.
+
+    Args:
+        heartbeat_s: how long an idle loop waits before asking the executor for a heartbeat.
+    """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, outputs: OutputProcessor,
-                 stats: EngineStats, *, pad_id: int, speculator: Speculator | None):
+                 stats: EngineStats, *, pad_id: int, speculator: Speculator | None,
+                 heartbeat_s: float):
         self.executor, self.scheduler, self.outputs = executor, scheduler, outputs
         self.stats, self.pad_id, self.speculator = stats, pad_id, speculator
+        self.heartbeat_s = heartbeat_s
         self.wake = threading.Event()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._aborts: deque[EngineRequest] = deque()
+        self.closing = False  # shutdown asked: the loop ends at its next check
+        self.alive = True  # False once stopped, for good
+        self.looping = False
+        self._stopped = False
+        self.stop_callbacks: list[Callable[[], None]] = []
 
     @property
     def has_requests(self) -> bool:
@@ -55,12 +72,12 @@ class EngineCore:
 
     def abort(self, seq: EngineRequest) -> None:
         """Thread-safe: ask the engine thread to drop `seq` before its next step."""
-        with self._lock:
+        with self.lock:
             self._aborts.append(seq)
         self.wake.set()
 
     def apply_aborts(self) -> None:
-        with self._lock:
+        with self.lock:
             aborts, self._aborts = list(self._aborts), deque()
         for seq in aborts:
             if not seq.finished:
@@ -84,3 +101,59 @@ class EngineCore:
         """Shutdown: end every request, running or waiting, as aborted."""
         for seq in self.scheduler.drain():
             self.outputs.finish(seq, "abort", message)
+
+    def run_loop(self, until: threading.Event | None = None) -> None:
+        """Steps until shutdown, a stopped rank, or (if given) `until` is set while no request
+        is in the engine; only the first two stop the engine."""
+        stopped_by_rank, paused = False, False
+        self.looping = True
+        try:
+            while True:
+                self.wake.clear()
+                self.apply_aborts()
+                if self.closing:
+                    break
+                self.expire(time.monotonic())
+                if not self.has_requests:
+                    if until is not None and until.is_set():
+                        paused = True
+                        break
+                    if not self.wake.wait(self.heartbeat_s) and not self.executor.heartbeat():
+                        stopped_by_rank = True
+                        break
+                    continue
+                try:
+                    self.step()
+                except StopServing:
+                    raise
+                except Exception as exc:  # a bug: fail what was running, keep serving
+                    log.exception("engine step failed")
+                    self.fail_running(f"engine step failed: {exc}")
+        except StopServing as exc:
+            log.warning("serving stops: %s", exc)
+            stopped_by_rank = True
+        except BaseException:
+            log.exception("the engine loop died")
+        finally:
+            self.looping = False
+            if not paused:
+                self.stop(stopped_by_rank)
+
+    def stop(self, stopped_by_rank: bool) -> None:
+        """Once: fail what is left, release the other ranks, call the stop callbacks."""
+        with self.lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.alive = False
+        self.fail_all("the server is shutting down")
+        if not stopped_by_rank:
+            try:
+                self.executor.close()
+            except Exception:
+                log.exception("could not release the other ranks")
+        for fn in self.stop_callbacks:
+            try:
+                fn()
+            except Exception:
+                log.exception("stop callback failed")

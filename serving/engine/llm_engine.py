@@ -16,9 +16,7 @@ prefix (same tokens, task, `cache_salt` and LoRA weights) and computes the rest.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -29,11 +27,11 @@ from tessera.core.tokenizer import Tokenizer
 from tessera.serving.engine.adapter_ops import AdapterOps
 from tessera.serving.engine.bridge import RequestStream, Sink
 from tessera.serving.engine.core import EngineCore
-from tessera.serving.engine.executor import Executor, LocalExecutor, StopServing
+from tessera.serving.engine.executor import Executor, LocalExecutor
 from tessera.serving.engine.kv_config import KVCacheConfig
 from tessera.serving.engine.kv_space import kv_space_for
 from tessera.serving.engine.outputs import OutputProcessor
-from tessera.serving.engine.request import RequestBuilder
+from tessera.serving.engine.request import EngineRequest, RequestBuilder
 from tessera.serving.engine.runner import ModelRunner, task_names
 from tessera.serving.engine.sampler import Sampler
 from tessera.serving.engine.scheduler import Scheduler
@@ -41,8 +39,6 @@ from tessera.serving.engine.speculative import SpeculativeConfig, build_speculat
 from tessera.serving.engine.stats import EngineStats, Observer
 from tessera.serving.engine.validation import Limits, request_problems
 from tessera.serving.types import GenerationRequest, Overloaded, RequestError
-
-log = logging.getLogger("tessera.serving")
 
 
 class LLMEngine:
@@ -89,7 +85,7 @@ class LLMEngine:
         runner = model.runner
         self.model_name, self.tokenizer, self.config = model_name, tokenizer, runner.config
         self.max_batch, self.context = runner.max_batch, runner.max_seq
-        self.max_queue, self.heartbeat_s = max_queue, heartbeat_s
+        self.max_queue = max_queue
         self.pad_id = tokenizer.pad_id if tokenizer is not None else 0
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
         space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch)
@@ -116,13 +112,11 @@ class LLMEngine:
             OutputProcessor(self.scheduler, Sampler(self.config.vocab_size, self.eos_id,
                                                     runner.device),
                             speculator, self.metrics, self.eos_id, self._abort),
-            self.metrics, pad_id=self.pad_id, speculator=speculator)
-        self._lock = threading.Lock()
-        self._stop_callbacks: list[Callable[[], None]] = []
-        self._closing, self._alive, self._looping, self._stopped = False, True, False, False
+            self.metrics, pad_id=self.pad_id, speculator=speculator, heartbeat_s=heartbeat_s)
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
+            self._thread = threading.Thread(target=self.core.run_loop, name="tessera-engine",
+                                            daemon=True)
             self._thread.start()
 
     @classmethod
@@ -175,8 +169,8 @@ class LLMEngine:
         self.validate(request)
         seq = self.requests.build(request, Sink(asyncio.get_running_loop()))
         stream = RequestStream(request.request_id, seq.sink, lambda: self._abort(seq))
-        with self._lock:
-            if self._closing or not self._alive:
+        with self.core.lock:
+            if self.core.closing or not self.core.alive:
                 raise Overloaded("the engine is shutting down")
             waiting = self.scheduler.num_waiting
             if waiting >= self.max_queue:
@@ -200,7 +194,7 @@ class LLMEngine:
         out: dict[str, float] = {
             "running": len(s.running), "waiting": s.num_waiting, "kv_cache_usage": usage,
             "max_batch": self.max_batch, "max_queue": self.max_queue,
-            "healthy": float(self._alive and not self._closing), **self.metrics.counters}
+            "healthy": float(self.core.alive and not self.core.closing), **self.metrics.counters}
         if b is not None:
             out.update(kv_blocks_total=b.num_usable, kv_blocks_used=b.num_used,
                        kv_blocks_free=b.num_free, kv_blocks_cached=b.num_cached,
@@ -234,11 +228,11 @@ class LLMEngine:
     def on_stop(self, fn: Callable[[], None]) -> None:
         """Call `fn()` (from the engine thread) when the engine stops for any reason, e.g. a
         worker rank asked to stop: the HTTP server should then exit too."""
-        self._stop_callbacks.append(fn)
+        self.core.stop_callbacks.append(fn)
 
     @property
     def alive(self) -> bool:
-        return self._alive
+        return self.core.alive
 
     @property
     def background(self) -> bool:
@@ -253,7 +247,7 @@ class LLMEngine:
         is left (call `wake()` after setting it, so an idle loop notices at once)."""
         if self.background:
             raise RuntimeError("this engine runs its step loop on a background thread already")
-        self._loop(until)
+        self.core.run_loop(until)
 
     def wake(self) -> None:
         """Cut short an idle loop's wait (thread-safe)."""
@@ -263,13 +257,13 @@ class LLMEngine:
         """Finish outstanding requests as aborted, release the other ranks, stop the loop.
 
         Waits for a background loop to end; a loop in `run()` ends at its next check."""
-        self._closing = True
+        self.core.closing = True
         self.core.wake.set()
         thread = self._thread
         if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
             thread.join(timeout)
-        elif thread is None and not self._looping:  # no loop to notice: stop here
-            self._stop(stopped_by_rank=False)
+        elif thread is None and not self.core.looping:  # no loop to notice: stop here
+            self.core.stop(stopped_by_rank=False)
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -277,63 +271,5 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _abort(self, seq) -> None:
+    def _abort(self, seq: EngineRequest) -> None:
         self.core.abort(seq)
-
-    # ----------------------------------------------------------------- the step loop
-
-    def _loop(self, until: threading.Event | None = None) -> None:
-        """Steps until shutdown, a stopped rank, or (if given) `until` is set while no request
-        is in the engine; only the first two stop the engine."""
-        core, stopped_by_rank, paused = self.core, False, False
-        self._looping = True
-        try:
-            while True:
-                core.wake.clear()
-                core.apply_aborts()
-                if self._closing:
-                    break
-                core.expire(time.monotonic())
-                if not core.has_requests:
-                    if until is not None and until.is_set():
-                        paused = True
-                        break
-                    if not core.wake.wait(self.heartbeat_s) and not self.executor.heartbeat():
-                        stopped_by_rank = True
-                        break
-                    continue
-                try:
-                    core.step()
-                except StopServing:
-                    raise
-                except Exception as exc:  # a bug: fail what was running, keep serving
-                    log.exception("engine step failed")
-                    core.fail_running(f"engine step failed: {exc}")
-        except StopServing as exc:
-            log.warning("serving stops: %s", exc)
-            stopped_by_rank = True
-        except BaseException:
-            log.exception("the engine loop died")
-        finally:
-            self._looping = False
-            if not paused:
-                self._stop(stopped_by_rank)
-
-    def _stop(self, stopped_by_rank: bool) -> None:
-        """Once: fail what is left, release the other ranks, call the stop callbacks."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._alive = False
-        self.core.fail_all("the server is shutting down")
-        if not stopped_by_rank:
-            try:
-                self.executor.close()
-            except Exception:
-                log.exception("could not release the other ranks")
-        for fn in self._stop_callbacks:
-            try:
-                fn()
-            except Exception:
-                log.exception("stop callback failed")
