@@ -11,7 +11,7 @@ operation:
   server-sent events for `generate_stream` and the OpenAI routes' `stream: true`;
 - `infer`'s request body (JSON, or JSON plus binary tensors), which FastAPI cannot see.
 
-`tests/unit/serving/test_openapi_conformance.py` keeps it true with schemathesis.
+`tests/unit/serving/http/test_openapi_conformance.py` keeps it true with schemathesis.
 """
 
 from __future__ import annotations

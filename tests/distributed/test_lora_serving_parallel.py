@@ -1,7 +1,7 @@
 """Per-request LoRA adapters on tensor-/pipeline-parallel gloo ranks: adapters given at start
 are cut into every rank's pieces (B by rows on column-parallel layers, A by columns on
 row-parallel ones) in the same slots, and a batch mixing two adapters and plain requests gives
-the single-process engine's greedy tokens (which `tests/unit/serving/test_lora_serving.py`
+the single-process engine's greedy tokens (which `tests/unit/serving/engine/test_lora_serving.py`
 checks against the merged models). Adapters hot-loaded and unloaded while serving reach every
 rank; a load that fails leaves every rank as it was."""
 

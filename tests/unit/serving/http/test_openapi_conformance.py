@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from tessera.serving.http.app import create_app  # noqa: E402
 
-from .fake_engine import FakeEngine  # noqa: E402
+from ..fake_engine import FakeEngine  # noqa: E402
 
 KEY = "k"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

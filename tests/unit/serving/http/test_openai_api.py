@@ -7,8 +7,8 @@ import pytest
 from tessera.serving.http.schemas import ChatCompletionResponse, CompletionResponse, ErrorResponse
 from tessera.serving.http.service import derive_seed
 
-from .conftest import sse_data, sse_json
-from .fake_engine import BOS
+from ..conftest import sse_data, sse_json
+from ..fake_engine import BOS
 
 
 def complete(client, **body):

@@ -12,7 +12,7 @@ import pytest
 from tessera.serving.http.app import create_app
 from tests.serving_helper import running_server
 
-from .fake_engine import FakeEngine
+from ..fake_engine import FakeEngine
 
 TIMEOUT = 0.5
 

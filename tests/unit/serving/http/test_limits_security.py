@@ -11,7 +11,7 @@ import pytest
 
 from tessera.serving.http.app import create_app
 
-from .fake_engine import FakeEngine
+from ..fake_engine import FakeEngine
 
 KEY = {"Authorization": "Bearer s3cret"}
 

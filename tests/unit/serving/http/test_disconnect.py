@@ -13,7 +13,7 @@ import pytest
 
 from tessera.serving.http.app import create_app
 
-from .fake_engine import FakeEngine
+from ..fake_engine import FakeEngine
 
 
 async def _call_and_hang_up(app, body: dict, hang_up_after_s: float) -> list[dict]:

@@ -19,7 +19,7 @@ from tessera.serving.engine import LLMEngine
 from tessera.serving.http.app import create_app
 from tests.serving_helper import train_tiny_tokenizer
 
-from .conftest import sse_json
+from ..conftest import sse_json
 
 # Leading spaces, a whitespace run, a newline, multi-byte characters (byte-fallback pieces).
 PROMPT = "def  main(args):\n    return  café 🙂"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.http as tc
 
-from .conftest import sse_json
+from ..conftest import sse_json
 
 
 def tensor(name: str, value: np.ndarray, datatype: str, binary: bool = True) -> tc.InferInput:

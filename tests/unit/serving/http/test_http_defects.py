@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from .conftest import sse_json
+from ..conftest import sse_json
 
 
 def _metric(client, needle: str) -> float:
