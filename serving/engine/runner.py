@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +41,9 @@ from tessera.serving.engine.compiled import CompiledDecode
 from tessera.serving.engine.executor import StopServing
 from tessera.serving.engine.kv_config import KVCacheConfig, resolve_num_blocks
 from tessera.serving.engine.scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from tessera.serving.engine.request import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,10 @@ class PassOutput:
     `(request, prompt position t, or None for the position to sample from)` with their logits
     `(len(wanted), vocab)` fp32, and each speculative row's logits `(1 + len(draft), vocab)`."""
 
-    rows: list[tuple[Any, int]]
-    wanted: list[tuple[Any, int | None]]
+    rows: list[tuple[EngineRequest, int]]
+    wanted: list[tuple[EngineRequest, int | None]]
     logits: torch.Tensor
-    drafts: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    drafts: list[tuple[EngineRequest, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -84,7 +87,7 @@ class RunnerOutput:
     """A step's passes, and the requests whose pass failed (with the error's message)."""
 
     passes: list[PassOutput] = field(default_factory=list)
-    failed: list[tuple[Any, str]] = field(default_factory=list)
+    failed: list[tuple[EngineRequest, str]] = field(default_factory=list)
 
 
 RunPass = Callable[[StepBatch], torch.Tensor]  # runs a batch on every rank: kept logits
@@ -213,9 +216,10 @@ class ModelRunner:
             out.passes.append(PassOutput(group, wanted, logits[:n_wanted], drafts))
         return out
 
-    def prepare_inputs(self, group: list[tuple[Any, int]],
-                       kv_rows: Callable[[list[Any], int], torch.Tensor], pad_id: int
-                       ) -> tuple[StepBatch, list[tuple[Any, int | None]], list[tuple[Any, int]]]:
+    def prepare_inputs(
+        self, group: list[tuple[EngineRequest, int]],
+        kv_rows: Callable[[list[EngineRequest], int], torch.Tensor], pad_id: int,
+    ) -> tuple[StepBatch, list[tuple[EngineRequest, int | None]], list[tuple[EngineRequest, int]]]:
         """One pass's `StepBatch` for `group` `(request, tokens to run)`, the positions whose
         logits come first in its output `(request, prompt position or None)`, and its
         speculative rows `(request, row)`, whose every position's logits follow in order."""
@@ -223,8 +227,8 @@ class ModelRunner:
         ids = torch.full((B, T), pad_id, dtype=torch.long)
         positions = torch.empty((B, T), dtype=torch.long)
         keep: list[int] = []
-        wanted: list[tuple[Any, int | None]] = []
-        drafted: list[tuple[Any, int]] = []
+        wanted: list[tuple[EngineRequest, int | None]] = []
+        drafted: list[tuple[EngineRequest, int]] = []
         for r, (seq, n) in enumerate(group):
             start = seq.cached
             # Padding continues the positions (clipped to the cache): it writes keys nobody
