@@ -2,10 +2,14 @@
 PYTHON = python3
 TORCH = torch==2.13.0
 
-.PHONY: install lint test test-slow demo bench
+.PHONY: install install-run lint test test-slow demo bench
 .NOTPARALLEL:
 
-# torch pinned to the wheel CI holds; everything else from pyproject's [test] extra.
+# torch pinned to the wheel CI holds. Running (the demo) needs only the package's own
+# dependencies; the tests and lint also need pyproject's [test] extra.
+install-run:
+	$(PYTHON) -m pip install $(TORCH) -e .
+
 install:
 	$(PYTHON) -m pip install $(TORCH) -e ".[test]"
 
@@ -22,6 +26,7 @@ lint:
 	for d in $(SUBPACKAGES); do ln -s $(CURDIR)/$$d $(IMPORT_TREE)/tessera/$$d; done
 	$(PYTHON) -c 'import os; os.chdir("$(IMPORT_TREE)"); from importlinter.cli \
 	import lint_imports_command as lint; lint(["--config", "$(CURDIR)/pyproject.toml", "--no-cache"])'
+	$(PYTHON) tools/import_cycles.py $(IMPORT_TREE)
 
 # Exit code 5 means pytest collected nothing: a broken tree, never a pass.
 test: install lint
@@ -33,7 +38,7 @@ test-slow:
 	$(PYTHON) -m pytest -q -m slow
 
 # `tessera` with no verb runs the embedded demo pretraining.
-demo: install
+demo: install-run
 	$(PYTHON) -m tessera
 
 bench:

@@ -15,6 +15,13 @@ import os
 import sys
 from collections.abc import Callable
 
+from tessera.core.arg_types import (
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    top_p,
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `tessera generate`, both modes."""
@@ -36,15 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="server API key (default: $TESSERA_API_KEY)")
     parser.add_argument("--model", default=None, metavar="NAME",
                         help="server model, BASE or BASE:TASK (default: the server's base model)")
-    parser.add_argument("--max-tokens", type=int, default=64, metavar="N",
+    parser.add_argument("--max-tokens", type=positive_int, default=64, metavar="N",
                         help="tokens to generate at most (default: 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                         help="sampling temperature, 0 = greedy (default: 0)")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K",
+    parser.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
                         help="sample from the k best, 0 = all (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+    parser.add_argument("--top-p", type=top_p, default=1.0, metavar="P",
                         help="nucleus sampling mass (default: 1.0)")
-    parser.add_argument("--seed", type=int, default=None, metavar="N",
+    parser.add_argument("--seed", type=non_negative_int, default=None, metavar="N",
                         help="seed for reproducible sampling (default: none)")
     parser.add_argument("--dtype", default=None,
                         help="with --checkpoint: fp32 | bf16 | fp16 (default: the checkpoint's)")

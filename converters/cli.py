@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tessera.core.arg_types import positive_int
 from tessera.core.help import HelpFormatter
 
 # The conversions (and torch) are imported when they run, so `--help` is instant.
@@ -59,7 +60,10 @@ def parse_size(text: str) -> int:
     m = _SIZE.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 500MB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,25 +100,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --to peft: base_model_name_or_path for the adapter, the path "
                       "or hub id of the HF export of --checkpoint (default: unset)")
     layout = parser.add_argument_group("target layout (resharding and FP8)")
-    layout.add_argument("--tp", type=int, metavar="N",
+    layout.add_argument("--tp", type=positive_int, metavar="N",
                         help="tensor-parallel size (default: the input's)")
-    layout.add_argument("--pp", type=int, metavar="N",
+    layout.add_argument("--pp", type=positive_int, metavar="N",
                         help="pipeline-parallel size (default: the input's)")
-    layout.add_argument("--virtual-stages", type=int, metavar="N",
+    layout.add_argument("--virtual-stages", type=positive_int, metavar="N",
                         help="model chunks per pipeline rank (default: the input's)")
     layout.add_argument("--placement", choices=("looped", "v"),
                         help="how stages sit on pipeline ranks: looped (1F1B, interleaved) or v "
                         "(two per rank, for the zbv / dualpipev schedules) (default: the "
                         "input's while pp is unchanged, else looped)")
     # Mixture-of-Experts (issue 14): the expert grid (converters/expert_reshard.py).
-    layout.add_argument("--ep", type=int, metavar="N",
+    layout.add_argument("--ep", type=positive_int, metavar="N",
                         help="expert-parallel size of a Mixture-of-Experts target: the expert "
                         "banks are written in the ep x etp pieces a training run of that "
                         "layout saves (default 1: whole banks, which load under any ep)")
-    layout.add_argument("--etp", type=int, metavar="N",
+    layout.add_argument("--etp", type=positive_int, metavar="N",
                         help="expert-tensor-parallel size: each expert's FFN split over etp "
                         "ranks (default 1)")
-    layout.add_argument("--dp", type=int, metavar="N",
+    layout.add_argument("--dp", type=positive_int, metavar="N",
                         help="with --ep/--etp: data-parallel size of the run the target is "
                         "for; ep x etp folds over tp x cp x dp and ep must divide dp x cp "
                         "(default: the input's)")
@@ -123,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "per-channel scales; with --to hf: block (quant_method fp8, 128x128 "
                         "blocks, dynamic activations) or tensor (compressed-tensors FP8), "
                         "the formats vLLM, SGLang and transformers load")
-    layout.add_argument("--fp8-block", type=int, default=None, metavar="N",
+    layout.add_argument("--fp8-block", type=positive_int, default=None, metavar="N",
                         help=f"with --to hf --fp8 block: rows and columns per scale (default: "
                         f"{DEFAULT_FP8_BLOCK}); it must divide every linear layer's dimensions")
     layout.add_argument("--calibration-data", type=Path, metavar="FILE",

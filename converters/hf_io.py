@@ -225,10 +225,12 @@ def _write_weights(tmp: Path, stream: Iterator[tuple[str, torch.Tensor]],
 
 
 def _special_ids(manifest: Manifest, tokenizer: Tokenizer | None) -> dict[str, Any]:
-    """HF special-token ids: those recorded at import, else the tokenizer's own."""
+    """HF special-token ids: those recorded at import, else the tokenizer's own (PAD only when
+    it has a PAD token: `pad_token_id` stays null rather than naming EOS)."""
     ids = {k: v for k, v in manifest.extra.get("hf", {}).items() if k in _SPECIAL_KEYS}
     if not ids and tokenizer is not None:
-        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+               "pad_token_id": tokenizer.pad_token_id}
     return ids
 
 
@@ -371,13 +373,13 @@ def _export_tokenizer(ckpt_dir: Path, name: str, tokenizer: Tokenizer, max_lengt
         return
     if name.endswith(".json"):
         (tmp / name).write_text(_with_bos(src.read_text(), tokenizer.bos_id))
-    ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+    ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id,
+           "pad_token": tokenizer.pad_token_id}
     if name.endswith(".model"):
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=str(src))
         ids["unk_token"] = sp.unk_id() if sp.unk_id() >= 0 else None
-        ids["pad_token"] = sp.pad_id() if sp.pad_id() >= 0 else None
     # The generic class loads tokenizer.json verbatim (v4 and v5); v5's LlamaTokenizer would
     # rebuild the pipeline and drop the dummy prefix before leading spaces.
     # add_bos_token as `tessera serve` tokenizes a text prompt (BOS first when there is one),

@@ -1,6 +1,7 @@
 """`tessera inspect CKPT`: what a checkpoint holds, in plain words (or JSON with `--json`).
 
-Reads only the manifest and file sizes, never a tensor, so it is instant on any size of model.
+Reads only the manifest and the weight files' headers, never a tensor, so it is instant on any
+size of model; it checks each file against the manifest and exits 1 naming every damaged file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 def describe(path: str | Path) -> dict[str, Any]:
     """The facts `inspect` prints, as plain JSON-able data."""
     from tessera.core.checkpoint import read_manifest
+    from tessera.core.checkpoint_verify import verify_checkpoint
     from tessera.core.parallel.sharding import num_parameters
 
     path = Path(path)
@@ -48,6 +50,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         "size_bytes": size,
         "step": man.step,
         "tokenizer": man.tokenizer,
+        "problems": [str(p) for p in verify_checkpoint(path, man)],
     }
 
 
@@ -84,6 +87,7 @@ def render(info: dict[str, Any]) -> str:
         ("size", f"{human_bytes(info['size_bytes'])} on disk"),
         ("step", str(info["step"])),
         ("tokenizer", info["tokenizer"] or "none"),
+        ("files", "DAMAGED (below)" if info["problems"] else "match the manifest"),
     ]
     return "\n".join([f"Tessera checkpoint {info['path']}"] + [f"  {k:<10} {v}" for k, v in rows])
 
@@ -103,4 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tessera inspect: error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=2) if args.json else render(info))
-    return 0
+    for problem in info["problems"]:
+        print(f"tessera inspect: damaged: {problem}", file=sys.stderr)
+    return 1 if info["problems"] else 0

@@ -28,6 +28,8 @@ import torch
 import torch._functorch.config
 import torch.nn.functional as F
 
+from tessera.core.compile_cache import key_compile_cache_by_isa
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
@@ -82,6 +84,7 @@ def fusable(fn: F_) -> F_:
             return fn(x, *args, **kwargs)
         try:
             if compiled is None:
+                key_compile_cache_by_isa()
                 compiled = torch.compile(fn, dynamic=None)
             return compiled(x, *args, **kwargs)
         except Exception as error:  # compile failures surface on the first call

@@ -49,6 +49,11 @@ class Tokenizer:
     _pad: int | None
 
     @property
+    def pad_token_id(self) -> int | None:
+        """The id of the tokenizer's own PAD token; None when it has none (`pad_id` falls back)."""
+        return self._pad
+
+    @property
     def pad_id(self) -> int:
         """The PAD id, else EOS, else 0: padding positions are masked out, any valid id works."""
         for candidate in (self._pad, self.eos_id):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
+from tessera.core.arg_types import non_negative_int, positive_float, positive_int
 from tessera.core.help import HelpFormatter
 
 GPUS = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu")
@@ -67,22 +67,6 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _number(text: str, kind: type) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected {'a whole number' if kind is int else 'a number (e.g. 300e9)'}, got "
-            f"{text!r}") from None
-
-
-def _positive(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _gpu(text: str) -> str:
     """A profile name, or a JSON file holding a whole profile (a card the table lacks)."""
     if text in GPUS or text.endswith(".json"):
@@ -92,19 +76,13 @@ def _gpu(text: str) -> str:
         "PATH.json that gives every field of tessera.plan.Hardware by name)")
 
 
-def _positive_float(text: str) -> float:
-    value = _number(text, float)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _count(text: str) -> float:
     """A count that may be written 1e12 or 300e9."""
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    try:
+        float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number (e.g. 300e9), got {text!r}") from None
+    return positive_float(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,15 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--model-overrides", metavar="K=V", nargs="+", default=[],
                      help="ModelConfig fields, e.g. num_layers=48 hidden_size=6144 "
                      "(default: none)")
-    job.add_argument("--global-batch", type=_positive, metavar="B", default=None,
+    job.add_argument("--global-batch", type=positive_int, metavar="B", default=None,
                      help="sequences per optimizer step (required to plan training)")
-    job.add_argument("--seq-len", type=_positive, metavar="S", default=None,
+    job.add_argument("--seq-len", type=positive_int, metavar="S", default=None,
                      help="tokens per sequence (required to plan training)")
     job.add_argument("--tokens", type=_count, metavar="T", default=None,
                      help="tokens to train on, e.g. 300e9: prints the predicted training time "
                      "and sets the steps of --output")
     cluster = p.add_argument_group("the cluster")
-    cluster.add_argument("--gpus", type=_positive, metavar="N", default=None,
+    cluster.add_argument("--gpus", type=positive_int, metavar="N", default=None,
                          help="GPUs (ranks) in all (default: --nproc-per-node with --measure; "
                          "else required)")
     cluster.add_argument("--gpu", type=_gpu, default="h100-80gb",
@@ -133,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "hardware profile for another card (every field of "
                          "tessera.plan.Hardware: name, peak_tflops, memory_gib, memory_gbps, "
                          "intra_node_gbps, inter_node_gbps, ...)")
-    cluster.add_argument("--gpus-per-node", type=_positive, metavar="N", default=None,
+    cluster.add_argument("--gpus-per-node", type=positive_int, metavar="N", default=None,
                          help="GPUs per node; tensor parallelism stays within one (default: 8; "
                          "with --gpu cpu all ranks are on this node)")
     cluster.add_argument("--calibration-file", metavar="PATH", default=None,
@@ -147,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--etp", "expert-tensor-parallel size: each routed expert's FFN split "
                          "over N ranks (MoE; searched among 1 and tp)"),
                         ("--micro-batch", "sequences per micro-batch")):
-        fix.add_argument(flag, type=_positive, metavar="N", default=None, help=help_)
+        fix.add_argument(flag, type=positive_int, metavar="N", default=None, help=help_)
     fix.add_argument("--sequence-parallel", type=_bool, nargs="?", const=True, metavar="BOOL",
                      default=None, help="shard norm/dropout activations over tp (needs tp > 1)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
@@ -157,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="recompute only the first N layers per stage (--recompute full; "
                      "implied when --recompute is not given)")
     out = p.add_argument_group("output")
-    out.add_argument("--top", type=_positive, metavar="K", default=5,
+    out.add_argument("--top", type=positive_int, metavar="K", default=5,
                      help="candidates to show (and to run with --measure)")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     out.add_argument("--output", metavar="FILE",
@@ -169,14 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--precision", "--dtype", choices=("bf16", "fp8", "fp32"), default=None,
                        help="number format: of the weights when serving (default: bf16), of "
                        "the compute when training (default: bf16 on GPUs, fp32 on cpu)")
-    serve.add_argument("--context", type=_positive, metavar="C", default=None,
+    serve.add_argument("--context", type=positive_int, metavar="C", default=None,
                        help="tokens of context per request (default: the model's maximum)")
-    serve.add_argument("--concurrency", type=_positive, metavar="K", default=None,
+    serve.add_argument("--concurrency", type=positive_int, metavar="K", default=None,
                        help="sequences decoded at once per replica, for the time per token "
                        "and the KV cache (default: 1; the table also shows the most that fit)")
-    serve.add_argument("--max-latency-ms", type=_positive_float, metavar="L", default=None,
+    serve.add_argument("--max-latency-ms", type=positive_float, metavar="L", default=None,
                        help="largest acceptable time per output token")
-    serve.add_argument("--min-throughput", type=_positive_float, metavar="X", default=None,
+    serve.add_argument("--min-throughput", type=positive_float, metavar="X", default=None,
                        help="smallest acceptable output tokens/s over all requests")
     local = p.add_argument_group("this machine")
     local.add_argument("--calibrate", action="store_true",
@@ -185,11 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--measure", action="store_true",
                        help="also run the top candidates for a few steps on --nproc-per-node "
                        "local ranks and rank them by measured step time")
-    local.add_argument("--nproc-per-node", type=_positive, metavar="N", default=None,
+    local.add_argument("--nproc-per-node", type=positive_int, metavar="N", default=None,
                        help="local ranks for --measure (default: --gpus)")
-    local.add_argument("--measure-steps", type=_positive, metavar="N", default=6,
+    local.add_argument("--measure-steps", type=positive_int, metavar="N", default=6,
                        help="steps each candidate runs with --measure")
-    local.add_argument("--measure-warmup", type=int, metavar="N", default=2,
+    local.add_argument("--measure-warmup", type=non_negative_int, metavar="N", default=2,
                        help="first steps left out of the measured time (compilation, first "
                        "allocations)")
     p.add_argument("--measure-worker", metavar="DIR", help=argparse.SUPPRESS)  # the ranks' part

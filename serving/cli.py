@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tessera.core.arg_types import non_negative_int, port, positive_float, positive_int
 from tessera.core.help import HelpFormatter
 
 DEFAULT_SERVED_NAME = "tessera"  # what the README's client examples send as `model`
@@ -54,26 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     # and keep doing so when its command is overridden.
     p.add_argument("--host", default=os.environ.get("TESSERA_HOST", "127.0.0.1"),
                    help="bind address (default: $TESSERA_HOST, else 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+    p.add_argument("--port", type=port, default=8000, help="port")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel ranks")
+    p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
                    help="start this many local ranks (tp x pp) through torch.distributed.run "
                         "(default: this process only)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests running at once")
-    p.add_argument("--max-queue", type=int, default=128,
+    p.add_argument("--max-batch", type=positive_int, default=8, help="requests running at once")
+    p.add_argument("--max-queue", type=non_negative_int, default=128,
                    help="requests waiting for a slot before new ones get 503")
-    p.add_argument("--max-concurrency", type=int, default=64,
+    p.add_argument("--max-concurrency", type=positive_int, default=64,
                    help="HTTP generation requests admitted at once; more get 429")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=positive_float, default=600.0,
                    help="seconds a generation request may take, queueing included")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20,
                    help="largest request body; larger ones get 413")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="longest prompt accepted (default: whatever fits the context)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="chat template file for /v1/chat/completions (default: role: text)")
-    p.add_argument("--max-step-tokens", type=int, default=512,
+    p.add_argument("--max-step-tokens", type=positive_int, default=512,
                    help="tokens per engine step (decodes + prompt chunks)")
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TESSERA_API_KEY)")
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paged pool size: 8GiB, 512MiB, a number above 1 (GiB), or a fraction "
                         "of free memory in (0, 1] (default: what --max-batch whole-context "
                         "slots would take)")
-    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV blocks between requests with a common prefix")
     # Speculative decoding (serving/engine/speculative.py)
@@ -102,38 +103,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "last n-gram's earlier occurrence in the request (prompt lookup); "
                         "draft proposes with --draft-checkpoint. Exact: greedy output is "
                         "unchanged, sampled output keeps its distribution (default: off)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="draft tokens per request and step (default 4)")
     p.add_argument("--draft-checkpoint", default=None, metavar="DIR",
                    help="--speculative draft: a smaller Tessera checkpoint with the same "
                         "tokenizer, run in the serving process with its own KV cache")
-    p.add_argument("--ngram-min", type=int, default=None, metavar="N",
+    p.add_argument("--ngram-min", type=positive_int, default=None, metavar="N",
                    help="--speculative ngram: shortest n-gram looked up (default 1)")
-    p.add_argument("--ngram-max", type=int, default=None, metavar="N",
+    p.add_argument("--ngram-max", type=positive_int, default=None, metavar="N",
                    help="--speculative ngram: longest n-gram looked up, tried first (default 3)")
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="S",
                    help="close a connection whose request headers take longer (slowloris)")
-    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--body-timeout", type=positive_float, default=30.0, metavar="S",
                    help="answer 408 when a request body stalls this long")
-    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+    p.add_argument("--keep-alive-timeout", type=positive_float, default=5.0, metavar="S",
                    help="close idle keep-alive connections after this long")
-    p.add_argument("--max-connections", type=int, default=1024,
+    p.add_argument("--max-connections", type=positive_int, default=1024,
                    help="open connections at most; requests on more get 503")
     # Per-request LoRA adapters (serving/engine/adapters.py)
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve the LoRA adapter directory PATH (`tessera tune --method lora`, "
                         "or a PEFT adapter_config.json + adapter_model.safetensors) as NAME, "
                         "selected by model 'BASE:NAME' or 'NAME' (repeatable)")
-    p.add_argument("--max-loras", type=int, default=4,
+    p.add_argument("--max-loras", type=positive_int, default=4,
                    help="LoRA adapters loaded at once (slots kept in memory)")
-    p.add_argument("--max-lora-rank", type=int, default=16,
+    p.add_argument("--max-lora-rank", type=positive_int, default=16,
                    help="largest LoRA rank per layer (a PEFT adapter of q, k and v at rank r "
                         "has rank 3r on the fused qkv)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
                         "unload adapters (directories on this machine) while serving; behind "
                         "--api-key when one is set")
-    p.add_argument("--t5-sentinels", type=int, default=None, metavar="N",
+    p.add_argument("--t5-sentinels", type=non_negative_int, default=None, metavar="N",
                    help="T5 checkpoints: sentinel tokens <extra_id_k> above the tokenizer "
                         "(default: the room the model's vocabulary has, at most 100)")
     return p

@@ -28,10 +28,14 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from tessera.core.checkpoint import CheckpointError
+    from tessera.training.run_dir import missing_directories, remove_empty_directories
 
     demo = args.demo or not cfg.data.data
     explicit = set(_given_flags(argv))
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
+    # The output directories this run would create: taken back if it is refused. (The demo's
+    # default output is set later; the demo checks its config before making it.)
+    created = missing_directories(cfg.loop.output)
     try:
         if args.nproc_per_node and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tessera.core.parallel.launch import launch_local_ranks
@@ -56,6 +60,7 @@ def main(argv: list[str]) -> int:
             if signum:
                 return 128 + signum
     except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, PermissionError) as exc:
+        remove_empty_directories(created)
         print(f"tessera pretrain: {exc}", file=sys.stderr)
         return 2
     finally:

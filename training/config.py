@@ -13,11 +13,20 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tessera.core.arg_types import (
+    Bounded,
+    fraction_below_one,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from tessera.core.config import (
     ConfigError,
     CPComm,
@@ -31,7 +40,8 @@ from tessera.core.help import HelpFormatter, with_default
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field carrying its `--help` text."""
+    """A dataclass field carrying its `--help` text (and, as `range=`, the `Bounded` range its
+    flag and YAML value must lie in)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -39,19 +49,24 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class TrainConfig:
-    seed: int = opt(1234, "run seed: initialization, data order and dropout all derive from it")
-    steps: int = opt(200, "optimizer steps to train for")
-    global_batch: int = opt(16, "sequences per optimizer step, over all data-parallel ranks")
-    seq_len: int = opt(128, "tokens per training sequence")
-    lr: float = opt(3e-3, "peak learning rate")
-    min_lr: float = opt(3e-4, "learning rate at the end of the decay")
-    warmup_steps: int = opt(20, "linear warmup steps from 0 to lr")
+    seed: int = opt(1234, "run seed: initialization, data order and dropout all derive from it",
+                    range=non_negative_int)
+    steps: int = opt(200, "optimizer steps to train for", range=positive_int)
+    global_batch: int = opt(16, "sequences per optimizer step, over all data-parallel ranks",
+                            range=positive_int)
+    seq_len: int = opt(128, "tokens per training sequence", range=positive_int)
+    lr: float = opt(3e-3, "peak learning rate", range=positive_float)
+    min_lr: float | None = opt(None, "learning rate at the end of the decay, at most lr "
+                                      "(default: lr / 10)", range=non_negative_float)
+    warmup_steps: int = opt(20, "linear warmup steps from 0 to lr", range=non_negative_int)
     decay: str = opt("cosine", "decay after warmup: cosine | linear | constant")
-    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only; not biases, norms)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    adam_eps: float = opt(1e-8, "AdamW epsilon")
-    clip_grad: float = opt(1.0, "clip gradients to this global norm (0: off)")
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only; not biases, norms)",
+                              range=non_negative_float)
+    beta1: float = opt(0.9, "AdamW beta1", range=fraction_below_one)
+    beta2: float = opt(0.95, "AdamW beta2", range=fraction_below_one)
+    adam_eps: float = opt(1e-8, "AdamW epsilon", range=positive_float)
+    clip_grad: float = opt(1.0, "clip gradients to this global norm (0: off)",
+                           range=non_negative_float)
     precision: str = opt("fp32", "fp32 | bf16 (fp32 master weights, bf16 compute) | "
                                  "bf16-pure (bf16 weights) | fp16 (with dynamic loss scaling) | "
                                  "fp8 (bf16, with the block linears in FP8; see --fp8-backend)")
@@ -61,8 +76,10 @@ class TrainConfig:
                                   "(amax history) | tensorwise (current scaling) | block | mxfp8 "
                                   "(TE) | rowwise | rowwise-gw-hp (torchao)")
     fp8_format: str = opt("hybrid", "hybrid (e4m3 forward, e5m2 gradients) | e4m3 (everywhere)")
-    fp8_amax_history_len: int = opt(1024, "delayed scaling: steps of amax history kept")
-    fp8_margin: int = opt(0, "delayed scaling: scales are divided by 2**margin")
+    fp8_amax_history_len: int = opt(1024, "delayed scaling: steps of amax history kept",
+                                    range=positive_int)
+    fp8_margin: int = opt(0, "delayed scaling: scales are divided by 2**margin",
+                          range=non_negative_int)
     fp8_amax_compute_algo: str = opt("max", "delayed scaling: max (over the history) | "
                                             "most_recent")
     device: str = opt("auto", "auto | cpu | cuda")
@@ -71,6 +88,27 @@ class TrainConfig:
     peak_tflops: str = opt("auto", "peak TFLOP/s per device that MFU is reported against: a "
                                    "number, auto (the datasheet peak of a known CUDA GPU; else "
                                    "MFU is n/a) or measure (a matmul timed at start-up)")
+
+
+def resolved_min_lr(train: TrainConfig) -> float:
+    """The learning rate the decay ends at: `min_lr`, or a tenth of `lr` when unset.
+
+    The tenth is taken of `lr` as written in decimal (3e-3 gives exactly 3e-4, where
+    `3e-3 * 0.1` would give 3.0000000000000003e-4), so a default schedule is the one written.
+    Raises `ConfigError` when `min_lr` exceeds `lr`: the schedule would rise instead of decay.
+    """
+    check_lr_range(train)
+    if train.min_lr is None:
+        return float(Decimal(repr(train.lr)) / 10)
+    return train.min_lr
+
+
+def check_lr_range(train: TrainConfig) -> None:
+    """`ConfigError` unless min_lr (when set) is at most lr."""
+    if train.min_lr is not None and train.min_lr > train.lr:
+        raise ConfigError(f"--min-lr {train.min_lr:g} is above --lr {train.lr:g}: the learning "
+                          "rate decays from lr to min_lr; lower --min-lr or leave it out "
+                          "(default: lr / 10)")
 
 
 @dataclass
@@ -90,11 +128,14 @@ class DataConfig:
 @dataclass
 class LoopConfig:
     output: str = opt("runs/pretrain", "run directory: checkpoints, metrics.jsonl, tensorboard/")
-    log_interval: int = opt(10, "print a metrics line every N steps")
-    eval_interval: int = opt(50, "validation loss/perplexity every N steps (0: only at the end)")
-    eval_batches: int = opt(4, "validation batches per evaluation")
-    save_interval: int = opt(100, "checkpoint every N steps (0: only at the end)")
-    keep_last: int = opt(2, "checkpoints to keep (older ones are deleted)")
+    log_interval: int = opt(10, "print a metrics line every N steps", range=positive_int)
+    eval_interval: int = opt(50, "validation loss/perplexity every N steps (0: only at the end)",
+                             range=non_negative_int)
+    eval_batches: int = opt(4, "validation batches per evaluation", range=non_negative_int)
+    save_interval: int = opt(100, "checkpoint every N steps (0: only at the end)",
+                             range=non_negative_int)
+    keep_last: int = opt(2, "checkpoints to keep (older ones are deleted; 0: all)",
+                         range=non_negative_int)
     resume: bool = opt(False, "continue from the latest complete checkpoint in output/")
     overwrite: bool = opt(False, "delete the run already in output/ (checkpoints, metrics) and "
                                  "start over; without it or --resume such a directory is refused")
@@ -183,6 +224,21 @@ _PARALLEL_HELP = {
 }
 
 
+# The parallel section's fields carry no metadata: their flag ranges are listed here.
+_PARALLEL_RANGES: dict[str, Bounded] = {
+    **dict.fromkeys(("tp", "pp", "virtual_stages", "dp", "cp", "micro_batches", "ep", "etp"),
+                    positive_int),
+    "recompute_layers": non_negative_int,
+}
+
+
+def field_range(f: dataclasses.Field, ranges: dict[str, Bounded] | None = None) -> Bounded | None:
+    """The range a field's flag and YAML value must lie in (`ranges` overrides, per verb)."""
+    if ranges and f.name in ranges:
+        return ranges[f.name]
+    return f.metadata.get("range") or _PARALLEL_RANGES.get(f.name)
+
+
 # section name -> its dataclass: what `tessera pretrain` reads. Other verbs (`tessera tune`) pass
 # their own mapping to `add_section_flags` / `section_values`, reusing sections from here.
 SECTIONS: dict[str, type] = {"parallel": ParallelSection, "train": TrainConfig,
@@ -207,8 +263,10 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
         prog=prog, formatter_class=HelpFormatter,
         description="Pretrain a GPT-style model. With no arguments: the built-in demo (a corpus "
         "from the Python standard library's docstrings, a tokenizer, a small Llama on CPU, then "
-        "a sample generation). Fields come from --config YAML, then flags; a flag can be bare "
-        "(--lr) or dotted (--train.lr).",
+        "a sample generation) into runs/demo; run again, it keeps a finished demo run and prints "
+        "its samples (--overwrite trains it anew, --resume continues an interrupted one). "
+        "Fields come from --config YAML, then flags; a flag can be bare (--lr) or dotted "
+        "(--train.lr).",
         epilog="examples:\n  tessera pretrain --config run.yaml --lr 1e-3 --steps 500\n"
         "  tessera pretrain --data corpus_text --tokenizer tok.model --model llama-tiny\n"
         "  tessera pretrain --nproc-per-node 4 --tp 2 --pp 2   # the demo on 4 CPU ranks\n"
@@ -222,7 +280,7 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
                         help="ModelConfig fields, e.g. num_layers=8 hidden_size=256")
     parser.add_argument("--list-models", action="store_true",
                         help="print the model presets with their sizes and exit")
-    parser.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+    parser.add_argument("--nproc-per-node", type=non_negative_int, default=0, metavar="N",
                         help="start this many local ranks with torch's launcher (torchrun) "
                         "(default: 0, this process only)")
     parser.add_argument("--demo", action="store_true", help="run the built-in demo")
@@ -231,19 +289,22 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
 
 
 def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type],
-                      defaults: Any = None) -> None:
+                      defaults: Any = None, ranges: dict[str, Bounded] | None = None) -> None:
     """One flag per field of each section's dataclass, bare (`--lr`) and dotted (`--train.lr`).
 
     Values land in `args` as `SECTION.FIELD` only when given (`section_values` merges them).
     `--help` lists the bare flag with the field's default, taken from `defaults` (an object with
     one attribute per section, e.g. `PretrainConfig()`) or else from the dataclass; the dotted
-    and underscore spellings work but are not listed again.
+    and underscore spellings work but are not listed again. Numeric flags are range-checked
+    (`field_range`; `ranges` overrides a field's range for this verb).
     """
     for section, owner in sections.items():
         group = parser.add_argument_group(section)
         values = getattr(defaults, section, None) or owner()
         for f in dataclasses.fields(owner):
             typ = _type_of(f, owner)
+            if typing.get_origin(typ) in (typing.Union, types.UnionType):  # `float | None`
+                typ = next(a for a in typing.get_args(typ) if a is not type(None))
             help_ = f.metadata.get("help") or _PARALLEL_HELP.get(f.name, "")
             metavar = {int: "N", float: "X"}.get(typ, f.name.upper())
             kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
@@ -252,10 +313,10 @@ def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]
                 kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
             elif f.metadata.get("nargs"):
                 kw.update(nargs=f.metadata["nargs"])
-            elif typ in (int, float, str):
+            elif typ in (int, float):
+                kw["type"] = field_range(f, ranges) or typ
+            elif typ is str:
                 kw["type"] = typ
-            elif f.name == "recompute_layers":
-                kw.update(type=int, metavar="N")
             names = [f"--{f.name.replace('_', '-')}", f"--{section}.{f.name}"]
             if "_" in f.name:
                 names.append(f"--{f.name}")
@@ -274,6 +335,7 @@ def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
         setattr(config, section, dataclasses.replace(getattr(config, section), **values))
     config.model, config.model_fields_set = _model_from(model_spec, args.model,
                                                         args.model_overrides)
+    check_lr_range(config.train)
     return config, args
 
 
@@ -291,21 +353,26 @@ def read_yaml(path: str | None) -> dict[str, Any]:
 
 
 def section_values(raw: dict[str, Any], args: argparse.Namespace, sections: dict[str, type],
-                   source: str | None) -> dict[str, dict[str, Any]]:
+                   source: str | None, ranges: dict[str, Bounded] | None = None
+                   ) -> dict[str, dict[str, Any]]:
     """Field values by section: YAML `raw` (grouped by section, or flat) first, then the flags
     in `args` (from `add_section_flags`). YAML values are coerced to their field's type; an
-    unknown key is an error naming it (the caller pops its own non-section keys first)."""
+    unknown key is an error naming it (the caller pops its own non-section keys first), and so is
+    a number out of its field's range (`field_range`)."""
     out: dict[str, dict[str, Any]] = {s: {} for s in sections}
     known = {f.name: s for s, owner in sections.items() for f in dataclasses.fields(owner)}
     hints = {s: typing.get_type_hints(owner) for s, owner in sections.items()}
+    bounds = {f.name: field_range(f, ranges) for owner in sections.values()
+              for f in dataclasses.fields(owner)}
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):
             for k, v in value.items():
                 if k not in known or known[k] != key:
                     raise ConfigError(f"{source}: unknown field {key}.{k}")
-                out[key][k] = _coerce(f"{source}: {key}.{k}", v, hints[key][k])
+                out[key][k] = _coerce(f"{source}: {key}.{k}", v, hints[key][k], bounds[k])
         elif key in known:  # a flat field (`data` is both a section and a field)
-            out[known[key]][key] = _coerce(f"{source}: {key}", value, hints[known[key]][key])
+            out[known[key]][key] = _coerce(f"{source}: {key}", value, hints[known[key]][key],
+                                           bounds[key])
         elif key in sections:
             raise ConfigError(f"{source}: section {key!r} must be a mapping of fields, "
                               f"got {value!r}")
@@ -318,8 +385,9 @@ def section_values(raw: dict[str, Any], args: argparse.Namespace, sections: dict
     return out
 
 
-def _coerce(where: str, value: Any, typ: Any) -> Any:
-    """A YAML value as its field's type, converted as the flag parser would convert it.
+def _coerce(where: str, value: Any, typ: Any, bounds: Bounded | None = None) -> Any:
+    """A YAML value as its field's type, converted (and range-checked against `bounds`) as the
+    flag parser would convert it.
 
     YAML reads `3e-4` as a string and `data: corpus` as one string rather than a list; both are
     converted here, and a value that cannot be is an error naming the field.
@@ -350,6 +418,9 @@ def _coerce(where: str, value: Any, typ: Any) -> Any:
     if converted is None:
         name = getattr(typ, "__name__", str(typ))
         raise ConfigError(f"{where}: expected {name}, got {value!r}")
+    problem = bounds.problem(converted) if bounds is not None and typ in (int, float) else None
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
     return converted
 
 

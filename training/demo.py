@@ -9,12 +9,19 @@
 
 Every field of the pretraining config can still be overridden (`--steps 50`, `--tp 2`, ...).
 Under several ranks, rank 0 prepares the data while the others wait.
+
+Run again, the demo never deletes its previous run (the checkpoint the README's tuning and
+serving examples start from): a finished run (its last checkpoint at `--steps`) is kept and its
+samples printed; an unfinished one is refused like any other run directory, naming `--resume`
+(continue it) and `--overwrite` (delete it and train again).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -70,7 +77,7 @@ def prepare_data(run_dir: Path, vocab_size: int) -> tuple[Path, Path]:
         print(f"demo: tokenizer ({vocab_size} pieces) -> {tok}")
     if not Path(str(prefix) + ".idx").is_file():
         preprocess(["--input", str(corpus), "--tokenizer", str(tok), "--output-prefix",
-                    str(prefix), "--workers", "2"])
+                    str(prefix), "--workers", "2", "--overwrite"])  # a .bin without .idx is partial
     return tok, prefix
 
 
@@ -84,9 +91,6 @@ def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
         cfg.loop.eval_interval = 100
     if "save_interval" not in explicit:
         cfg.loop.save_interval = 100
-    if "output" not in explicit and not ({"resume", "overwrite"} & explicit):
-        # The demo's own directory: running `make demo` again starts it over (its data stays).
-        cfg.loop.overwrite = True
     if cfg.parallel.pp > 1 and "micro_batches" not in explicit:
         cfg.parallel.micro_batches = 2 * cfg.parallel.layout().num_stages
 
@@ -95,16 +99,23 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
     from tessera.core.parallel.groups import resolve_device
     from tessera.core.parallel.launch import init_distributed
-    from tessera.training.loop import check_output, pretrain
+    from tessera.training.loop import check_config, check_output, pretrain
 
     apply_demo_defaults(cfg, explicit)
+    # A layout that cannot run is refused before any data is prepared or directory made.
+    check_config(copy.deepcopy(cfg), int(os.environ.get("WORLD_SIZE", "1")))
     check_output(cfg.loop.output)  # before preparing data there
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0 and cfg.loop.overwrite and (run_dir / "checkpoints").is_dir():
-        print(f"demo: starting over in {run_dir} (pass --resume to continue the previous demo "
-              "run instead)")
+    finished = None if cfg.loop.resume or cfg.loop.overwrite else finished_run(cfg)
+    if finished is not None:
+        if rank0:
+            print(f"demo: {run_dir} already holds a finished demo run; kept, its samples are "
+                  "below (to train it again: `python -m tessera --overwrite`, which deletes "
+                  "it, or `python -m tessera --output DIR` for a new directory)")
+            print_result(cfg, str(finished))
+        return
     if rank0:
         tok, prefix = prepare_data(run_dir, cfg.model.vocab_size)
     if dist.is_initialized():
@@ -112,12 +123,29 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     tok, prefix = run_dir / "data" / "tokenizer.model", run_dir / "data" / "corpus"
     cfg.data.data, cfg.data.tokenizer = [str(prefix)], str(tok)
     summary = pretrain(cfg)
-    if rank0 and summary.get("checkpoint") and cfg.model.family == "t5":
+    if rank0 and summary.get("checkpoint"):
+        print_result(cfg, summary["checkpoint"])
+
+
+def finished_run(cfg: PretrainConfig) -> Path | None:
+    """The last checkpoint of the run in the output directory if that run reached `steps`
+    (the demo it would start is already done), else None."""
+    from tessera.training.state import latest_checkpoint
+
+    latest = latest_checkpoint(cfg.loop.output)
+    if latest is None or int(latest.name.removeprefix("step-")) != cfg.train.steps:
+        return None
+    return latest
+
+
+def print_result(cfg: PretrainConfig, checkpoint: str) -> None:
+    """Samples of the demo's checkpoint and where it is."""
+    if cfg.model.family == "t5":
         from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
 
-        print_t5_samples(summary["checkpoint"])
-    elif rank0 and summary.get("checkpoint"):
-        print_samples(summary["checkpoint"])
+        print_t5_samples(checkpoint)
+    else:
+        print_samples(checkpoint)
 
 
 def print_samples(checkpoint: str) -> None:

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from tessera.core.arg_types import non_negative_int, positive_int
 from tessera.core.help import HelpFormatter
 
 _DESCRIPTION = "Loss and perplexity of any checkpoint on an indexed dataset or text files."
@@ -30,10 +31,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--split-ratios", default=None,
                         help="train,valid,test ratios for --split (default: the checkpoint's "
                         "training run's, else pretraining's default split)")
-    parser.add_argument("--seq-len", type=int, default=0,
+    parser.add_argument("--seq-len", type=non_negative_int, default=0,
                         help="window length (0: the model's max positions, at most 1024)")
-    parser.add_argument("--batch", type=int, default=8, help="windows per forward pass")
-    parser.add_argument("--max-windows", type=int, default=0, help="stop after N windows")
+    parser.add_argument("--batch", type=positive_int, default=8, help="windows per forward pass")
+    parser.add_argument("--max-windows", type=non_negative_int, default=0, help="stop after N windows")
     parser.add_argument("--json-key", default="text", help="field of JSONL documents")
     parser.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: saved)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -51,7 +51,7 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype[Any]:
     return DTYPES[1] if vocab_size < 65_500 else DTYPES[2]
 
 
-def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
+def dataset_paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
     p = str(prefix)
     if p.endswith((".bin", ".idx")):  # accept a path to either file as well as the prefix
         p = p[:-4]
@@ -69,7 +69,7 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str | os.PathLike[str], vocab_size: int) -> None:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        self.bin_path, self.idx_path = _paths(prefix)
+        self.bin_path, self.idx_path = dataset_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.vocab_size = vocab_size
         self.dtype = dtype_for_vocab(vocab_size)
@@ -164,7 +164,7 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike[str]) -> None:
-        self.bin_path, self.idx_path = _paths(prefix)
+        self.bin_path, self.idx_path = dataset_paths(prefix)
         self.prefix = str(self.bin_path)[:-4]
         self._open()
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.core.compile_cache import key_compile_cache_by_isa
 from tessera.core.config import ConfigError
 from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe
 from tessera.core.fp8_training import Fp8Training, enable_fp8_training
@@ -171,6 +172,7 @@ def setup(cfg: PretrainConfig) -> Job:
     for m in stages:
         m.train()
         if cfg.train.compile:
+            key_compile_cache_by_isa()
             m.compile()  # in place: parameter names (checkpoints, optimizer) stay the same
     eod_id = None
     if cfg.data.isolate_documents:

@@ -28,7 +28,7 @@ from tessera.core.parallel.expert_data_parallel import (
 )
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_spec, stored_shard
-from tessera.training.config import TrainConfig
+from tessera.training.config import TrainConfig, resolved_min_lr
 
 
 def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
@@ -70,7 +70,8 @@ def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `steps` (or constant)."""
+    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` (`resolved_min_lr`: a tenth
+    of lr unless set) at `steps` (or constant). Never above `lr`."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.decay == "constant":
@@ -83,7 +84,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
         raise ValueError(f"unknown decay {cfg.decay!r}; use cosine, linear or constant")
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+    min_lr = resolved_min_lr(cfg)
+    return min_lr + (cfg.lr - min_lr) * factor
 
 
 def global_grad_norm(models: list[GPTModel]) -> torch.Tensor:

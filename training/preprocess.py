@@ -5,10 +5,13 @@ Input formats, chosen by file name (a trailing `.gz` is decompressed on the fly)
   the `--json-key` field (default `text`). Blank lines are ignored. A line that is not valid JSON,
   not an object, or lacks a string under the key is malformed: it is reported as `FILE:LINE` and
   skipped (counted in the summary), or stops the run under `--strict`.
+- a line (of either format) that is not valid UTF-8 is skipped the same way, counted apart
+  ("skipped 3 lines that are not UTF-8 (first at FILE:17)").
 - anything else is plain text, split into documents on blank lines: a document is a run of
   non-blank lines, joined with "\\n" (no trailing newline).
 Each document is encoded without BOS; with `--append-eod` (the default) the EOD id (= EOS)
-follows it. Empty or whitespace-only documents are dropped and counted.
+follows it. Empty or whitespace-only documents are dropped and counted; inputs that leave no
+document at all are an error (nothing is written).
 
 Memory is bounded, independent of the corpus size: the main process reads documents into
 chunks that close once they reach CHUNK_CHARS (2**20) characters or CHUNK_DOCS (1024)
@@ -18,7 +21,8 @@ chunk exceeds that only by its last document, so one huge document adds its own 
 index keeps 4 bytes per document in memory; the tokens go straight to disk.
 
 Output is deterministic: chunks are written in input order whatever `--workers` is, so any
-worker count produces byte-identical files. The files appear only when the run succeeds.
+worker count produces byte-identical files. The files appear only when the run succeeds, and
+an existing PREFIX.bin/.idx is replaced only with `--overwrite`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import gzip
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -39,14 +44,20 @@ from typing import IO
 
 import numpy as np
 
+from tessera.core.arg_types import positive_int
 from tessera.core.progress import Progress
 from tessera.core.tokenizer import JSONL_SUFFIXES, Tokenizer, load_tokenizer
-from tessera.training.indexed_dataset import IndexedDatasetWriter
+from tessera.training.indexed_dataset import IndexedDatasetWriter, dataset_paths
+from tessera.training.run_dir import missing_directories, remove_empty_directories
 
 CHUNK_CHARS = 1 << 20  # a chunk closes at this many characters of text
 CHUNK_DOCS = 1024  # ... or at this many documents
 IN_FLIGHT_PER_WORKER = 2
 MAX_REPORTED_SKIPS = 20  # past this, skips are only counted, so a bad file cannot flood stderr
+NOT_UTF8 = "not UTF-8"  # the skip reason of an undecodable line
+# Input is decoded with errors="surrogateescape": each byte that is not UTF-8 becomes one lone
+# surrogate U+DC80..U+DCFF, which valid UTF-8 never decodes to, so a line holding one is not UTF-8.
+_UNDECODED = re.compile("[\udc80-\udcff]")
 
 
 class MalformedInputError(ValueError):
@@ -59,6 +70,8 @@ class PreprocessStats:
     tokens: int = 0  # tokens written, EODs included
     skipped: int = 0  # malformed JSONL lines skipped
     empty: int = 0  # blank documents dropped
+    not_utf8: int = 0  # lines skipped for not being UTF-8
+    first_not_utf8: str = ""  # FILE:LINE of the first of them
     seconds: float = 0.0
 
     def summary(self, prefix: str) -> str:
@@ -67,7 +80,12 @@ class PreprocessStats:
             f"wrote {prefix}.bin/.idx: {self.documents:,} documents, {self.tokens:,} tokens "
             f"in {self.seconds:.1f} s ({rate:,.0f} tokens/s); skipped {self.skipped:,} "
             f"malformed lines, dropped {self.empty:,} empty documents"
+            + (f"; {self.not_utf8_text()}" if self.not_utf8 else "")
         )
+
+    def not_utf8_text(self) -> str:
+        return (f"skipped {self.not_utf8:,} lines that are not UTF-8 "
+                f"(first at {self.first_not_utf8})")
 
 
 class _SkipReporter:
@@ -78,6 +96,10 @@ class _SkipReporter:
         where = f"{path}:{lineno}: {reason}"
         if self.strict:
             raise MalformedInputError(f"{where} (run without --strict to skip such lines)")
+        if reason == NOT_UTF8:
+            self.stats.not_utf8 += 1
+            self.stats.first_not_utf8 = self.stats.first_not_utf8 or f"{path}:{lineno}"
+            return  # counted apart, reported once in the summary
         self.stats.skipped += 1
         if self.stats.skipped <= MAX_REPORTED_SKIPS:
             print(f"tessera preprocess: skipping {where}", file=sys.stderr)
@@ -87,8 +109,8 @@ class _SkipReporter:
 
 def _open_text(path: Path) -> IO[str]:
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")
 
 
 def is_jsonl(path: str | os.PathLike[str]) -> bool:
@@ -104,15 +126,18 @@ def iter_documents(
 ) -> Iterator[str]:
     """The documents of one input file, in order (see the module docstring for the format).
 
-    `report(path, lineno, reason)` is called for each malformed JSONL line; without it such
-    lines are skipped silently.
+    `report(path, lineno, reason)` is called for each malformed JSONL line and each line that is
+    not UTF-8 (reason `NOT_UTF8`); without it such lines are skipped silently.
     """
     path = Path(path)
     with _open_text(path) as f:
         if not is_jsonl(path):
             paragraph: list[str] = []
-            for line in f:
-                if line.strip():
+            for lineno, line in enumerate(f, start=1):
+                if _UNDECODED.search(line):
+                    if report is not None:
+                        report(path, lineno, NOT_UTF8)
+                elif line.strip():
                     paragraph.append(line)
                 elif paragraph:
                     yield "".join(paragraph).rstrip("\n")
@@ -124,11 +149,14 @@ def iter_documents(
             if not line.strip():
                 continue
             reason = None
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                reason = f"invalid JSON ({exc.msg} at column {exc.colno})"
+            if _UNDECODED.search(line):
+                reason = NOT_UTF8
             else:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    reason = f"invalid JSON ({exc.msg} at column {exc.colno})"
+            if reason is None:
                 if not isinstance(record, dict):
                     reason = f"expected a JSON object, got {type(record).__name__}"
                 elif not isinstance(record.get(json_key), str):
@@ -218,6 +246,7 @@ def preprocess(
     Raises:
         FileNotFoundError: an input or the tokenizer is missing.
         MalformedInputError: a malformed JSONL line with `strict=True` (nothing is written).
+        ValueError: the inputs hold no document to write (nothing is written).
     """
     paths = [Path(p) for p in inputs]
     if not paths:
@@ -241,8 +270,18 @@ def preprocess(
             writer.add_documents(tokens, lengths[keep])
             bar.update(n_docs, tokens=f"{writer.num_tokens:,}")
         stats.documents, stats.tokens = writer.num_docs, writer.num_tokens
+        if not stats.documents:  # raised inside the writer: its temporary files are discarded
+            raise ValueError(_no_documents(paths, stats))
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _no_documents(paths: Sequence[Path], stats: PreprocessStats) -> str:
+    why = [f"{stats.empty:,} empty documents dropped", f"{stats.skipped:,} malformed lines skipped"]
+    if stats.not_utf8:
+        why.append(stats.not_utf8_text())
+    return (f"no documents to write: {', '.join(map(str, paths))} held none with text "
+            f"({'; '.join(why)}); check the inputs (and --json-key for JSONL)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         metavar="N",
         default=1,
         help="tokenizer processes (default 1); the output does not depend on it",
@@ -295,14 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="append the EOD (EOS) id after every document (default: on)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing PREFIX.bin/.idx (without it, an existing one is refused)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1:
-        print("tessera preprocess: error: --workers must be at least 1", file=sys.stderr)
+    existing = [p for p in dataset_paths(args.output_prefix) if p.exists()]
+    if existing and not args.overwrite:
+        print(f"tessera preprocess: error: {existing[0]} already exists; pass --overwrite to "
+              "replace it, or choose another --output-prefix", file=sys.stderr)
         return 2
+    created = missing_directories(dataset_paths(args.output_prefix)[0].parent)
     try:
         stats = preprocess(
             args.input,
@@ -314,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             append_eod=args.append_eod,
         )
     except (OSError, ValueError) as exc:
+        remove_empty_directories(created)
         print(f"tessera preprocess: error: {exc}", file=sys.stderr)
         return 1
     print(stats.summary(str(args.output_prefix)))

@@ -70,3 +70,25 @@ def _remove(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         trash.unlink(missing_ok=True)
+
+
+def missing_directories(path: str | os.PathLike) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first: what a run writing there
+    would create, for `remove_empty_directories` to take back if the run is refused."""
+    missing, current = [], Path(path).absolute()
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    return missing
+
+
+def remove_empty_directories(directories: Iterable[Path]) -> None:
+    """Remove each of `directories` (deepest first) that exists and is empty, so a refused or
+    failed run leaves no empty directory behind; a non-empty one stays, and so do its parents."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty (or not ours to remove): keep it and what holds it
+            return

@@ -4,6 +4,8 @@ Inputs are read like `tessera preprocess` reads them (.txt, .jsonl with `--json-
 optionally `.gz`) and streamed into sentencepiece line by line; sentencepiece keeps at most
 `--input-sentence-size` lines (a random sample), which bounds memory on large corpora.
 The model gets UNK=0, BOS=1, EOS=2, PAD=3 and byte fallback (see `tessera.core.tokenizer`).
+Lines that are not UTF-8 and malformed JSONL lines are skipped and counted; an existing
+`--output` is replaced only with `--overwrite`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from tessera.core.arg_types import positive_int
 
 # sentencepiece and the readers are imported when training starts, so `--help` is instant.
 
@@ -35,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--vocab-size",
-        type=int,
+        type=positive_int,
         required=True,
         metavar="N",
         help="exact vocabulary size, including 4 specials and 256 byte pieces",
@@ -50,23 +54,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--input-sentence-size",
-        type=int,
+        type=positive_int,
         default=2_000_000,
         metavar="N",
         help="lines sampled for training, bounding memory (default: 2000000)",
     )
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --output (without it, an existing one is refused)")
     return parser
 
 
 class _Skips:
-    """Counts malformed JSONL lines and remembers the first, for the closing message."""
+    """Counts skipped lines (malformed JSONL; not UTF-8) and remembers the first of each kind,
+    for the closing message."""
 
     def __init__(self) -> None:
         self.count, self.first = 0, ""
+        self.not_utf8, self.first_not_utf8 = 0, ""
 
     def __call__(self, path: Path, lineno: int, reason: str) -> None:
+        from tessera.training.preprocess import NOT_UTF8
+
+        if reason == NOT_UTF8:
+            self.not_utf8 += 1
+            self.first_not_utf8 = self.first_not_utf8 or f"{path}:{lineno}"
+            return
         self.count += 1
         self.first = self.first or f"{path}:{lineno}: {reason}"
+
+    def report(self) -> str:
+        """The skips in words, or "" when nothing was skipped."""
+        parts = []
+        if self.count:
+            parts.append(f"skipped {self.count} malformed JSONL lines; first: {self.first}")
+        if self.not_utf8:
+            parts.append(f"skipped {self.not_utf8} lines that are not UTF-8 "
+                         f"(first at {self.first_not_utf8})")
+        return "; ".join(parts)
 
 
 def _texts(files: Sequence[str], json_key: str, skips: _Skips) -> Iterator[str]:
@@ -82,7 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"tessera tokenizer: error: input file not found: {missing[0]}", file=sys.stderr)
         return 1
+    if Path(args.output).exists() and not args.overwrite:
+        print(f"tessera tokenizer: error: {args.output} already exists; pass --overwrite to "
+              "replace it, or choose another --output", file=sys.stderr)
+        return 2
     from tessera.core.tokenizer import train_tokenizer
+    from tessera.training.run_dir import missing_directories, remove_empty_directories
+
+    created = missing_directories(Path(args.output).parent)
 
     skips = _Skips()
     try:
@@ -95,9 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             input_sentence_size=args.input_sentence_size,
         )
     except (OSError, ValueError) as exc:
-        print(f"tessera tokenizer: error: {exc}", file=sys.stderr)
+        remove_empty_directories(created)
+        skipped = f" ({skips.report()})" if skips.report() else ""
+        print(f"tessera tokenizer: error: {exc}{skipped}", file=sys.stderr)
         return 1
-    if skips.count:
-        print(f"tessera tokenizer: skipped {skips.count} malformed JSONL lines; first: {skips.first}")
+    if skips.report():
+        print(f"tessera tokenizer: {skips.report()}")
     print(f"wrote {args.output}: {args.model_type}, vocab_size={tokenizer.vocab_size}")
     return 0

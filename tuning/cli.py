@@ -31,9 +31,11 @@ def main(argv: list[str]) -> int:
     from tessera.core.checkpoint import CheckpointError
     from tessera.core.lora_format import AdapterError
     from tessera.core.prompt_table import PromptTableError
+    from tessera.training.run_dir import missing_directories, remove_empty_directories
     from tessera.tuning.checkpoint import TuningCheckpointError
 
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
+    created = missing_directories(cfg.loop.output)  # taken back if the run is refused
     try:
         if args.import_peft:
             return _import(cfg, args, argv)
@@ -79,6 +81,7 @@ def main(argv: list[str]) -> int:
         tune(cfg, export_peft=args.export == "peft")
     except (ConfigError, CheckpointError, PromptTableError, AdapterError, TuningCheckpointError,
             FileNotFoundError, FileExistsError, PermissionError) as exc:
+        remove_empty_directories(created)
         print(f"tessera tune: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -20,6 +20,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tessera.core.arg_types import (
+    fraction_below_one,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.help import HelpFormatter
 from tessera.training.config import (
@@ -27,6 +33,7 @@ from tessera.training.config import (
     ParallelSection,
     TrainConfig,
     add_section_flags,
+    check_lr_range,
     opt,
     read_yaml,
     section_values,
@@ -50,16 +57,20 @@ class TuneConfig:
                                   "(learn them through an encoder, baked into a table at the end) "
                                   "| lora (learn low-rank updates B A of chosen linear layers, "
                                   "written as an adapter directory OUTPUT/adapter)")
-    virtual_tokens: int = opt(10, "virtual tokens per task (a task in the YAML may set its own)")
+    virtual_tokens: int = opt(10, "virtual tokens per task (a task in the YAML may set its own)",
+                              range=positive_int)
     encoder: str = opt("mlp", "p-tuning encoder: mlp | lstm (bidirectional, then an MLP head)")
-    encoder_hidden: int = opt(0, "p-tuning encoder width (0: the model's hidden size)")
+    encoder_hidden: int = opt(0, "p-tuning encoder width (0: the model's hidden size)",
+                              range=non_negative_int)
     init: str = opt("vocab", "prompt-tuning start: vocab (embeddings of random vocabulary "
                              "tokens) | text (the embeddings of --init-text, tiled)")
     init_text: str = opt("", "with --init text: the text whose token embeddings start the prompt")
     add_eos: bool = opt(True, "end every answer with EOS, so generation stops after it")
-    lora_rank: int = opt(8, "LoRA: rank r of each adapted layer's update B A")
-    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by alpha / rank")
-    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapter's input while training")
+    lora_rank: int = opt(8, "LoRA: rank r of each adapted layer's update B A", range=positive_int)
+    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by alpha / rank",
+                            range=positive_float)
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapter's input while training",
+                              range=fraction_below_one)
     lora_targets: str = opt("attention", "LoRA: the layers to adapt, comma-separated: qkv, wo, "
                                          "w1, w2 (in every layer), attention (qkv,wo), mlp "
                                          "(w1,w2), all, or a regular expression matched against "
@@ -68,10 +79,13 @@ class TuneConfig:
 
 
 # Tuning's defaults for the reused sections (the dataclass defaults are pretraining's).
-TRAIN_DEFAULTS = dict(steps=200, global_batch=16, seq_len=0, lr=3e-2, min_lr=3e-3,
+# min_lr is left to follow lr (a tenth of it: 3e-3 with the default lr).
+TRAIN_DEFAULTS = dict(steps=200, global_batch=16, seq_len=0, lr=3e-2,
                       warmup_steps=10, weight_decay=0.0, precision="fp32")
 LOOP_DEFAULTS = dict(output="runs/tune", log_interval=20, eval_interval=50, eval_batches=0,
                      save_interval=100)
+# Tuning's own flag ranges for reused fields: --seq-len 0 means the model's context.
+RANGES = {"seq_len": non_negative_int}
 SECTIONS: dict[str, type] = {"tune": TuneConfig, "train": TrainConfig,
                              "parallel": ParallelSection, "loop": LoopConfig}
 
@@ -126,6 +140,10 @@ class TuneRunConfig:
         if self.train.seq_len < 0:
             problems.append(f"seq_len must be >= 0 (0: the model's context), got "
                             f"{self.train.seq_len}")
+        try:
+            check_lr_range(self.train)
+        except ConfigError as exc:
+            problems.append(str(exc))
         if problems:
             raise ConfigError("invalid tuning configuration:\n  - " + "\n  - ".join(problems))
 
@@ -151,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  tessera tune --nproc-per-node 4 --tp 2 --pp 2 --config tune.yaml")
     parser.add_argument("--config", metavar="FILE",
                         help="YAML file with any of the fields below, and `tasks:`")
-    parser.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+    parser.add_argument("--nproc-per-node", type=non_negative_int, default=0, metavar="N",
                         help="start this many local ranks with torch's launcher (torchrun) "
                         "(default: 0, this process only)")
     modes = parser.add_argument_group("other modes")
@@ -174,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "the layout of --tp / --pp (run with --nproc-per-node tp*pp)")
     modes.add_argument("--task", help="with --import-peft: the task name; with --export: only "
                                       "this task")
-    add_section_flags(parser, SECTIONS, TuneRunConfig())
+    add_section_flags(parser, SECTIONS, TuneRunConfig(), RANGES)
     return parser
 
 
@@ -184,7 +202,7 @@ def load_config(argv: list[str]) -> tuple[TuneRunConfig, argparse.Namespace]:
     raw = read_yaml(args.config)
     tasks_raw = raw.pop("tasks", None)
     config = TuneRunConfig()
-    for section, values in section_values(raw, args, SECTIONS, args.config).items():
+    for section, values in section_values(raw, args, SECTIONS, args.config, RANGES).items():
         setattr(config, section, dataclasses.replace(getattr(config, section), **values))
     from tessera.tuning.data import task_specs_from_yaml
 

@@ -23,6 +23,8 @@ import json
 import random
 from pathlib import Path
 
+from tessera.core.arg_types import non_negative_int, positive_int
+
 TASK = "doc_kind"
 SUBJECTS = ("file", "string")
 LABELS = {"file": "object", "string": "of"}  # subject -> answer
@@ -88,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tessera.tuning.demo_task",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="directory for the three JSONL files")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train", type=int, default=512, help="training examples")
-    parser.add_argument("--valid", type=int, default=64, help="validation examples")
-    parser.add_argument("--test", type=int, default=200, help="held-out test examples")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--train", type=positive_int, default=512, help="training examples")
+    parser.add_argument("--valid", type=positive_int, default=64, help="validation examples")
+    parser.add_argument("--test", type=positive_int, default=200, help="held-out test examples")
     args = parser.parse_args(argv)
     paths = write_splits(args.output, args.seed, args.train, args.valid, args.test)
     for split, path in paths.items():

@@ -39,7 +39,7 @@ from tessera.core.parallel.context_parallel import (
     zigzag_index,
 )
 from tessera.core.parallel.dynamic_cp import Assignment, LayerCost, Schedule, schedule
-from tessera.core.parallel.groups import ParallelGroups, rank_of
+from tessera.core.parallel.groups import ParallelGroups, layout_mesh, new_groups
 
 PAD_LABEL = -100
 
@@ -83,18 +83,12 @@ class DynamicCP:
                comm: str = "allgather") -> DynamicCP:
         """Create every cp sub-group of the world (call on every rank, in the same order) and
         keep this rank's. The whole cp group serves blocks of cp ranks; blocks of 1 need none."""
-        cp = layout.cp
+        cp, mesh = layout.cp, layout_mesh(layout)
         mine: dict[tuple[int, int], dist.ProcessGroup | None] = {(cp, 0): groups.cp_group}
         k = 2
-        while k < cp:
-            for p in range(layout.pp):
-                for d in range(layout.dp):
-                    for t in range(layout.tp):
-                        for first in range(0, cp, k):
-                            ranks = [rank_of(t, d, p, layout, c) for c in range(first, first + k)]
-                            group = dist.new_group(ranks)
-                            if dist.get_rank() in ranks:
-                                mine[(k, first)] = group
+        while k < cp:  # the aligned blocks of k ranks of every cp group: cp split as (cp/k, k)
+            blocks = mesh.regroup(["cp"], cp_block=cp // k, block=k)
+            mine[(k, groups.cp_rank // k * k)] = new_groups(blocks.groups("block"))
             k *= 2
         cost = LayerCost.from_model(config.hidden_size, config.ffn_hidden_size,
                                     config.num_heads, config.num_kv_heads,

@@ -1,7 +1,8 @@
 """Explicit process groups, built once from the world and passed to constructors.
 
 Rank order is tp fastest, then cp, then dp, then pp (documented on `core.config.Layout`, with
-why): global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. Tensor-parallel
+why): global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, the named mesh
+(pp, dp, cp, tp) of `layout_mesh`, whose sub-meshes are the groups. Tensor-parallel
 peers are therefore neighbours (same node), then context-parallel peers, as Megatron lays them
 out. Parameters are replicated over cp as over dp, so gradients are averaged (and ZeRO-1 / FSDP
 shard) over the dp x cp ranks of one (tp, pp) coordinate: `dp_cp_group`, which is the dp group
@@ -13,13 +14,16 @@ becomes a plain layer and the whole model runs in one process.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.core.config import Layout
-from tessera.core.parallel.expert_groups import build_expert_groups, expert_fields
+from tessera.core.parallel.expert_groups import edp_size, expert_mesh
+from tessera.core.parallel.mesh import RankMesh
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class ParallelGroups:
     dp_cp_rank: int = 0
     dp_cp_size: int = 1
     dp_cp_group: dist.ProcessGroup | None = None
-    # --- Expert parallelism (issue 14; `core.parallel.expert_groups`): the expert grid folded
+    # --- Expert parallelism (`core.parallel.expert_groups`): the expert grid folded
     # over the stage's tp x cp x dp ranks. Without it (ep = etp = 1) these stay at their
     # defaults and the expert layer's parameters are plain replicated ones.
     ep_rank: int = 0
@@ -75,9 +79,31 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
+def layout_mesh(par: Layout) -> RankMesh:
+    """The layout's ranks as a named mesh (pp, dp, cp, tp), tp fastest (see `Layout`)."""
+    return RankMesh.of(pp=par.pp, dp=par.dp, cp=par.cp, tp=par.tp)
+
+
 def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, par: Layout, cp_rank: int = 0) -> int:
     """Global rank of the given coordinates (tp fastest, then cp, dp, pp; see `Layout`)."""
-    return ((pp_rank * par.dp + dp_rank) * par.cp + cp_rank) * par.tp + tp_rank
+    return layout_mesh(par).rank(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+    """Create a process group for each rank list of two or more ranks and return the one that
+    holds this rank (None when its list is itself alone or it is in none).
+
+    Collective over the whole world (`new_group` is): every rank must call it with the same
+    lists, in the same order.
+    """
+    rank, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        if len(ranks) < 2:
+            continue
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
@@ -104,69 +130,51 @@ def init_groups(par: Layout, kv_replicas: int = 1) -> ParallelGroups:
             f"world size {world} != tp {par.tp} x cp {par.cp} x pp {par.pp} x dp {par.dp} = "
             f"{par.world_size}"
         )
-    tp_rank = rank % par.tp
-    cp_rank = (rank // par.tp) % par.cp
-    dp_rank = (rank // (par.tp * par.cp)) % par.dp
-    pp_rank = rank // (par.tp * par.cp * par.dp)
-    mine: dict[str, dist.ProcessGroup | None] = {}
-
-    def make(kind: str, ranks: list[int]) -> None:
-        # new_group is collective over the world: every rank creates every group.
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
-        if rank in ranks:
-            mine[kind] = group
-
-    # Every group below is built in the same order on every rank (new_group is collective);
-    # with cp 1 the order and members are exactly those of the layouts before cp existed.
-    cps, dps, pps, tps = range(par.cp), range(par.dp), range(par.pp), range(par.tp)
-    for p in pps:
-        for d in dps:
-            for c in cps:
-                make("tp", [rank_of(t, d, p, par, c) for t in tps])
-    for p in pps:
-        for t in tps:
-            for c in cps:
-                make("dp", [rank_of(t, d, p, par, c) for d in dps])
-    for d in dps:
-        for t in tps:
-            for c in cps:
-                make("pp", [rank_of(t, d, p, par, c) for p in pps])
-                make("embedding", sorted({rank_of(t, d, 0, par, c),
-                                          rank_of(t, d, par.pp - 1, par, c)}))
-    if kv_replicas > 1:
-        if par.tp % kv_replicas:
-            raise ValueError(f"kv_replicas {kv_replicas} does not divide tp {par.tp}")
-        for p in pps:
-            for d in dps:
-                for c in cps:
-                    for first in range(0, par.tp, kv_replicas):
-                        make("kv", [rank_of(t, d, p, par, c)
-                                    for t in range(first, first + kv_replicas)])
-    if par.cp > 1:
-        for p in pps:
-            for d in dps:
-                for t in tps:
-                    make("cp", [rank_of(t, d, p, par, c) for c in cps])
-        for p in pps:
-            for t in tps:
-                make("dp_cp", [rank_of(t, d, p, par, c) for d in dps for c in cps])
-    else:
-        mine["dp_cp"] = mine.get("dp")
-    build_expert_groups(par, make)  # expert parallelism: nothing without it
-    expert = expert_fields(rank, par, mine) if par.ep * par.etp > 1 else {}
+    if kv_replicas > 1 and par.tp % kv_replicas:
+        raise ValueError(f"kv_replicas {kv_replicas} does not divide tp {par.tp}")
+    mesh = layout_mesh(par)
+    at = mesh.coords(rank)
+    # Every rank creates every group (new_group is collective), in this order; a size-1
+    # dimension creates none and its group is None.
+    tp_group = new_groups(mesh.groups("tp"))
+    dp_group = new_groups(mesh.groups("dp"))
+    pp_group = new_groups(mesh.groups("pp"))
+    # The first and last pipeline stage at each (dp, cp, tp): tied-embedding gradients.
+    embedding_group = new_groups([sorted({ranks[0], ranks[-1]}) for ranks in mesh.groups("pp")])
+    kv_group = None
+    if kv_replicas > 1:  # blocks of kv_replicas consecutive tp ranks
+        kv_mesh = mesh.regroup(["tp"], kv_block=par.tp // kv_replicas, kv=kv_replicas)
+        kv_group = new_groups(kv_mesh.groups("kv"))
+    cp_group = new_groups(mesh.groups("cp"))
+    dp_cp_group = new_groups(mesh.groups("dp", "cp")) if par.cp > 1 else dp_group
     return ParallelGroups(
-        tp_rank=tp_rank, tp_size=par.tp, tp_group=mine.get("tp"),
-        pp_rank=pp_rank, pp_size=par.pp, pp_group=mine.get("pp"),
-        dp_rank=dp_rank, dp_size=par.dp, dp_group=mine.get("dp"),
-        embedding_group=mine.get("embedding"),
-        pp_ranks=tuple(rank_of(tp_rank, dp_rank, p, par, cp_rank) for p in range(par.pp)),
-        kv_replica_group=mine.get("kv"), kv_replicas=max(1, kv_replicas),
-        cp_rank=cp_rank, cp_size=par.cp, cp_group=mine.get("cp"),
-        cp_ranks=tuple(rank_of(tp_rank, dp_rank, pp_rank, par, c) for c in range(par.cp)),
-        dp_cp_rank=dp_rank * par.cp + cp_rank, dp_cp_size=par.dp * par.cp,
-        dp_cp_group=mine.get("dp_cp"),
-        **expert,
+        tp_rank=at["tp"], tp_size=par.tp, tp_group=tp_group,
+        pp_rank=at["pp"], pp_size=par.pp, pp_group=pp_group,
+        dp_rank=at["dp"], dp_size=par.dp, dp_group=dp_group,
+        embedding_group=embedding_group,
+        pp_ranks=tuple(mesh.group_of(rank, "pp")),
+        kv_replica_group=kv_group, kv_replicas=max(1, kv_replicas),
+        cp_rank=at["cp"], cp_size=par.cp, cp_group=cp_group,
+        cp_ranks=tuple(mesh.group_of(rank, "cp")),
+        dp_cp_rank=at["dp"] * par.cp + at["cp"], dp_cp_size=par.dp * par.cp,
+        dp_cp_group=dp_cp_group,
+        **_expert_groups(par, mesh, rank),
     )
+
+
+def _expert_groups(par: Layout, dense: RankMesh, rank: int) -> dict[str, Any]:
+    """The ep, etp and edp groups of every stage (collective) and `rank`'s expert fields of
+    `ParallelGroups`; without expert parallelism none, and the fields keep their defaults."""
+    if par.ep * par.etp == 1:
+        return {}
+    mesh = expert_mesh(par, dense)
+    ep_group = new_groups(mesh.groups("ep"))
+    etp_group = new_groups(mesh.groups("etp"))
+    edp_group = new_groups(mesh.groups("edp"))
+    at = mesh.coords(rank)
+    return dict(ep_rank=at["ep"], ep_size=par.ep, ep_group=ep_group,
+                etp_rank=at["etp"], etp_size=par.etp, etp_group=etp_group,
+                edp_rank=at["edp"], edp_size=edp_size(par), edp_group=edp_group)
 
 
 def resolve_device(name: str) -> torch.device:

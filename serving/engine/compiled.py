@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from tessera.core.compile_cache import key_compile_cache_by_isa
 from tessera.core.kv_cache import KVCache
 from tessera.core.model import GPTModel
 from tessera.core.parallel.layers import ParallelLinear
@@ -77,6 +78,7 @@ class CompiledDecode:
         self._config = {"freezing": True, "cpp_wrapper": device.type == "cpu"}
         self.model = model
         self._cache: KVCache | None = None
+        key_compile_cache_by_isa()
         self._forward_hidden = torch.compile(model.forward_hidden, dynamic=True)
 
     @torch.inference_mode()

@@ -1,20 +1,41 @@
 """Emulated FP8 training under tensor parallelism, on gloo: three SGD steps of a tp2 model
 (with and without sequence parallelism; delayed and current scaling) give the losses and the
-FP8 scales of the single-process model.
+FP8 amaxes of the single-process model.
 
 Scales come from amaxes taken over the tp group (current scaling: in the product; delayed: at
-the step's end), so each rank quantizes its shard exactly as one process quantizes the whole
-tensor, and what differs is the summation order of the row-parallel all-reduce (seen: the
-losses equal bit for bit, 0.0). Without the amax reductions each rank scales its shard by its
-own amax, and the losses moved by 1.4e-5 to 7e-5 relative within three steps: the bound, 1e-6,
-tells the two apart. Fused kernels are off on both sides (no compilation in spawned ranks).
+the step's end), so each rank quantizes its shard on the grid one process uses for the whole
+tensor. What still differs is the fp32 summation order: the row-parallel all-reduce adds two
+half-K partial products, the vocab-parallel cross-entropy sums over two vocabulary halves, and
+ATen's vectorised reductions group terms by the ISA's lane count (so `ATEN_CPU_CAPABILITY`
+moves results too). A sum of n <= 256 terms moves by about sqrt(n) u relative (u = 2**-24):
+<= 1e-6. FP8 rounding amplifies that: an operand element lying within that distance of an
+e4m3 rounding midpoint rounds the other way, a jump of one e4m3 step (<= 2**-3 of it). With
+N ~ 3e5 quantized elements per step (forward and backward of 8 linears), about
+N * 2 sqrt(n) u / 2**-4 ~ 7 elements flip per step; each moves one of the 128 tokens' logits
+by <= 2**-3 / hidden (64) relative, so the mean loss by <= 2**-3 / (64 * 128) ~ 1.5e-5. Twenty
+flips per step, all of one sign, bound the loss difference: LOSS_RTOL = 3e-4 (seen: 0 and
+8.5e-8 on an AVX2 host under ATEN_CPU_CAPABILITY default and avx2; 3.7e-6 and 1.4e-5 on an
+AVX-512 host).
+
+The losses alone cannot tell a missing amax reduction (each rank scaling its shard by its own
+amax moved them by 1.4e-5 to 7e-5) from those flips, so every amax a scale is computed from
+is compared too. A reduced amax moves only as much as the tensor's largest element: by the
+reassociation above (<= 1e-6), and, when a flip upstream feeds that element, by 2**-3 of one
+of its K = 64 product terms; with terms of random sign a term is ~1/sqrt(K) of the elements'
+spread and the largest element ~3 spreads, so <= 2**-3 / (3 * 8) ~ 5e-3: AMAX_RTOL = 1e-2. A
+shard's own amax misses the other shard's largest element: seen 0.51-0.54 without the
+reductions.
+Fused kernels are off on both sides (no compilation in spawned ranks).
 """
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
+import tessera.core.fp8_training as fp8_training
 from tessera.core import Layout, ModelConfig, build_model, fused
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import enable_fp8_training
@@ -24,6 +45,8 @@ from tests.distributed_helper import run_ranks
 
 SEED, STEPS, LR = 5, 3, 0.5
 RECIPES = ["delayed", "tensorwise"]
+LOSS_RTOL = 3e-4  # per step, relative: twenty e4m3 rounding flips (module docstring)
+AMAX_RTOL = 1e-2  # a flip upstream moves an amax by <~ 5e-3; a missing reduction by 0.5
 
 
 def _config() -> ModelConfig:
@@ -40,6 +63,20 @@ def _train(recipe: str, parallel: Layout | None = None, groups=None) -> dict:
 
 
 def _steps(recipe: str, parallel: Layout | None, groups) -> dict:
+    """The losses, and every amax a scale was computed from, in call order."""
+    amaxes: list[torch.Tensor] = []
+    scale_from_amax = fp8_training.scale_from_amax
+
+    def recording(amax, *args, **kwargs):
+        amaxes.append(amax.detach().clone())
+        return scale_from_amax(amax, *args, **kwargs)
+
+    with mock.patch.object(fp8_training, "scale_from_amax", recording):
+        out = _unrecorded_steps(recipe, parallel, groups)
+    return {**out, "amaxes": amaxes}
+
+
+def _unrecorded_steps(recipe: str, parallel: Layout | None, groups) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (STEPS, 4, 32))
     model = build_model(_config(), parallel, groups, seed=SEED)
@@ -58,8 +95,7 @@ def _steps(recipe: str, parallel: Layout | None, groups) -> dict:
                 p -= LR * p.grad
                 p.grad = None
         losses.append(loss.item())
-    scales = {name: layer.fp8_scale.clone() for name, layer in fp8.layers.items()}
-    return {"losses": losses, "scales": scales}
+    return {"losses": losses}
 
 
 def _body(rank: int, world_size: int) -> dict:
@@ -77,6 +113,13 @@ def tp2():
     return run_ranks(_body, 2, timeout=300, env={"TESSERA_FUSED_KERNELS": "off"})
 
 
+def _amax_difference(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative difference between two runs' amaxes, call by call."""
+    assert len(got) == len(want) and got, (len(got), len(want))
+    return max(((g - w).abs() / w.abs().clamp(min=1e-30)).max().item()
+               for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_tp2_fp8_training_matches_one_process(tp2, recipe):
     single = _train(recipe)
@@ -85,8 +128,8 @@ def test_tp2_fp8_training_matches_one_process(tp2, recipe):
         for rank_out in tp2:
             got = rank_out[(sp, recipe)]
             err = max(abs(a - b) / b for a, b in zip(got["losses"], single["losses"]))
-            print(f"\n{recipe} sp={sp}: max loss relative difference {err:.1e}")
-            assert err < 1e-6, (got["losses"], single["losses"])
-            if recipe == "delayed":
-                for name, scale in single["scales"].items():
-                    torch.testing.assert_close(got["scales"][name], scale, rtol=1e-6, atol=0)
+            amax_err = _amax_difference(got["amaxes"], single["amaxes"])
+            print(f"\n{recipe} sp={sp}: max relative difference: loss {err:.1e} (bound "
+                  f"{LOSS_RTOL:.0e}), amax {amax_err:.1e} (bound {AMAX_RTOL:.0e})")
+            assert err < LOSS_RTOL, (got["losses"], single["losses"])
+            assert amax_err < AMAX_RTOL, amax_err

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tessera.core import ConfigError, Layout, ModelConfig
-from tessera.core.parallel.expert_groups import edp_size, expert_coords, expert_rank_of
-from tessera.core.parallel.groups import rank_of
+from tessera.core.parallel.expert_groups import edp_size, expert_mesh
+from tessera.core.parallel.groups import layout_mesh, rank_of
 
 MOE = ModelConfig.from_name("llama-tiny", num_experts=8, moe_ffn_hidden_size=96)
 
@@ -48,23 +48,29 @@ def test_good_expert_layouts_pass():
         lay.validate(MOE)
 
 
+def _expert_coords(rank: int, lay: Layout) -> tuple[int, int, int, int]:
+    at = expert_mesh(lay, layout_mesh(lay)).coords(rank)
+    return at["etp"], at["ep"], at["edp"], at["pp"]
+
+
 def test_expert_grid_folds_over_each_stage():
     lay = Layout(tp=2, cp=1, dp=4, pp=2, ep=2, etp=2, sequence_parallel=True)
     assert edp_size(lay) == 2
+    mesh = expert_mesh(lay, layout_mesh(lay))
     seen = set()
     for rank in range(lay.world_size):
-        etp_rank, ep_rank, edp_rank, pp_rank = expert_coords(rank, lay)
-        assert expert_rank_of(etp_rank, ep_rank, edp_rank, pp_rank, lay) == rank
+        etp_rank, ep_rank, edp_rank, pp_rank = _expert_coords(rank, lay)
+        assert mesh.rank(etp=etp_rank, ep=ep_rank, edp=edp_rank, pp=pp_rank) == rank
         seen.add((etp_rank, ep_rank, edp_rank, pp_rank))
     assert len(seen) == lay.world_size
     # etp equal to tp: the etp group is the tp group, ep is carved out of dp.
     for t in range(2):
         for d in range(4):
-            etp_rank, ep_rank, edp_rank, pp_rank = expert_coords(rank_of(t, d, 1, lay), lay)
+            etp_rank, ep_rank, edp_rank, pp_rank = _expert_coords(rank_of(t, d, 1, lay), lay)
             assert (etp_rank, ep_rank, edp_rank, pp_rank) == (t, d % 2, d // 2, 1)
     # etp 1 < tp 2 folds ep over the tp peers (kept on one node, as Megatron folds it).
     folded = Layout(tp=2, dp=2, ep=2, sequence_parallel=True)
-    assert [expert_coords(r, folded)[1] for r in range(4)] == [0, 1, 0, 1]
+    assert [_expert_coords(r, folded)[1] for r in range(4)] == [0, 1, 0, 1]
 
 
 def test_pretrain_and_tune_flags_and_yaml_reach_the_layout(tmp_path):

@@ -105,7 +105,6 @@ def test_resume_is_bit_identical(tiny, runs, tmp_path, capsys):
     (["--fp8-backend", "te"], "needs a CUDA device and Transformer Engine"),
     (["--fp8-recipe", "rowwise"], "needs a CUDA device"),
     (["--fp8-recipe", "mxfp8", "--fp8-backend", "emulated"], "offers the recipes"),
-    (["--fp8-margin", "-1"], "fp8 margin must be >= 0"),
 ])
 def test_fp8_choices_that_cannot_run_are_clear_errors(tiny, tmp_path, capsys, flags, message):
     assert cli.main(_argv(tiny, tmp_path / "run", "--precision", "fp8", *flags)) == 2

@@ -121,3 +121,15 @@ def test_an_explicit_vocab_size_that_agrees_is_kept(odd_vocab, tmp_path):
     cfg, _ = load_config(pretrain_argv(odd_vocab, tmp_path / "run", *SHORT, "--steps", "1",
                                        "--model-overrides", "vocab_size=300", "num_layers=1"))
     assert read_manifest(pretrain(cfg)["checkpoint"]).model.vocab_size == 300
+
+
+def test_a_refused_run_leaves_no_directory_behind(tiny, tmp_path, capsys):
+    """Refused after the output directory was made (the layout is checked once the data is):
+    the directories the run made are taken back; one that existed before stays."""
+    out = tmp_path / "new" / "run"
+    assert cli.main(pretrain_argv(tiny, out, "--seq-len", "100000")) == 2
+    assert "exceeds the model's max_position_embeddings" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)
+    assert cli.main(pretrain_argv(tiny, out, "--seq-len", "100000")) == 2
+    assert out.is_dir()

@@ -107,18 +107,26 @@ def test_adapter_evaluates_and_merges_to_base_plus_adapter(base, data, run, tmp_
 
 
 def test_lora_beats_prompt_tuning_at_equal_steps(base, data, tmp_path, capsys):
-    """The held-out `kind` split, 12 steps each, each at its own good learning rate."""
+    """The held-out `kind` split, 12 steps each, each at its own good learning rate.
+
+    Exact match saturates: on this two-label task both methods can answer every held-out
+    example, so accuracy alone cannot rank them (LoRA must only not be worse). The held-out
+    loss keeps measuring how much probability each puts on the right label, and there LoRA,
+    which adapts every block, must be strictly lower than eight virtual tokens.
+    """
     figures = {}
     for method, flags in (("lora", LORA), ("prompt-tuning", ("--method", "prompt-tuning",
                                                              "--lr", "1e-1"))):
         cfg, _ = load_config(tune_argv(base, tmp_path / method, data["kind_train"],
                                        data["kind_valid"], *flags, "--steps", "12"))
-        summary = tune(cfg)
-        figures[method] = summary["after"]["kind"]["accuracy"]
+        after = tune(cfg)["after"]["kind"]
+        figures[method] = after["accuracy"], after["loss"]
     with capsys.disabled():
-        print("\n  exact match on held-out 'kind' after 12 steps: " +
-              ", ".join(f"{m} {a:.1%}" for m, a in figures.items()))
-    assert figures["lora"] >= 0.9 and figures["lora"] > figures["prompt-tuning"], figures
+        print("\n  held-out 'kind' after 12 steps (exact match, loss): " +
+              ", ".join(f"{m} {a:.1%} {loss:.4f}" for m, (a, loss) in figures.items()))
+    (lora_acc, lora_loss), (prompt_acc, prompt_loss) = figures["lora"], figures["prompt-tuning"]
+    assert lora_acc >= 0.9 and lora_acc >= prompt_acc, figures
+    assert lora_loss < prompt_loss, figures
 
 
 def test_yaml_and_flags_configure_lora(tmp_path, capsys):
@@ -137,7 +145,11 @@ def test_yaml_and_flags_configure_lora(tmp_path, capsys):
 
 def _fails(argv, capsys, *needles):
     capsys.readouterr()
-    assert cli.main(argv) == 2
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:  # a flag out of range: argparse's error
+        status = exc.code
+    assert status == 2
     err = capsys.readouterr().err
     for needle in needles:
         assert needle in err, err
@@ -146,8 +158,9 @@ def _fails(argv, capsys, *needles):
 def test_bad_input_fails_before_anything_is_written(base, data, run, tmp_path, capsys):
     out = tmp_path / "out"
     argv = tune_argv(base, out, data["kind_train"], None, *LORA)
-    _fails([*argv, "--lora-rank", "0"], capsys, "lora_rank must be >= 1, got 0")
-    _fails([*argv, "--lora-dropout", "1.5"], capsys, "lora_dropout must be in [0, 1)")
+    _fails([*argv, "--lora-rank", "0"], capsys, "argument --lora-rank: must be >= 1, got 0")
+    _fails([*argv, "--lora-dropout", "1.5"], capsys,
+           "argument --lora-dropout: must be in [0, 1), got 1.5")
     _fails([*argv, "--lora-targets", "qkv,q_proj"], capsys, "'q_proj' matches no module",
            "layers.N.")
     _fails([*argv, "--lora-targets", "layers.("], capsys, "not a valid regular expression")
