@@ -38,7 +38,6 @@ class PromptTableError(ValueError):
     """A prompt table that cannot be used as asked; the message names the directory and why."""
 
 
-
 def _replace(directory: Path, name: str, write) -> None:
     """Write `directory/name` through a temporary file and one rename."""
     with atomic_file(directory / name) as tmp:

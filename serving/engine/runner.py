@@ -70,6 +70,8 @@ class StepBatch:
 def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
     """Task order (index = position), the same on every rank: sorted by name."""
     return sorted(tasks or {})
+
+
 @dataclass
 class PassOutput:
     """One forward pass's result: the rows it ran `(request, tokens)`, the positions wanted
