@@ -3,12 +3,12 @@
 Rows: single-stream decode tokens/s and time to first token; then aggregate throughput with
 continuous batching at 1, 4, 16 and 64 concurrent requests against HF `generate` with a static
 batch of the same size. Each Tessera row comes twice: the engine as it runs by default (eager),
-and with its decode step compiled (`--compile`, `serving/compiled.py`). HF's own compiled path
+and with its decode step compiled (`--compile`, `serving/engine/compiled.py`). HF's own compiled path
 (static cache, compiled forward) is measured too, as the peer of the compiled decode step.
 Greedy, fixed output length (EOS ignored), same weights (the Tessera
 checkpoint is exported to Hugging Face format in the same run). The engine's step loop runs on
 the main thread, as `tessera serve` runs it, and HF `generate` runs there too: a torch team on a
-second thread would slow both sides (see `serving.bridge`).
+second thread would slow both sides (see `serving.engine.bridge`).
 
 Targets on the 2-core CPU: single-stream decode >= 2x HF; 16 concurrent >= 5x HF single-stream.
 
@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import record  # noqa: E402
 
 from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
-from tessera.serving.bridge import run_beside  # noqa: E402
-from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.engine import LLMEngine, run_beside  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 
 

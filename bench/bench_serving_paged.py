@@ -33,9 +33,8 @@ from _common import record  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.paged_kv_cache import PagedKVCache  # noqa: E402
-from tessera.serving.bridge import run_beside  # noqa: E402
-from tessera.serving.engine import LLMEngine  # noqa: E402
-from tessera.serving.kv_config import KVCacheConfig  # noqa: E402
+from tessera.serving.engine import LLMEngine, run_beside  # noqa: E402
+from tessera.serving.engine.kv_config import KVCacheConfig  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 
 

@@ -31,9 +31,8 @@ from _common import machine, record  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.cpu_isa import cpu_isa  # noqa: E402
-from tessera.serving.bridge import run_beside  # noqa: E402
-from tessera.serving.engine import LLMEngine  # noqa: E402
-from tessera.serving.speculative import SpeculativeConfig  # noqa: E402
+from tessera.serving.engine import LLMEngine, run_beside  # noqa: E402
+from tessera.serving.engine.speculative import SpeculativeConfig  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 
 VOCAB = 512

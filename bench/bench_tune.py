@@ -24,7 +24,8 @@ from _common import answer_only_batch, best_time, peak_rss_mb, record, run_child
 def tessera_steps(args, ckpt: str, method: str) -> float:
     """Seconds per step of Tessera's tuning (frozen base + VirtualPrompts hook)."""
     from tessera.core import load_checkpoint
-    from tessera.tuning.prompts import attach_prompts, build_prompts
+    from tessera.core.prompts import attach_prompts
+    from tessera.tuning.prompts import build_prompts
 
     model = load_checkpoint(ckpt).train()
     for p in model.parameters():

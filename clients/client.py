@@ -7,7 +7,7 @@
         for chunk in client.stream("The cat", max_tokens=20, task="qa"):
             print(chunk.text, end="", flush=True)
 
-It speaks the server's OpenAI routes and returns the typed bodies of `tessera.serving.schemas`
+It speaks the server's OpenAI routes and returns the typed bodies of `tessera.serving.http.schemas`
 (the only server module it imports). `task="qa"` selects the prompt-tuned task by asking for the
 model `BASE:qa`. A 429 or 503 (server busy) is retried with exponential backoff, waiting at
 least as long as the server's `Retry-After` asks; other errors raise `TesseraError` with the
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from tessera.serving.schemas import (
+from tessera.serving.http.schemas import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,

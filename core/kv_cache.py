@@ -31,7 +31,7 @@ class KVCache:
         slot if the slots are consecutive (else None), and the attention mask. Its checks read
         tensor values (a device sync each), so they run once per pass and stage, in
         `GPTModel.forward` before the layers, which also keeps them out of a compiled decode
-        step (`serving.compiled`).
+        step (`serving.engine.compiled`).
         `views=False` always gathers: then the pass does not depend on which slots it reads
         (a compiled graph would be specialized to the first slot's number otherwise).
         """

@@ -5,7 +5,7 @@ token-major inside a block, so the blocks a row gathers line up as `(tokens, hea
 and attention reads them through a transposed view, with one copy (the gather) and not two.
 A sequence owns a list of blocks, its *block table*: token position `p` lives in block
 `table[p // block_size]` at offset `p % block_size`. Who owns which block (allocation, sharing,
-eviction) is the caller's business (the server's `serving.block_manager`); this class only
+eviction) is the caller's business (the server's `serving.engine.block_manager`); this class only
 stores and reads.
 
 A forward pass gives, per row of its batch, the absolute positions of its new tokens and its

@@ -1,5 +1,5 @@
 """`tessera serve`'s LoRA flags (`--lora NAME=PATH`, `--max-loras`, `--max-lora-rank`,
-`--allow-runtime-lora`) as the `serving.adapters.LoRAServing` every rank builds its slots from."""
+`--allow-runtime-lora`) as the `serving.engine.adapters.LoRAServing` every rank builds its slots from."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import functools
 from pathlib import Path
 
-from tessera.serving.adapters import LoRAServing
+from tessera.serving.engine.adapters import LoRAServing
 
 
 def parse_lora_flags(items: list[str]) -> tuple[tuple[str, str], ...]:

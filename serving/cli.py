@@ -2,7 +2,7 @@
 
 Single process by default. Under torchrun (or with `--nproc-per-node N`, which relaunches this
 command through torch's own launcher) rank 0 runs the engine and the HTTP server and every other
-rank serves the engine's steps (`serving.distributed`). SIGTERM / Ctrl-C stop every rank.
+rank serves the engine's steps (`serving.engine.distributed`). SIGTERM / Ctrl-C stop every rank.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "single-stream decoding of small models in bf16 on CPU (1.4x in fp32), "
                         "after 10-60 s of compiling at start; keeps a second, prepacked copy "
                         "of the weights; one process only, not with --quantize int8 "
-                        "(see serving/compiled.py)")
+                        "(see serving/engine/compiled.py)")
     # From the environment too, so a container image can listen on all interfaces by default
     # and keep doing so when its command is overridden.
     p.add_argument("--host", default=os.environ.get("TESSERA_HOST", "127.0.0.1"),
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"carry (default: {DEFAULT_SERVED_NAME!r}, and the checkpoint "
                         "directory's name as a second one)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
-    # The KV cache (serving/kv_config.py)
+    # The KV cache (serving/engine/kv_config.py)
     p.add_argument("--kv-cache", choices=("paged", "slots"), default=None,
                    help="paged: blocks shared through the prefix cache (default); slots: one "
                         "whole-context row per request, as before (default with --compile)")
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV blocks between requests with a common prefix")
-    # Speculative decoding (serving/speculative.py)
+    # Speculative decoding (serving/engine/speculative.py)
     p.add_argument("--speculative", choices=("ngram", "draft"), default=None,
                    help="speculative decoding: ngram proposes the tokens that followed the "
                         "last n-gram's earlier occurrence in the request (prompt lookup); "
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close idle keep-alive connections after this long")
     p.add_argument("--max-connections", type=positive_int, default=1024,
                    help="open connections at most; requests on more get 503")
-    # Per-request LoRA adapters (serving/adapters.py)
+    # Per-request LoRA adapters (serving/engine/adapters.py)
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve the LoRA adapter directory PATH (`tessera tune --method lora`, "
                         "or a PEFT adapter_config.json + adapter_model.safetensors) as NAME, "
@@ -165,7 +165,7 @@ def main(argv: list[str], adapter_reader: Any = None) -> int:
 
         return launch_local_ranks("serve", argv, args.nproc_per_node)
     try:
-        from tessera.serving.family_apps import app_for_family
+        from tessera.serving.http.family_apps import app_for_family
 
         family_app = app_for_family(args, served_names(args))  # BERT, T5: one process
         engine = None if family_app else _start(args)
@@ -188,17 +188,17 @@ def main(argv: list[str], adapter_reader: Any = None) -> int:
 def _start(args: argparse.Namespace):
     """This rank's part: the engine on rank 0, the worker loop (then None) elsewhere."""
     from tessera.core.parallel.groups import resolve_device
-    from tessera.serving.distributed import start_rank
-    from tessera.serving.speculative import config_from_flags
+    from tessera.serving.engine.distributed import start_rank
+    from tessera.serving.engine.speculative import config_from_flags
 
     speculative = config_from_flags(args.speculative, args.num_speculative_tokens,
                                     args.draft_checkpoint, args.ngram_min, args.ngram_max)
     tasks = None
     if args.prompts:
-        from tessera.tuning.prompt_table import load_prompt_tables
+        from tessera.core.prompt_table import load_prompt_tables
 
         tasks = load_prompt_tables(args.prompts, args.checkpoint)
-    # background=False: the step loop runs on this (main) thread, see `serving.bridge`.
+    # background=False: the step loop runs on this (main) thread, see `serving.engine.bridge`.
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
@@ -211,7 +211,7 @@ def _start(args: argparse.Namespace):
     if args.compile:
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
               file=sys.stderr, flush=True)
-    from tessera.serving.kv_config import KVCacheConfig
+    from tessera.serving.engine.kv_config import KVCacheConfig
 
     kind = args.kv_cache or ("slots" if args.compile else "paged")
     kv = KVCacheConfig(kind=kind, block_size=args.kv_block_size, memory=args.kv_cache_memory,
@@ -224,17 +224,9 @@ def _start(args: argparse.Namespace):
                       model_name=served_names(args)[0], speculative=speculative)
 
 
-def app_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """`create_app`'s keyword arguments that the flags set: key, limits, aliases."""
-    return dict(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                max_prompt_tokens=args.max_prompt_tokens, max_concurrency=args.max_concurrency,
-                request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout,
-                model_aliases=tuple(served_names(args)[1:]))
-
-
 def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
     """The uvicorn config serving `app` with the flags' address and slow-client limits."""
-    from tessera.serving.connections import server_config
+    from tessera.serving.http.connections import server_config
 
     return server_config(app, host=args.host, port=args.port, log_level=args.log_level,
                          header_timeout_s=args.header_timeout,
@@ -297,12 +289,14 @@ def _run_http(engine, args: argparse.Namespace) -> int:
     """
     import uvicorn
 
-    from tessera.serving.app import create_app  # the HTTP layer, imported only to serve
+    from tessera.serving.http.app import create_app  # the HTTP layer, imported only to serve
+    from tessera.serving.http.flags import app_limits
 
     template, origin = chat_template_of(args)
     print(f"tessera serve: chat template: {origin}", file=sys.stderr, flush=True)
     app = create_app(engine, model_name=engine.model_name, chat_template=template,
-                     allow_runtime_lora=args.allow_runtime_lora, **app_limits(args))
+                     allow_runtime_lora=args.allow_runtime_lora,
+                     **app_limits(args, served_names(args)))
     server = uvicorn.Server(uvicorn_config(app, args))
     engine.on_stop(lambda: setattr(server, "should_exit", True))
     failed = []

@@ -7,7 +7,7 @@ contracts in pyproject.toml).
 As the server does: a text prompt starts with BOS, `--stop` strings cut the text before them
 (and end generation), `--chat` renders the prompt as a user message (after an optional
 `--system` one) through the checkpoint's chat template (else the built-in one), and `--stream`
-prints the text as it is decoded (`serving.detokenize`: never half a character).
+prints the text as it is decoded (`serving.engine.detokenize`: never half a character).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def generate_text(checkpoint: str, prompt: str, *, max_tokens: int = 64,
     from tessera.core.checkpoint import load_checkpoint
     from tessera.core.generation import generate_ids
     from tessera.core.tokenizer import load_tokenizer
-    from tessera.serving.detokenize import OutputText
+    from tessera.serving.engine.detokenize import OutputText
 
     model = load_checkpoint(checkpoint, dtype=dtype)
     tokenizer = load_tokenizer(checkpoint)
@@ -62,8 +62,8 @@ def generate_text(checkpoint: str, prompt: str, *, max_tokens: int = 64,
 def chat_prompt(checkpoint: str, message: str, system: str | None = None) -> str:
     """`message` (after `system`) rendered by the checkpoint's chat template, as served."""
     from tessera.serving.cli import stored_chat_template
-    from tessera.serving.openai_api import ChatTemplate
-    from tessera.serving.schemas import ChatMessage
+    from tessera.serving.http.openai_api import ChatTemplate
+    from tessera.serving.http.schemas import ChatMessage
 
     messages = ([ChatMessage(role="system", content=system)] if system else []) + [
         ChatMessage(role="user", content=message)]

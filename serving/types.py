@@ -52,10 +52,10 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     task: str | None = None  # a prompt-tuned task served by this engine, or None
     timeout_s: float | None = None  # finish with reason "timeout" past this wall time
-    # Scheduling and prefix caching (serving.scheduler, serving.block_manager)
+    # Scheduling and prefix caching (serving.engine.scheduler, serving.engine.block_manager)
     priority: int = 0  # lower runs first; equal priorities: first come, first served
     cache_salt: str | None = None  # KV blocks are shared only between requests with equal salts
-    # Per-request LoRA (serving.adapters): a loaded adapter's name, or None for the base model.
+    # Per-request LoRA (serving.engine.adapters): a loaded adapter's name, or None for the base model.
     adapter: str | None = None
 
 

@@ -91,10 +91,10 @@ def full_forward_greedy(model, prompt: list[int], n: int) -> tuple[list[int], to
 def running_server(app, **config) -> Iterator[int]:
     """A real uvicorn server for `app` on 127.0.0.1 and a free port, in a thread; yields the
     port once it accepts connections and stops the server afterwards. `config` goes to
-    `serving.connections.server_config` (timeouts, connection limits)."""
+    `serving.http.connections.server_config` (timeouts, connection limits)."""
     import uvicorn
 
-    from tessera.serving.connections import server_config
+    from tessera.serving.http.connections import server_config
 
     server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="error",
                                           **config))

@@ -1,8 +1,10 @@
 """Fail when modules of one package import each other in a circle.
 
-A circle inside a package (a -> b -> a, whether the import is at module level or inside a
-function) means two modules are one design split in two files, or a generic module that names
-its special cases. Imports under `if TYPE_CHECKING:` are left out: they never run.
+A package is one of tessera's top-level packages with its subpackages (`tessera.core` holds
+`core.parallel` and `core.models.t5`). A circle inside one (a -> b -> a, whether the import is
+at module level or inside a function) means two modules are one design split in two files, or
+a generic module that names its special cases. Imports under `if TYPE_CHECKING:` are left out:
+they never run.
 
 Usage (what `make lint` runs): python tools/import_cycles.py IMPORT_TREE
 where IMPORT_TREE holds `tessera/` laid out as installed (the Makefile builds it).
@@ -17,7 +19,8 @@ import grimp
 
 
 def package_of(module: str) -> str:
-    return module.rsplit(".", 1)[0]
+    """The top-level package: `tessera.core` for `tessera.core.models.t5.model`."""
+    return ".".join(module.split(".")[:2])
 
 
 def strongly_connected(nodes: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
@@ -72,8 +75,6 @@ def main(tree: str) -> int:
     modules = set(graph.modules)
     for module in modules:
         for imported in graph.find_modules_directly_imported_by(module):
-            # A package's __init__ importing its own modules is how packages re-export: not a
-            # design circle. Only module -> module arrows inside one package count.
             if package_of(imported) == package_of(module) and imported in modules:
                 edges[module].add(imported)
     circles = strongly_connected(modules, edges)

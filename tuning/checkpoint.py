@@ -43,8 +43,8 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.zero import ShardedOptimizer
+from tessera.core.prompts import VirtualPrompts
 from tessera.training.moments import join_rows
-from tessera.tuning.prompts import VirtualPrompts
 
 STATE_FILE = "prompt_state.safetensors"
 META_FILE = "state.json"

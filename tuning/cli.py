@@ -30,9 +30,9 @@ def main(argv: list[str]) -> int:
 
     from tessera.core.checkpoint import CheckpointError
     from tessera.core.lora_format import AdapterError
+    from tessera.core.prompt_table import PromptTableError
     from tessera.training.run_dir import missing_directories, remove_empty_directories
     from tessera.tuning.checkpoint import TuningCheckpointError
-    from tessera.tuning.prompt_table import PromptTableError
 
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
     created = missing_directories(cfg.loop.output)  # taken back if the run is refused

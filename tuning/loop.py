@@ -8,7 +8,7 @@ the base is built without initialization and loaded from its checkpoint, the pro
 attached to the first stage as its embedding hook, only they require gradients and only they
 are in the optimizer. Batches come from `tuning.data` (indexed by step, so resuming needs only
 the step), validation from `tuning.evaluate`, checkpoints from `tuning.checkpoint`, and the
-result is a prompt table (`tuning.prompt_table`) in the output directory.
+result is a prompt table (`core.prompt_table`) in the output directory.
 
 LoRA (`--method lora`) takes the same path with the adapter in place of the prompts: the
 targeted layers get their factors (`core.lora.attach_lora`, this rank's pieces), only those
@@ -43,6 +43,13 @@ from tessera.core.lora import (
 )
 from tessera.core.lora_format import AdapterConfig, AdapterError, check_base, save_adapter
 from tessera.core.parallel.zero import ShardedOptimizer
+from tessera.core.prompt_table import (
+    MANIFEST_FILE,
+    TABLE_FILE,
+    base_fingerprint,
+    write_prompt_table,
+)
+from tessera.core.prompts import VirtualPrompts, attach_prompts
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
 from tessera.training.loop import train_step as pretrain_step
@@ -64,15 +71,7 @@ from tessera.tuning.data import (
 )
 from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
 from tessera.tuning.lora_state import gather_adapter, load_lora_checkpoint, save_lora_checkpoint
-from tessera.tuning.prompt_table import (
-    MANIFEST_FILE,
-    TABLE_FILE,
-    base_fingerprint,
-    write_prompt_table,
-)
 from tessera.tuning.prompts import (
-    VirtualPrompts,
-    attach_prompts,
     build_prompts,
     initial_embeddings,
     mark_only_prompt_as_trainable,
@@ -179,7 +178,7 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
     `adapter` given (evaluation of a finished LoRA adapter): its config and global tensors,
     frozen.
     """
-    from tessera.tuning.prompts import fixed_prompts
+    from tessera.core.prompts import fixed_prompts
 
     cfg.train.seq_len = inputs.seq_len
     device, groups, stages = build_rank_model(cfg, init=False)
@@ -417,7 +416,7 @@ def _finite(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def evaluate_table(cfg: TuneRunConfig, prompts_dir: str) -> dict[str, dict[str, Any]]:
     """`tessera tune --evaluate`: metrics of a finished prompt table on `cfg.tune.data`."""
-    from tessera.tuning.prompt_table import check_base, read_prompt_table
+    from tessera.core.prompt_table import check_base, read_prompt_table
 
     manifest, tables = read_prompt_table(prompts_dir)
     if not cfg.tune.checkpoint:

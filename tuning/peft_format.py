@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 from tessera.core.checkpoint import atomic_directory, read_manifest
 from tessera.core.files import save_safetensors
+from tessera.core.prompt_table import PromptTableError, read_prompt_table, write_prompt_table
 from tessera.tuning.data import TaskSpec
-from tessera.tuning.prompt_table import PromptTableError, read_prompt_table, write_prompt_table
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,7 +1,7 @@
 """Per-request LoRA adapters on tensor-/pipeline-parallel gloo ranks: adapters given at start
 are cut into every rank's pieces (B by rows on column-parallel layers, A by columns on
 row-parallel ones) in the same slots, and a batch mixing two adapters and plain requests gives
-the single-process engine's greedy tokens (which `tests/unit/serving/test_lora_serving.py`
+the single-process engine's greedy tokens (which `tests/unit/serving/engine/test_lora_serving.py`
 checks against the merged models). Adapters hot-loaded and unloaded while serving reach every
 rank; a load that fails leaves every rank as it was."""
 
@@ -15,8 +15,8 @@ from tessera.core.checkpoint import save_checkpoint
 from tessera.core.fingerprint import base_fingerprint
 from tessera.core.lora_format import AdapterConfig, AdapterError, lora_names, save_adapter
 from tessera.core.parallel.sharding import global_param_shapes
-from tessera.serving.adapters import AdapterBusy, LoRAServing, UnknownAdapter
-from tessera.serving.distributed import start_rank
+from tessera.serving.engine.adapters import AdapterBusy, LoRAServing, UnknownAdapter
+from tessera.serving.engine.distributed import start_rank
 from tests.distributed_helper import run_ranks
 from tests.serving_helper import collect
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from tessera.core import ModelConfig, build_model
 from tessera.core.checkpoint import save_checkpoint
-from tessera.serving.distributed import start_rank
-from tessera.serving.kv_config import KVCacheConfig
+from tessera.serving.engine.distributed import start_rank
+from tessera.serving.engine.kv_config import KVCacheConfig
 from tests.distributed_helper import run_ranks
 from tests.serving_helper import collect
 
@@ -72,7 +72,7 @@ def _body(rank: int, world: int, checkpoints: dict[str, str], layout: tuple[int,
                 out["preempted"] = engine.stats()["preemptions_total"]
             engine.shutdown()
     if world == 2:  # speculative rows (1 + k tokens, every logit kept) over tensor parallelism
-        from tessera.serving.speculative import SpeculativeConfig
+        from tessera.serving.engine.speculative import SpeculativeConfig
 
         served = _serve(checkpoints["llama"], tp, pp, speculative=SpeculativeConfig("ngram", 3))
         if served is not None:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader
+from tessera.core.prompt_table import read_prompt_table
 from tessera.training.loop import train_step
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import prepare_inputs, setup, train_batch, tune
-from tessera.tuning.prompt_table import read_prompt_table
 from tests.distributed_helper import run_ranks
 from tests.unit.tuning.tuning_helper import random_base_and_tasks, tune_argv
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from tessera.core import ModelConfig, build_model, save_checkpoint
+from tessera.core.prompt_table import read_prompt_table
 from tessera.core.tokenizer import train_tokenizer
 from tessera.tuning.checkpoint import STATE_FILE, read_tuning_meta
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import tune
-from tessera.tuning.prompt_table import read_prompt_table
 from tests.distributed_helper import run_ranks
 from tests.unit.tuning.tuning_helper import corpus, task_examples, tune_argv, write_jsonl
 

@@ -13,7 +13,7 @@ import argparse
 import torch
 import uvicorn
 
-from tessera.serving.app import create_app
+from tessera.serving.http.app import create_app
 
 
 def main() -> None:

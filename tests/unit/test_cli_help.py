@@ -122,7 +122,7 @@ def test_list_models_prints_every_preset_with_its_sizes(capsys):
 
 
 def test_server_version_is_the_installed_one():
-    from tessera.serving.version import SERVER_VERSION
+    from tessera.serving.http.version import SERVER_VERSION
 
     assert SERVER_VERSION == importlib.metadata.version("tessera")
 

@@ -16,8 +16,8 @@ SUBPACKAGES = ("core", "training", "tuning", "converters", "serving", "clients",
 
 
 def _tree(tmp_path: Path, extra: dict[str, str] | None = None) -> Path:
-    """`tessera/` linked to the repository's folders, plus `extra` modules written into a copy
-    of the root package (to plant a circle)."""
+    """`tessera/` linked to the repository's folders, plus `extra` files (path: text) written
+    beside them (to plant a circle)."""
     pkg = tmp_path / "tessera"
     pkg.mkdir()
     for f in (ROOT / "tessera").glob("*.py"):
@@ -25,6 +25,7 @@ def _tree(tmp_path: Path, extra: dict[str, str] | None = None) -> Path:
     for d in SUBPACKAGES:
         (pkg / d).symlink_to(ROOT / d)
     for name, text in (extra or {}).items():
+        (pkg / name).parent.mkdir(exist_ok=True)
         (pkg / name).write_text(text)
     return tmp_path
 
@@ -42,8 +43,9 @@ def test_no_package_has_an_import_circle(tmp_path):
 
 
 def test_a_circle_hidden_inside_a_function_is_found(tmp_path):
-    planted = {"circle_a.py": "def f():\n    from tessera import circle_b\n",
-               "circle_b.py": "from tessera import circle_a\n"}
+    planted = {"planted/__init__.py": "",
+               "planted/circle_a.py": "def f():\n    from tessera.planted import circle_b\n",
+               "planted/circle_b.py": "from tessera.planted import circle_a\n"}
     out = _check(_tree(tmp_path, planted))
     assert out.returncode == 1
-    assert "tessera.circle_a <-> tessera.circle_b" in out.stdout
+    assert "tessera.planted.circle_a <-> tessera.planted.circle_b" in out.stdout

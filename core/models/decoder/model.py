@@ -333,7 +333,7 @@ class GPTModel(nn.Module):
         through this stage's layers, and on the last stage the head, returning what `forward`
         returns. With a cache, `cache.begin(positions, slots)` must have planned this pass (as
         `forward` does). Reads no tensor values on the host, so it compiles as one graph
-        (`serving.compiled`). With `seq` (context parallel / packed documents, made by
+        (`serving.engine.compiled`). With `seq` (context parallel / packed documents, made by
         `forward`), `positions` are the local tokens' and `labels` the whole sequence's."""
         sp = self.layout.sequence_parallel and cache is None
         T = h.shape[0] * (self.groups.tp_size if sp else 1)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from tessera.serving.app import create_app
+from tessera.serving.http.app import create_app
 
 from .fake_engine import FakeEngine
 

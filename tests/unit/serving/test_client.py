@@ -10,8 +10,8 @@ import pytest
 
 from tessera.clients import AsyncClient, Client, TesseraError
 from tessera.clients.client import retry_delay
-from tessera.serving.app import create_app
-from tessera.serving.schemas import CompletionResponse
+from tessera.serving.http.app import create_app
+from tessera.serving.http.schemas import CompletionResponse
 
 from .fake_engine import FakeEngine
 

@@ -24,8 +24,8 @@ pytest.importorskip("datasets")
 
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
-from tessera.serving.app import create_app  # noqa: E402
 from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.http.app import create_app  # noqa: E402
 from tests.serving_helper import (  # noqa: E402
     full_forward_greedy,
     running_server,

@@ -26,7 +26,7 @@ def checkpoint(tmp_path):
 
 def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
     seen = {}
-    app_module = types.ModuleType("tessera.serving.app")
+    app_module = types.ModuleType("tessera.serving.http.app")
 
     def create_app(engine, *, model_name, api_key=None, model_aliases=(), **limits):
         seen.update(engine=engine, model_name=model_name, api_key=api_key, aliases=model_aliases)
@@ -39,7 +39,7 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
         server.started = True
 
     app_module.create_app = create_app
-    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     assert main(["--checkpoint", str(checkpoint), "--api-key", "k", "--max-batch", "2"]) == 0
     engine = seen["engine"]
@@ -54,9 +54,9 @@ def test_serve_builds_the_engine_and_runs_uvicorn(checkpoint, monkeypatch):
 
 def test_serve_exits_1_and_stops_the_engine_when_uvicorn_cannot_start(checkpoint, monkeypatch):
     seen = {}
-    app_module = types.ModuleType("tessera.serving.app")
+    app_module = types.ModuleType("tessera.serving.http.app")
     app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
-    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
 
     def run(server):  # what uvicorn does when the port is taken
         raise SystemExit(1)
@@ -84,9 +84,9 @@ def test_serve_quantize_int8_loads_int8_weights(checkpoint, monkeypatch):
     from tessera.core.quantize import Int8
 
     seen = {}
-    app_module = types.ModuleType("tessera.serving.app")
+    app_module = types.ModuleType("tessera.serving.http.app")
     app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
-    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
 
     def run(server):
         model = seen["engine"].executor.runner.stages[0]
@@ -113,9 +113,9 @@ def test_serve_kv_cache_flags(checkpoint, monkeypatch, extra, kind, blocks):
     from tessera.core.kv_cache import KVCache
 
     seen = {}
-    app_module = types.ModuleType("tessera.serving.app")
+    app_module = types.ModuleType("tessera.serving.http.app")
     app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
-    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
 
     def run(server):
         seen["cache"] = seen["engine"].executor.runner.cache

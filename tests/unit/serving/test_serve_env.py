@@ -25,14 +25,14 @@ def checkpoint(tmp_path):
 
 def test_host_and_checkpoint_come_from_the_environment(checkpoint, monkeypatch):
     seen = {}
-    app_module = types.ModuleType("tessera.serving.app")
+    app_module = types.ModuleType("tessera.serving.http.app")
     app_module.create_app = lambda engine, *, model_name, **kw: seen.update(name=model_name)
 
     def run(server):
         seen["config"] = server.config
         server.started = True
 
-    monkeypatch.setitem(sys.modules, "tessera.serving.app", app_module)
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setenv("TESSERA_HOST", "0.0.0.0")
     monkeypatch.setenv("TESSERA_CHECKPOINT", str(checkpoint))

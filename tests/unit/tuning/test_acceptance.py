@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tessera.core.checkpoint import load_checkpoint
+from tessera.core.prompt_table import load_prompt_tables
+from tessera.core.prompts import attach_prompts, fixed_prompts
 from tessera.tuning.config import load_config
 from tessera.tuning.data import TaskSpec, load_examples
 from tessera.tuning.loop import base_tokenizer, tune
-from tessera.tuning.prompt_table import load_prompt_tables
-from tessera.tuning.prompts import attach_prompts, fixed_prompts
 from tests.unit.tuning.tuning_helper import tune_argv
 
 # The thresholds were set with the compiled kernels of a default run (eager reaches 13/16).

@@ -12,13 +12,13 @@ import torch
 from tessera.converters.cli import main as convert
 from tessera.core import save_checkpoint
 from tessera.core.checkpoint import load_checkpoint
-from tessera.tuning import cli
-from tessera.tuning.prompt_table import (
+from tessera.core.prompt_table import (
     TABLE_FILE,
     PromptTableError,
     base_fingerprint,
     load_prompt_tables,
 )
+from tessera.tuning import cli
 from tests.unit.tuning.tuning_helper import tune_argv
 
 

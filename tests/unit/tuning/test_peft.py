@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 from tessera.converters.hf_io import export_hf  # noqa: E402
 from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
+from tessera.core.prompt_table import load_prompt_tables, write_prompt_table  # noqa: E402
+from tessera.core.prompts import attach_prompts, fixed_prompts  # noqa: E402
 from tessera.tuning import cli  # noqa: E402
 from tessera.tuning.data import TaskSpec  # noqa: E402
 from tessera.tuning.peft_format import export_peft  # noqa: E402
-from tessera.tuning.prompt_table import load_prompt_tables, write_prompt_table  # noqa: E402
-from tessera.tuning.prompts import attach_prompts, fixed_prompts  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecations

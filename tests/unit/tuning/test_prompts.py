@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from tessera.core import ModelConfig, build_model
+from tessera.core.prompts import FixedPrompt, attach_prompts, fixed_prompts
 from tessera.tuning.prompts import (
-    FixedPrompt,
     PromptEncoder,
-    attach_prompts,
     build_prompts,
-    fixed_prompts,
     initial_embeddings,
     mark_only_prompt_as_trainable,
     prompt_filter,

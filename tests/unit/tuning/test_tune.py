@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 
 from tessera.core.checkpoint import CheckpointReader
+from tessera.core.prompt_table import read_prompt_table
 from tessera.training.loop import train_step
 from tessera.tuning import cli
 from tessera.tuning.checkpoint import STATE_FILE
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import prepare_inputs, setup, train_batch, tune
-from tessera.tuning.prompt_table import read_prompt_table
 from tests.unit.tuning.tuning_helper import tune_argv
 
 

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 from tessera.core.checkpoint import CheckpointReader
 from tessera.core.fp8_training import EmulatedFp8
+from tessera.core.prompt_table import read_prompt_table
 from tessera.training.loop import train_step
 from tessera.tuning.checkpoint import FP8_FILE, read_tuning_meta
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import prepare_inputs, setup, train_batch, tune
-from tessera.tuning.prompt_table import read_prompt_table
 from tests.unit.tuning.tuning_helper import tune_argv
 
 STEPS = 3

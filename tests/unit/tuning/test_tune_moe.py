@@ -22,13 +22,13 @@ from tessera.core.config import ModelConfig
 from tessera.core.lora import resolve_targets
 from tessera.core.lora_format import AdapterError
 from tessera.core.moe.layer import MoEFeedForward
+from tessera.core.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 from tessera.core.tokenizer import train_tokenizer
 from tessera.serving.engine import LLMEngine
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tessera.training.loop import train_step
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import prepare_inputs, setup, train_batch
-from tessera.tuning.prompts import FixedPrompt, VirtualPrompts, attach_prompts
 from tests.serving_helper import collect, full_forward_greedy
 from tests.unit.tuning.tuning_helper import corpus, task_examples, tune_argv, write_jsonl
 

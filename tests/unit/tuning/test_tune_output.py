@@ -9,10 +9,10 @@ import stat
 
 import torch
 
+from tessera.core.prompt_table import read_prompt_table
 from tessera.tuning import cli
 from tessera.tuning.config import load_config
 from tessera.tuning.loop import tune
-from tessera.tuning.prompt_table import read_prompt_table
 from tests.unit.tuning.tuning_helper import tune_argv
 
 SHORT = ("--steps", "3", "--method", "prompt-tuning")
