@@ -186,12 +186,10 @@ class Job:
 
 
 def moe_fields(model: ModelConfig) -> tuple[int, int, int | None]:
-    """(num_experts, experts_per_token, moe_ffn_hidden_size) of `model`, zeros for a dense model
-    (read by name so that MoE `ModelConfig` fields, when they land, are picked up)."""
-    experts = int(getattr(model, "num_experts", 0) or 0)
-    topk = int(getattr(model, "experts_per_token", 0) or getattr(model, "moe_top_k", 0) or 0)
-    ffn = getattr(model, "moe_ffn_hidden_size", None)
-    return experts, (topk or (1 if experts else 0)), ffn
+    """(num_experts, experts_per_token, expert FFN size or None) of `model` (`model.moe`);
+    num_experts 0 for a dense model."""
+    moe = model.moe
+    return moe.num_experts, moe.top_k or (1 if moe.num_experts else 0), moe.ffn_hidden_size
 
 
 def counts_of(model: ModelConfig) -> F.ParameterCounts:
@@ -350,7 +348,7 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
     sl = s // cp
     T = b * sl  # tokens of one micro-batch on this rank
     experts, topk, moe_ffn = moe_fields(model)
-    shared = model.moe_shared_ffn_hidden_size if moe else 0
+    shared = model.moe.shared_ffn_hidden_size if moe else 0
     qkv_n = (a + 2 * kv) * hd / tp
     gemm = (_gemm_time(2 * T * h * qkv_n, (T, qkv_n, h), peak, hw)
             + _gemm_time(2 * T * a * hd / tp * h, (T, h, a * hd / tp), peak, hw))

@@ -122,19 +122,19 @@ def parameter_counts(
     attn += 2 * hd if model.qk_norm else 0  # Qwen3's per-head q/k norm weights (core.qk_norm)
     norm = h * (1 if model.norm == "rmsnorm" else 2)
     dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
-    E = model.num_experts if num_experts is None else num_experts
-    k = model.moe_top_k if experts_per_token is None else experts_per_token
+    E = model.moe.num_experts if num_experts is None else num_experts
+    k = model.moe.top_k if experts_per_token is None else experts_per_token
     moe: dict[str, int] = {}
     if E:
-        f = moe_ffn_hidden_size or model.moe_ffn_hidden_size or model.ffn_hidden_size
+        f = moe_ffn_hidden_size or model.moe.ffn_hidden_size or model.ffn_hidden_size
         expert = mlp_parameters(h, f, model.gated, False)
-        fs = model.moe_shared_ffn_hidden_size
+        fs = model.moe.shared_ffn_hidden_size
         shared = (mlp_parameters(h, fs, model.gated, False) + h) if fs else 0
-        router = h * E + (E if model.moe_expert_bias else 0)
+        router = h * E + (E if model.moe.expert_bias else 0)
         moe_dense = attn + 2 * norm + router + shared
         # Layers i with (i + 1) % freq == 0 in range(L): L // freq of them.
-        moe = dict(num_moe_layers=model.num_layers // model.moe_layer_freq,
-                   moe_layer_freq=model.moe_layer_freq,
+        moe = dict(num_moe_layers=model.num_layers // model.moe.layer_freq,
+                   moe_layer_freq=model.moe.layer_freq,
                    moe_layer_dense=moe_dense, moe_layer_experts=E * expert,
                    moe_layer_active=moe_dense + k * expert)
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
@@ -345,7 +345,7 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
     if recompute == "full":
         return layer_activation_bytes(model, s, b, t, sequence_parallel, recompute, cp)
     h = model.hidden_size
-    fs = model.moe_shared_ffn_hidden_size
+    fs = model.moe.shared_ffn_hidden_size
     units = layer_activation_units(model, flash_attention, ffn=fs)
     split_by = t if sequence_parallel else 1
     local = s / cp * b  # tokens of this rank's micro-batch
@@ -353,9 +353,9 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
                                   flash_attention, units)
     shared_out = 2 * local * h / split_by if fs else 0.0
     n = local / split_by
-    f = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    f = model.moe.ffn_hidden_size or model.ffn_hidden_size
     per_copy = 2 * h * etp + (6 if model.gated else 4) * f + 2 * h
-    routed = n * (4 * model.num_experts + model.moe_top_k * per_copy)
+    routed = n * (4 * model.moe.num_experts + model.moe.top_k * per_copy)
     return base + shared_out + routed
 
 
@@ -525,8 +525,8 @@ def moe_active_mlp_weights(model: ModelConfig) -> int:
     router's (E x h) and the gate's (1 x h) logits are left out, as Megatron-LM's
     `num_floating_point_operations` leaves out the router."""
     up = 3 if model.gated else 2
-    f = model.moe_ffn_hidden_size or model.ffn_hidden_size
-    return up * model.hidden_size * (model.moe_top_k * f + model.moe_shared_ffn_hidden_size)
+    f = model.moe.ffn_hidden_size or model.ffn_hidden_size
+    return up * model.hidden_size * (model.moe.top_k * f + model.moe.shared_ffn_hidden_size)
 
 
 def logits_forward_flops(tokens: float, h: int, vocab: int) -> float:

@@ -26,7 +26,7 @@ def _bert_problems(cfg: PretrainConfig) -> list[str]:
     if cfg.data.isolate_documents:
         out.append("--isolate-documents is for packed decoder samples; BERT samples are "
                    "[CLS] A [SEP] B [SEP] pairs with their own padding mask: leave it off")
-    if cfg.model.binary_head and cfg.parallel.pp > 1:
+    if cfg.model.options.binary_head and cfg.parallel.pp > 1:
         out.append("the next-sentence head (binary_head=true) runs only without pipeline "
                    "parallelism (pp 1); set binary_head=false or --pp 1")
     return out
@@ -46,7 +46,7 @@ def _bert_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
     train_ds, valid_ds, _ = build_bert_datasets(
         cfg.data.data, t.seq_len, cfg.data.split,
         [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], specials,
-        t.seed, cfg.data.data_cache or None, MaskingConfig(nsp=cfg.model.binary_head))
+        t.seed, cfg.data.data_cache or None, MaskingConfig(nsp=cfg.model.options.binary_head))
     return train_ds, valid_ds
 
 

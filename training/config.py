@@ -28,6 +28,7 @@ from tessera.core.arg_types import (
     positive_int,
 )
 from tessera.core.config import (
+    PRESETS,
     ConfigError,
     CPComm,
     DataParallel,
@@ -440,15 +441,24 @@ def _model_from(spec: Any, preset: str | None, overrides: list[str]
         raise ConfigError(f"model: expected a preset name or a mapping of fields, got {spec!r}")
     if preset:
         name = preset
-    hints = typing.get_type_hints(ModelConfig)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--model-overrides expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         fields[key] = yaml.safe_load(value)
+    for sub in ("moe", "options"):  # a YAML mapping `moe: {top_k: 2}` is `moe.top_k: 2`
+        if isinstance(fields.get(sub), dict):
+            fields.update({f"{sub}.{k}": v for k, v in fields.pop(sub).items()})
+    family = fields.get("family") or PRESETS.get(name, {}).get("family", ModelConfig.family)
+    types = ModelConfig.field_types(family)
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in fields.items():
-        if key not in hints:
-            raise ConfigError(f"unknown model field {key!r}; the fields are "
-                              f"{', '.join(f.name for f in dataclasses.fields(ModelConfig))}")
-        fields[key] = _coerce(f"model.{key}", value, hints[key])
-    return ModelConfig.from_name(name, **fields), frozenset(fields)
+        if key not in types:
+            raise ConfigError(f"unknown model field {key!r} for a family {family!r} model; the "
+                              f"fields are {', '.join(sorted(types))}")
+        fields[key] = _coerce(f"model.{key}", value, types[key])
+        sub, _, name_in_sub = key.partition(".")
+        if name_in_sub:
+            nested.setdefault(sub, {})[name_in_sub] = fields[key]
+    flat = {k: v for k, v in fields.items() if "." not in k}
+    return ModelConfig.from_name(name, **flat, **nested), frozenset(fields)

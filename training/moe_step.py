@@ -22,9 +22,9 @@ from tessera.core.moe.stats import router_step_end, track_router_stats
 def begin_moe_step(job: Any) -> None:
     """Set the MoE layers' aux-loss gradient scale and start recording (see the module)."""
     config = job.stages[0].config
-    if not config.num_experts:
+    if not config.moe.num_experts:
         return
-    if (config.moe_aux_loss_pooling == "model" and job.groups.pp_size > 1
+    if (config.moe.aux_loss_pooling == "model" and job.groups.pp_size > 1
             and job.stages[0].training):  # tuning runs the frozen base in eval: no router loss
         # Before the pipeline schedule runs (it would wrap the layers' own error).
         raise ConfigError(
@@ -42,7 +42,7 @@ def begin_moe_step(job: Any) -> None:
 
 def end_moe_step(job: Any) -> dict[str, float]:
     """The step's router metrics over all ranks ({} for a dense model)."""
-    if not job.stages[0].config.num_experts:
+    if not job.stages[0].config.moe.num_experts:
         return {}
     par = job.cfg.parallel
     return router_step_end(job.stages, job.groups, par.sequence_parallel, par.micro_batches)

@@ -73,5 +73,5 @@ def make_dispatcher(groups: Any, config: Any, kind: str = "alltoall") -> Dispatc
     (`core.parallel.expert_parallel`).
     """
     if groups.ep_size * groups.etp_size > 1:
-        return make_expert_parallel_dispatcher(groups, config.num_experts, kind)
-    return LocalDispatcher(config.num_experts)
+        return make_expert_parallel_dispatcher(groups, config.moe.num_experts, kind)
+    return LocalDispatcher(config.moe.num_experts)

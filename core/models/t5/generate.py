@@ -28,7 +28,7 @@ def t5_greedy(model: T5Model, encoder_ids: torch.Tensor,
         enc = model.encode(encoder_ids, encoder_mask)
         cache = T5Cache()
         B = encoder_ids.shape[0]
-        step = torch.full((B, 1), model.config.decoder_start_token_id, dtype=torch.long,
+        step = torch.full((B, 1), model.config.options.decoder_start_token_id, dtype=torch.long,
                           device=encoder_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=encoder_ids.device)
         out = []
