@@ -10,7 +10,7 @@ from tessera.core.moe.config import MoEConfig
 from tessera.core.parallel.expert_groups import edp_size, expert_mesh
 from tessera.core.parallel.groups import layout_mesh, rank_of
 
-MOE = ModelConfig.from_name("llama-tiny", num_experts=8, moe_ffn_hidden_size=96)
+MOE = ModelConfig.from_name("llama-tiny", moe=MoEConfig(num_experts=8, ffn_hidden_size=96))
 
 
 def test_defaults_keep_old_layouts():
