@@ -345,7 +345,7 @@ class Layout:
     the expert grid is etp fastest, then ep, then edp: `etp_rank = q % etp`,
     `ep_rank = (q // etp) % ep`, `edp_rank = q // (etp * ep)`, `edp = tp * cp * dp / (ep *
     etp)` (`core.parallel.expert_groups`). The *ep group* (same etp and edp rank) holds the
-    experts split along the expert dimension (`num_experts / ep` each) and exchanges tokens
+    experts split along the expert dimension (`moe.num_experts / ep` each) and exchanges tokens
     with all-to-alls; the *etp group* (same ep and edp rank, consecutive ranks) splits each
     expert's FFN like tensor parallelism and talks in every MoE layer, so it is fastest, as tp
     is; the *edp group* (same etp and ep rank) holds identical expert shards, and expert

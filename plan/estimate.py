@@ -31,11 +31,11 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
   `no_sync` only its no-pipeline schedule used, so its pipelined runs reduced after the
   backward with its local DDP); and the optimizer step, memory bound.
 
-MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe_layer_freq`-th) its
+MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe.layer_freq`-th) its
 top-k routed experts and the shared expert, with its own activations
 (`formulas.moe_layer_activation_bytes`) and collectives; per-layer times and activations are the
 model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
-`moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
+`moe.layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
 the parameters, gradients and optimizer states are those of the stage holding the most MoE
 layers (`formulas.max_stage_moe_layers`). An MoE layer also pays, as memory-bound time not
 counted in the model FLOPs (Megatron-LM's MFU leaves the router out), its token permutation

@@ -46,7 +46,7 @@ class ParameterCounts:
     """Parameters of a model by where they live.
 
     A model has `num_layers` layers, `num_moe_layers` of them MoE layers (every
-    `moe_layer_freq`-th, `core.moe.shapes.is_moe_layer`), the rest dense. Per layer kind:
+    `moe.layer_freq`-th, `core.moe.shapes.is_moe_layer`), the rest dense. Per layer kind:
     `layer_dense` is one dense layer (attention, norms, dense MLP); `moe_layer_dense` one MoE
     layer's parameters outside the routed experts (attention, norms, router, the shared expert
     and its gate); `moe_layer_experts` its routed experts (all of them); `moe_layer_active`
@@ -106,14 +106,14 @@ def parameter_counts(
     """Parameter counts of `model` by shape, as `core.parallel.sharding.global_param_shapes`
     lays the weights out (fused QKV with kv heads, gated MLP halves, norm biases for layernorm).
 
-    MoE, from `model`'s fields (`num_experts`, `moe_top_k`, `moe_ffn_hidden_size`,
-    `moe_shared_ffn_hidden_size`, `moe_layer_freq`, `moe_expert_bias`; the arguments, when
-    given, override the first three): every `moe_layer_freq`-th layer (counting from 1,
+    MoE, from `model.moe` (`moe.num_experts`, `moe.top_k`, `moe.ffn_hidden_size`,
+    `moe.shared_ffn_hidden_size`, `moe.layer_freq`, `moe.expert_bias`; the arguments, when
+    given, override the first three): every `moe.layer_freq`-th layer (counting from 1,
     `core.moe.shapes.is_moe_layer`) replaces its MLP with a router (E x h, and an (E,) routing
-    bias with `moe_expert_bias`), E routed experts of FFN size `moe_ffn_hidden_size` (no
-    biases, `core.moe.shapes.moe_param_shapes`) and, with `moe_shared_ffn_hidden_size` = Fs,
+    bias with `moe.expert_bias`), E routed experts of FFN size `moe.ffn_hidden_size` (no
+    biases, `core.moe.shapes.moe_param_shapes`) and, with `moe.shared_ffn_hidden_size` = Fs,
     Qwen2-MoE's shared expert (a bias-free MLP of FFN size Fs) with its (1, h) sigmoid gate; a
-    token uses `moe_top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
+    token uses `moe.top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
     routed, active and shared expert parameters alike]. The other layers are dense.
     """
     h, hd = model.hidden_size, model.head_dim
@@ -322,7 +322,7 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
 
     - attention, the norms, the MLP input and the dropout masks as a dense layer
       (`layer_activation_bytes`), the dense MLP replaced by the shared expert when there is one
-      (an MLP of `moe_shared_ffn_hidden_size`, split over tp like the dense MLP: its
+      (an MLP of `moe.shared_ffn_hidden_size`, split over tp like the dense MLP: its
       `6 Fs/h` or `4 Fs/h` units) plus the shared expert's output that its gate multiplies,
       `2 s b h` (split over t with sequence parallelism);
     - for the n tokens the rank routes (`s b / cp`, divided by t under sequence parallelism;
@@ -520,7 +520,7 @@ def layer_forward_flops(model: ModelConfig, tokens: float, s: int, active_mlp_pa
 
 
 def moe_active_mlp_weights(model: ModelConfig) -> int:
-    """MLP weights one token multiplies by in an MoE layer: `moe_top_k` routed experts and the
+    """MLP weights one token multiplies by in an MoE layer: `moe.top_k` routed experts and the
     shared expert, each `(2 if gated else 1) f h + f h` (no biases; `core.moe.shapes`). The
     router's (E x h) and the gate's (1 x h) logits are left out, as Megatron-LM's
     `num_floating_point_operations` leaves out the router."""

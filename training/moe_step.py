@@ -4,7 +4,7 @@
   router-loss gradient is scaled by, the one the loop applies to the model loss before
   `backward()` (1 / micro-batches when it accumulates them itself; 1 under a pipeline schedule,
   which averages the gradients itself; times the fp16 loss scale), and starts recording the
-  routing statistics (`core.moe.stats`). Refuses `moe_aux_loss_pooling = "model"` with pp > 1.
+  routing statistics (`core.moe.stats`). Refuses `moe.aux_loss_pooling = "model"` with pp > 1.
 - `end_moe_step(job) -> dict`, after the optimizer step: the step's router metrics for
   metrics.jsonl (aux and z losses, tokens per expert min / max / CV, dropped tokens), and the
   aux-loss-free expert-bias update. Collective over the world for MoE models.

@@ -5,7 +5,7 @@ of the masked-LM head is the word embedding (`cls.predictions.decoder.weight`, a
 that transformers does not save) and its bias is `cls.predictions.bias` (`decoder.bias` is the
 same tensor); both copies are skipped on import when present. `architectures` decides the
 next-sentence head: `BertForPreTraining` has the pooler and `cls.seq_relationship`
-(`binary_head=True`), `BertForMaskedLM` has neither (but a MaskedLM config whose weights hold
+(`options.binary_head=True`), `BertForMaskedLM` has neither (but a MaskedLM config whose weights hold
 the head, as the original Hub checkpoints do, imports with it: `bert_head_from_weights`). HF
 config features the Tessera model cannot compute (relative position embeddings, a decoder,
 cross-attention, different hidden and attention dropouts) are errors that name the field.

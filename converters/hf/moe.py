@@ -22,12 +22,12 @@ Config fields Tessera cannot compute exactly are errors that name the field: Mix
 jitter noise, Qwen's q/k/v-only biases (Tessera has one bias flag for every linear layer), its
 `mlp_only_layers` and sliding windows (Qwen3-MoE's `mlp_only_layers` converts only when it
 names layers that are dense anyway: Tessera places MoE layers only by `decoder_sparse_step`,
-its `moe_layer_freq`). Qwen's dense layers (`decoder_sparse_step > 1`) use the
+its `moe.layer_freq`). Qwen's dense layers (`decoder_sparse_step > 1`) use the
 model's `intermediate_size`, the routed experts `moe_intermediate_size`.
 
 The load-balancing loss: Hugging Face computes one loss over the router logits of all MoE layers
 pooled (`load_balancing_loss_func`), Tessera by default one per layer, averaged (Megatron). An
-imported model gets `moe_aux_loss_pooling = "model"` (`HF_AUX_LOSS_POOLING`, recorded in the
+imported model gets `moe.aux_loss_pooling = "model"` (`HF_AUX_LOSS_POOLING`, recorded in the
 checkpoint manifest's model config): `router_aux_loss_coef` was chosen for that loss, and
 fine-tuning an imported model should optimize the objective Hugging Face would, to 1e-6
 (`tests/unit/converters/test_hf_moe.py`). The price: the pooled loss needs every MoE layer in one

@@ -7,8 +7,8 @@ Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transforme
 the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
 by d_model ** -0.5 is one question in the original T5 and v1.1 alike: transformers v5 records it
 as `scale_decoder_outputs` (and always writes `tie_word_embeddings: true`), v4 as
-`tie_word_embeddings`. So `scaled_output = tied_embeddings = that flag`. Other activations
-(gated-silu, ...) are refused, as is `num_decoder_layers` 0.
+`tie_word_embeddings`. So `options.scaled_output = tied_embeddings = that flag`. Other activations
+(gated-silu, ...) are refused, as is `options.num_decoder_layers` 0.
 
 Tensors: q/k/v are stacked into `attention.wqkv`, cross-attention k/v into `wkv`, gated
 `wi_0`/`wi_1` into `feed_forward.w1` ([gate; up]); the relative position bias of block 0 of

@@ -29,8 +29,3 @@ class MoEConfig:
     # mean over layers (Megatron); "model" = one loss over all MoE layers' tokens (Hugging
     # Face's `load_balancing_loss_func`; needs pp = 1 in training).
     aux_loss_pooling: str = "layer"
-
-    @property
-    def enabled(self) -> bool:
-        """True when the model has MoE layers (`num_experts` > 0)."""
-        return self.num_experts > 0

@@ -45,7 +45,7 @@ class Dispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """All `num_experts` experts live on this rank: permute, and unpermute back."""
+    """All `moe.num_experts` experts live on this rank: permute, and unpermute back."""
 
     def __init__(self, num_experts: int):
         self.num_local_experts, self.local_expert_offset = num_experts, 0

@@ -16,8 +16,8 @@ tp after backward, `pipeline.sync_sequence_parallel_grads`), and the aux losses 
 over the whole sequence (`core.moe.losses`). The shared expert is split over tp like the dense
 MLP (column-parallel `w1`, row-parallel `w2`).
 
-The load-balancing and z losses, weighted by `moe_aux_loss_coef` / `moe_z_loss_coef` and
-averaged over the model's MoE layers (with `moe_aux_loss_pooling = "model"` the load-balancing
+The load-balancing and z losses, weighted by `moe.aux_loss_coef` / `moe.z_loss_coef` and
+averaged over the model's MoE layers (with `moe.aux_loss_pooling = "model"` the load-balancing
 loss is instead one loss pooled over every MoE layer, `core.moe.pooled_aux`), join the
 training loss through the layer's output (`losses.attach_aux_loss`, scaled by
 `aux_loss_scale`), unless the router is frozen (prompt tuning: the router losses must not train
@@ -56,7 +56,7 @@ class RouterRecord:
 
 
 class SharedExpert(nn.Module):
-    """A dense MLP of `moe_shared_ffn_hidden_size`, split over tp like the model's MLP."""
+    """A dense MLP of `moe.shared_ffn_hidden_size`, split over tp like the model's MLP."""
 
     def __init__(self, hidden: int, ffn: int, activation: str, groups, sp: bool):
         super().__init__()
@@ -86,7 +86,7 @@ class MoEFeedForward(nn.Module):
         self.seq_groups = tuple(x for x in (self.tp_group, groups.cp_group) if x is not None)
         n_moe = len(moe_layers(c))
         self.aux_coef, self.z_coef = c.moe.aux_loss_coef / n_moe, c.moe.z_loss_coef / n_moe
-        # `moe_aux_loss_pooling = "model"`: one load-balancing loss over every MoE layer's
+        # `moe.aux_loss_pooling = "model"`: one load-balancing loss over every MoE layer's
         # tokens, as Hugging Face computes it (`core.moe.pooled_aux`); the coefficient is then
         # not divided by the layers.
         self.pooled = c.moe.aux_loss_pooling == "model"

@@ -6,11 +6,11 @@ checkpoints and the expert-parallel dispatchers), for an MoE layer i:
 
 - `layers.{i}.feed_forward.router.weight` `(E, hidden)`: router logits `x @ W^T`;
 - `layers.{i}.feed_forward.router.expert_bias` `(E,)`: aux-loss-free balancing bias, added to
-  the scores for choosing experts only (present when `moe_expert_bias`; not trained by gradient);
+  the scores for choosing experts only (present when `moe.expert_bias`; not trained by gradient);
 - `layers.{i}.feed_forward.experts.w1` `(E, F * (2 if gated else 1), hidden)`: each expert's first
   projection, `[gate; up]` stacked along dim 1 for SwiGLU like the dense `feed_forward.w1`;
 - `layers.{i}.feed_forward.experts.w2` `(E, hidden, F)`;
-- with a shared expert (`moe_shared_ffn_hidden_size = Fs > 0`, Qwen2-MoE):
+- with a shared expert (`moe.shared_ffn_hidden_size = Fs > 0`, Qwen2-MoE):
   `layers.{i}.feed_forward.shared_expert.w1.weight` `(Fs * (2 if gated else 1), hidden)`,
   `...shared_expert.w2.weight` `(hidden, Fs)` and `...shared_expert_gate.weight` `(1, hidden)`.
 
@@ -31,7 +31,7 @@ def moe_ffn_size(config: Any) -> int:
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """Whether global layer `layer` is an MoE layer: every `moe_layer_freq`-th, counting from 1
+    """Whether global layer `layer` is an MoE layer: every `moe.layer_freq`-th, counting from 1
     (Qwen2-MoE's `(layer + 1) % decoder_sparse_step == 0`)."""
     return config.moe.num_experts > 0 and (layer + 1) % config.moe.layer_freq == 0
 

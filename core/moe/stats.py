@@ -8,7 +8,7 @@ returns the step's metrics:
 
 - `moe_aux_loss`, `moe_z_loss`: the load-balancing and z losses (without their coefficients),
   mean over the MoE layers and micro-batches (and data-parallel ranks); with
-  `moe_aux_loss_pooling = "model"` the load-balancing loss is the one pooled over the layers
+  `moe.aux_loss_pooling = "model"` the load-balancing loss is the one pooled over the layers
   (`core.moe.pooled_aux`), mean over micro-batches;
 - `moe_tokens_per_expert_min` / `_max`: over every (MoE layer, expert), the token copies the
   expert processed in the step (all micro-batches, all ranks);

@@ -3,7 +3,7 @@
 The encoder runs once; the decoder then takes one token per step, its self-attention keys and
 values kept in a `T5Cache` together with the cross-attention keys and values of the encoder
 output (computed on the first step). This is Hugging Face `generate`'s greedy search for T5:
-start from `decoder_start_token_id`, take the argmax, and once a row has produced EOS it
+start from `options.decoder_start_token_id`, take the argmax, and once a row has produced EOS it
 continues with the pad id until every row has, or `max_new_tokens` are made.
 """
 

@@ -7,7 +7,7 @@ encoder, causal ones in the decoder), computed by layer 0 of each stack and shar
 layers; decoder blocks add cross-attention over the encoder output; the MLP is gated GELU (v1.1,
 `activation="geglu"`) or ReLU (the original). One embedding table feeds both stacks; the
 output projection is separate (v1.1) or the embedding, with the decoder output scaled by
-hidden_size ** -0.5 first (`scaled_output`, the original).
+hidden_size ** -0.5 first (`options.scaled_output`, the original).
 
 One `T5Model` is one pipeline stage (see `core.models.t5.sharding` for the names and tp
 splits, `core.models.t5.layout` for how stages share out encoder and decoder). Call it as
