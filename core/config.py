@@ -52,14 +52,14 @@ class ModelConfig:
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
+    # Qwen3 (issue 14, `core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
+    # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
+    qk_norm: bool = False
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
     # becomes the family's defaults; a family without options takes only None.
     options: Any = None
-    # Qwen3 (issue 14, `core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
-    # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
-    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -81,6 +81,8 @@ class ModelConfig:
                 f"rotary dims {self.rotary_dim} (head_dim {self.head_dim} x rotary_fraction "
                 f"{self.rotary_fraction}) must be even."
             )
+        if not isinstance(self.moe, MoEConfig):
+            raise ConfigError(f"moe must be a MoEConfig (core.moe.config), got {self.moe!r}")
         self._check_options(model_family(self).options)
         problems = model_family(self).problems(self)  # what this family cannot take
         if problems:
@@ -89,8 +91,6 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
             raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
                               f"not {self.norm!r}")
-        if not isinstance(self.moe, MoEConfig):
-            raise ConfigError(f"moe must be a MoEConfig (core.moe.config), got {self.moe!r}")
         if self.moe.num_experts:
             from tessera.core.moe.validate import moe_problems
 
@@ -174,12 +174,11 @@ def _sub_config(kind: type, value: Any, where: str) -> Any:
     (`ModelConfig.__post_init__` checks its type)."""
     if not isinstance(value, dict):
         return value
-    fields = value
     known = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(fields) - known)
+    unknown = sorted(set(value) - known)
     if unknown:
         raise ConfigError(f"unknown {where} fields {unknown}; known fields: {sorted(known)}")
-    return kind(**fields)
+    return kind(**value)
 
 
 _GPT2 = dict(family="gpt2", norm="layernorm", activation="gelu_tanh", position="learned",
