@@ -38,7 +38,7 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = opt(1234, "run seed: initialization, data order and dropout all derive from it")
     steps: int = opt(200, "optimizer steps to train for")
@@ -74,7 +74,7 @@ class TrainConfig:
                                    "MFU is n/a) or measure (a matmul timed at start-up)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     data: list[str] = opt([], "indexed datasets: PREFIX, or weighted 0.7 PREFIX_A 0.3 PREFIX_B",
                           nargs="+")
@@ -88,7 +88,7 @@ class DataConfig:
                                           "needs --tokenizer for the EOD id")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopConfig:
     output: str = opt("runs/pretrain", "run directory: checkpoints, metrics.jsonl, tensorboard/")
     log_interval: int = opt(10, "print a metrics line every N steps")
@@ -103,10 +103,10 @@ class LoopConfig:
     tensorboard: bool = opt(True, "write TensorBoard events when tensorboard is installed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelSection:
     """The `parallel:` section (and its flags): the layout and the training schedule together,
-    as the user writes them. `layout()` and `schedule()` split it into the core's `Layout`
+    as the user writes them. `layout()` and `train_schedule()` split it into the core's `Layout`
     (placement: the one the schedule needs) and `TrainSchedule`."""
 
     tp: int = 1
@@ -140,9 +140,10 @@ class ParallelSection:
         return split_layout_and_schedule(dataclasses.asdict(self))[1]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PretrainConfig:
-    """Everything `tessera pretrain` runs from; each component receives only its section."""
+    """What `tessera pretrain` was asked to run, as written (YAML, then flags); never changed
+    after parsing. `training.run_plan.resolve_plan` turns it into the run's plan."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.from_name(DEFAULT_PRESET))
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -261,13 +262,11 @@ def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     """Parse argv (YAML first, flags win) into a `PretrainConfig`; errors name the bad key."""
     args = build_parser().parse_args(argv)
     raw = read_yaml(args.config)
-    config = PretrainConfig()
     model_spec = raw.pop("model", None)
-    for section, values in section_values(raw, args, SECTIONS, args.config).items():
-        setattr(config, section, dataclasses.replace(getattr(config, section), **values))
-    config.model, config.model_fields_set = model_from_spec(model_spec, args.model,
-                                                        args.model_overrides)
-    return config, args
+    sections = {section: owner(**values) for (section, values), owner in
+                zip(section_values(raw, args, SECTIONS, args.config).items(), SECTIONS.values())}
+    model, fields_set = model_from_spec(model_spec, args.model, args.model_overrides)
+    return PretrainConfig(model=model, model_fields_set=fields_set, **sections), args
 
 
 def read_yaml(path: str | None) -> dict[str, Any]:

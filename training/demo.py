@@ -14,6 +14,7 @@ Under several ranks, rank 0 prepares the data while the others wait.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import sysconfig
 from pathlib import Path
@@ -74,21 +75,29 @@ def prepare_data(run_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     return tok, prefix
 
 
-def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
-    """The demo's own defaults, for every field not given on the command line."""
+def demo_config(cfg: PretrainConfig, explicit: set[str]) -> PretrainConfig:
+    """`cfg` with the demo's own defaults for every field not given on the command line
+    (`explicit`). Its micro-batches are the run plan's to decide (`demo_fills_pipeline`)."""
+    loop, train = {}, {}
     if "output" not in explicit:
-        cfg.loop.output = "runs/demo"
+        loop["output"] = "runs/demo"
     if "steps" not in explicit:
-        cfg.train.steps = 300
+        train["steps"] = 300
     if "eval_interval" not in explicit:
-        cfg.loop.eval_interval = 100
+        loop["eval_interval"] = 100
     if "save_interval" not in explicit:
-        cfg.loop.save_interval = 100
+        loop["save_interval"] = 100
     if "output" not in explicit and not ({"resume", "overwrite"} & explicit):
         # The demo's own directory: running `make demo` again starts it over (its data stays).
-        cfg.loop.overwrite = True
-    if cfg.parallel.pp > 1 and "micro_batches" not in explicit:
-        cfg.parallel.micro_batches = 2 * cfg.parallel.layout().num_stages
+        loop["overwrite"] = True
+    return dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, **loop),
+                               train=dataclasses.replace(cfg.train, **train))
+
+
+def demo_fills_pipeline(explicit: set[str]) -> bool:
+    """Whether the demo's plan picks the micro-batches (2 per pipeline stage: the user gave
+    none, `run_plan.resolve_micro_batches`)."""
+    return "micro_batches" not in explicit
 
 
 def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
@@ -97,7 +106,7 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     from tessera.core.parallel.launch import init_distributed
     from tessera.training.loop import check_output, pretrain
 
-    apply_demo_defaults(cfg, explicit)
+    cfg = demo_config(cfg, explicit)
     check_output(cfg.loop.output)  # before preparing data there
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))
@@ -110,8 +119,9 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     if dist.is_initialized():
         dist.barrier()
     tok, prefix = run_dir / "data" / "tokenizer.model", run_dir / "data" / "corpus"
-    cfg.data.data, cfg.data.tokenizer = [str(prefix)], str(tok)
-    summary = pretrain(cfg)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=[str(prefix)],
+                                                           tokenizer=str(tok)))
+    summary = pretrain(cfg, fill_pipeline=demo_fills_pipeline(explicit))
     if rank0 and summary.get("checkpoint") and cfg.model.family == "t5":
         from tessera.training.t5_demo import print_t5_samples  # span fills, not continuations
 

@@ -45,7 +45,7 @@ from tessera.core.config import ConfigError, ModelConfig
 from tessera.training import t5_objective as t5
 
 if TYPE_CHECKING:
-    from tessera.training.config import PretrainConfig
+    from tessera.training.run_plan import RunPlan
 
 Batch = dict[str, torch.Tensor]
 Split = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -74,9 +74,9 @@ class Objective:
     """One family's part of pretraining; see the module docstring for each member's contract."""
 
     name: str
-    problems: Callable[[PretrainConfig], list[str]]
+    problems: Callable[[RunPlan], list[str]]
     model_vocab: Callable[[int, int | None], int]
-    datasets: Callable[[PretrainConfig], tuple[Any, Any]]
+    datasets: Callable[[RunPlan], tuple[Any, Any]]
     split_batch: Callable[[Batch], Split]
     pipeline_loss: Callable[[ModelConfig, Any], Callable] = _default_pipeline_loss
     evaluate: Callable[..., dict[str, float]] = _gpt_evaluate
@@ -85,20 +85,19 @@ class Objective:
 # ------------------------------------------------------------------------------ causal LM
 
 
-def _gpt_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+def _gpt_datasets(plan: RunPlan) -> tuple[Any, Any]:
     from tessera.training.gpt_dataset import build_datasets
 
-    t = cfg.train
+    d = plan.data
     train_ds, valid_ds, _ = build_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
-        cfg.data.data_cache or None)
+        list(d.data), d.seq_len, d.split, [d.train_samples, d.valid_samples, 0], d.seed,
+        d.data_cache or None)
     return train_ds, valid_ds
 
 
 CAUSAL_LM = Objective(
     name="causal-lm",
-    problems=lambda cfg: [],
+    problems=lambda plan: [],
     model_vocab=lambda data_vocab, set_vocab: data_vocab,
     datasets=_gpt_datasets,
     split_batch=lambda batch: (batch["tokens"], batch["labels"], {}),
@@ -108,15 +107,15 @@ CAUSAL_LM = Objective(
 # ------------------------------------------------------------------------------ masked LM
 
 
-def _bert_problems(cfg: PretrainConfig) -> list[str]:
+def _bert_problems(plan: RunPlan) -> list[str]:
     out = []
-    if cfg.parallel.cp > 1:
-        out.append(f"--cp {cfg.parallel.cp}: context parallelism splits causal attention; a "
+    if plan.layout.cp > 1:
+        out.append(f"--cp {plan.layout.cp}: context parallelism splits causal attention; a "
                    "BERT encoder attends both ways and runs with --cp 1 (use --tp/--pp/--dp)")
-    if cfg.data.isolate_documents:
+    if plan.data.isolate_documents:
         out.append("--isolate-documents is for packed decoder samples; BERT samples are "
                    "[CLS] A [SEP] B [SEP] pairs with their own padding mask: leave it off")
-    if cfg.model.binary_head and cfg.parallel.pp > 1:
+    if plan.model.binary_head and plan.layout.pp > 1:
         out.append("the next-sentence head (binary_head=true) runs only without pipeline "
                    "parallelism (pp 1); set binary_head=false or --pp 1")
     return out
@@ -128,15 +127,14 @@ def _bert_vocab(data_vocab: int, set_vocab: int | None) -> int:
     return bert_specials(data_vocab, set_vocab).vocab_size
 
 
-def _bert_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+def _bert_datasets(plan: RunPlan) -> tuple[Any, Any]:
     from tessera.training.bert_dataset import BertSpecials, MaskingConfig, build_bert_datasets
 
-    t = cfg.train
-    specials = BertSpecials.of_model(cfg.model.vocab_size)  # `model_vocab` made room
+    d = plan.data
+    specials = BertSpecials.of_model(plan.model.vocab_size)  # `model_vocab` made room
     train_ds, valid_ds, _ = build_bert_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], specials,
-        t.seed, cfg.data.data_cache or None, MaskingConfig(nsp=cfg.model.binary_head))
+        list(d.data), d.seq_len, d.split, [d.train_samples, d.valid_samples, 0], specials,
+        d.seed, d.data_cache or None, MaskingConfig(nsp=plan.model.binary_head))
     return train_ds, valid_ds
 
 
@@ -169,12 +167,12 @@ def objective_for(config: ModelConfig) -> Objective:
     return OBJECTIVES[FAMILY_OBJECTIVES.get(config.family, "causal-lm")]
 
 
-def check_objective(cfg: PretrainConfig) -> None:
-    """Raise `ConfigError` listing what the model's family cannot do with this config."""
-    objective = objective_for(cfg.model)
-    problems = objective.problems(cfg)
+def check_objective(plan: RunPlan) -> None:
+    """Raise `ConfigError` listing what the model's family cannot do with this plan."""
+    objective = objective_for(plan.model)
+    problems = objective.problems(plan)
     if problems:
-        raise ConfigError(f"the {cfg.model.family} model ({objective.name} pretraining) "
+        raise ConfigError(f"the {plan.model.family} model ({objective.name} pretraining) "
                           "cannot run this configuration:\n  - " + "\n  - ".join(problems))
 
 

@@ -28,7 +28,7 @@ from tessera.core.parallel.expert_data_parallel import (
 )
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_spec, stored_shard
-from tessera.training.config import TrainConfig
+from tessera.training.run_plan import OptimizerSettings
 
 
 def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
@@ -43,7 +43,7 @@ def param_groups(models: list[GPTModel], weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
+def build_optimizer(models: list[GPTModel], cfg: OptimizerSettings,
                     shard_over: ParallelGroups | None = None) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel per tensor) where torch has the kernel.
 
@@ -69,7 +69,7 @@ def build_optimizer(models: list[GPTModel], cfg: TrainConfig,
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
+def learning_rate(step: int, cfg: OptimizerSettings) -> float:
     """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `steps` (or constant)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps

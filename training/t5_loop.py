@@ -27,19 +27,19 @@ from tessera.core.t5 import T5Model
 from tessera.core.t5_init import build_t5_stages
 
 
-def build_t5_rank_stages(cfg: Any, layout: Layout, schedule: TrainSchedule,
+def build_t5_rank_stages(plan: Any, layout: Layout, schedule: TrainSchedule,
                          groups: ParallelGroups, device: torch.device, dtype: torch.dtype,
                          init: bool) -> list[T5Model]:
     """This rank's T5 stage, seeded from the run seed (`init=False`: for a checkpoint)."""
-    return build_t5_stages(cfg.model, layout, groups, schedule=schedule, device=device,
-                           dtype=dtype, seed=cfg.train.seed, init=init)
+    return build_t5_stages(plan.model, layout, groups, schedule=schedule, device=device,
+                           dtype=dtype, seed=plan.run.seed, init=init)
 
 
-def t5_embedding_sync(cfg: Any, groups: ParallelGroups, stages: list[T5Model]
+def t5_embedding_sync(plan: Any, groups: ParallelGroups, stages: list[T5Model]
                       ) -> Callable[[], None]:
     """The per-step gradient sum of the embedding copies; every rank must call this once, in
     the same order (it creates process groups)."""
-    group = t5_embedding_group(cfg.model, cfg.parallel.layout(), groups)
+    group = t5_embedding_group(plan.model, plan.layout, groups)
     return lambda: sync_t5_embedding_grads(stages, group)
 
 
