@@ -53,7 +53,7 @@ from tessera.training.state import (
 
 @dataclass
 class Job:
-    """What the loop works with on this rank."""
+    """What the loop works with on this rank: the run plan and what was built from it."""
 
     plan: RunPlan
     groups: ParallelGroups
