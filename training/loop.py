@@ -336,9 +336,10 @@ class _StopFlag:
 def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, Any]:
     """Run (or resume) pretraining as configured; returns the run summary on every rank.
     `fill_pipeline`: the user wrote no micro-batches (`run_plan.resolve_micro_batches`)."""
-    plan, device = plan_for_world(cfg, fill_pipeline=fill_pipeline)
     # Inputs and output first: a bad path fails in a second, not after the model is built.
-    plan = plan.with_model(_data_model(plan, cfg.model_fields_set))
+    plan, device = plan_for_world(
+        cfg, fill_pipeline=fill_pipeline,
+        prepare=lambda plan: plan.with_model(_data_model(plan, cfg.model_fields_set)))
     check_output(plan.loop.output)
     claim_run_dir(plan.loop.output, resume=plan.loop.resume, overwrite=plan.loop.overwrite)
     job = setup(plan, device)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,10 +145,8 @@ class RunPlan:
     record: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def with_model(self, model: ModelConfig) -> RunPlan:
-        """This plan for `model` (e.g. with the vocabulary the data decided), checked again
-        and its record to match."""
-        _validate(model, self.layout, self.schedule, self.data.global_batch, self.data.seq_len,
-                  self.precision.name)
+        """This plan for `model`, its record to match. Not checked: meant for
+        `resolve_plan`'s `prepare` step, whose result is."""
         record = {**self.record, "model": dataclasses.asdict(model)}
         return dataclasses.replace(self, model=model, record=record)
 
@@ -167,7 +165,8 @@ def resolve_micro_batches(parallel: Any, *, fill_pipeline: bool, weights_only: b
 
 def resolve_plan(cfg: Any, world: int, *, model: ModelConfig | None = None,
                  seq_len: int | None = None, fill_pipeline: bool = False,
-                 weights_only: bool = False) -> RunPlan:
+                 weights_only: bool = False,
+                 prepare: Callable[[RunPlan], RunPlan] | None = None) -> RunPlan:
     """Resolve a written config for a world of `world` ranks, or raise one `ConfigError`
     listing everything that cannot run (layout, schedule, sequence length, precision).
 
@@ -177,7 +176,9 @@ def resolve_plan(cfg: Any, world: int, *, model: ModelConfig | None = None,
     examples need). dp left at 1 takes what tp x cp x pp leave of the world.
     `fill_pipeline` and `weights_only` decide the micro-batches (`resolve_micro_batches`);
     `weights_only` also picks a batch and sequence length that any layout accepts, since no
-    step runs.
+    step runs. `prepare` runs on the assembled plan before it is checked, and its result is
+    the one checked and returned (pretraining: the family's and the data's own refusals come
+    first, and the vocabulary follows the data).
     """
     par, train = cfg.parallel, cfg.train
     model = model if model is not None else cfg.model
@@ -191,23 +192,25 @@ def resolve_plan(cfg: Any, world: int, *, model: ModelConfig | None = None,
     train = dataclasses.replace(train, global_batch=global_batch,
                                 seq_len=train.seq_len if seq_len is None else seq_len)
     layout, schedule = parallel.layout(), parallel.train_schedule()
-    _validate(model, layout, schedule, train.global_batch, train.seq_len, train.precision,
-              world=world)
     resolved = dataclasses.replace(cfg, parallel=parallel, train=train, model=model)
-    return RunPlan(model, layout, schedule, _precision(train),
+    plan = RunPlan(model, layout, schedule, _precision(train),
                    _optimizer(train, schedule), _data(getattr(cfg, "data", None), train, layout,
                                                       schedule, cfg.loop),
                    RunSettings(train.seed, train.steps, train.device, train.compile,
                                train.peak_tflops),
                    cfg.loop, resolved.to_dict())
+    if prepare is not None:
+        plan = prepare(plan)
+    _validate(plan.model, layout, schedule, train.global_batch, train.seq_len, train.precision,
+              world)
+    return plan
 
 
 def _validate(model: ModelConfig, layout: Layout, schedule: TrainSchedule, global_batch: int,
-              seq_len: int, precision: str, *, world: int | None = None) -> None:
-    """Raise `ConfigError` for the layout and schedule (`pipeline.validate_training`, against
-    `world` ranks, default the layout's), then for the sequence length and precision."""
-    pipeline.validate_training(model, layout, schedule,
-                               world_size=layout.world_size if world is None else world,
+              seq_len: int, precision: str, world: int) -> None:
+    """Raise `ConfigError` for the layout and schedule on `world` ranks
+    (`pipeline.validate_training`), then for the sequence length and precision."""
+    pipeline.validate_training(model, layout, schedule, world_size=world,
                                global_batch=global_batch, seq_len=seq_len)
     problems: list[str] = []
     if seq_len > model.max_position_embeddings:

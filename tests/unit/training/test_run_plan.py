@@ -77,11 +77,18 @@ def test_what_cannot_run_is_one_config_error(flags, world, message):
         resolve_plan(cfg, world)
 
 
-def test_a_new_model_is_checked_again_and_recorded():
+def test_the_prepare_step_comes_before_the_checks_and_its_model_is_checked_and_recorded():
     cfg, _ = load_config([*TINY, "--tp", "2"])
-    plan = resolve_plan(cfg, 2)
-    wider = plan.with_model(dataclasses.replace(plan.model, vocab_size=999))
+
+    def refuse(plan):
+        raise ConfigError("the data says no")
+
+    with pytest.raises(ConfigError, match="the data says no"):
+        resolve_plan(cfg, 1, prepare=refuse)  # before the world size (1 != tp 2) is checked
+    wider = resolve_plan(cfg, 2, prepare=lambda plan: plan.with_model(
+        dataclasses.replace(plan.model, vocab_size=999)))
     assert wider.record["model"]["vocab_size"] == 999 and wider.model.vocab_size == 999
-    assert plan.record["model"]["vocab_size"] == cfg.model.vocab_size
+    assert resolve_plan(cfg, 2).record["model"]["vocab_size"] == cfg.model.vocab_size
     with pytest.raises(ConfigError, match="num_heads 1 is not divisible by tp 2"):
-        plan.with_model(dataclasses.replace(plan.model, num_heads=1, num_kv_heads=1))
+        resolve_plan(cfg, 2, prepare=lambda plan: plan.with_model(
+            dataclasses.replace(plan.model, num_heads=1, num_kv_heads=1)))
