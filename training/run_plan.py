@@ -140,8 +140,8 @@ class RunPlan:
     data: DataPlan
     run: RunSettings
     loop: LoopConfig
-    # The config as checkpoints record it (and resuming compares): the written sections with
-    # the resolved dp, micro-batches, sequence length, batch and vocabulary filled in.
+    # The config as checkpoints record it: the written sections with the resolved dp,
+    # micro-batches, sequence length, batch and vocabulary filled in.
     record: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def with_model(self, model: ModelConfig) -> RunPlan:
@@ -241,12 +241,13 @@ def _optimizer(train: Any, schedule: TrainSchedule) -> OptimizerSettings:
 
 def _data(data: Any, train: Any, layout: Layout, schedule: TrainSchedule,
           loop: LoopConfig) -> DataPlan:
-    per_dp = train.global_batch // layout.dp
+    # Sizes below 1 are refused by the checks that follow; until then they split nothing.
+    per_dp = train.global_batch // layout.dp if layout.dp >= 1 else 0
     return DataPlan(
         data=tuple(data.data) if data else (), tokenizer=data.tokenizer if data else "",
         split=data.split if data else "", data_cache=data.data_cache if data else "",
         isolate_documents=bool(data and data.isolate_documents), seq_len=train.seq_len,
         global_batch=train.global_batch, per_dp_batch=per_dp,
-        micro_batch_size=per_dp // schedule.micro_batches,
+        micro_batch_size=per_dp // schedule.micro_batches if schedule.micro_batches >= 1 else 0,
         train_samples=train.steps * train.global_batch,
         valid_samples=loop.eval_batches * train.global_batch, seed=train.seed)

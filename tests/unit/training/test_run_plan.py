@@ -70,6 +70,8 @@ def test_a_weights_only_plan_fits_any_layout():
     (["--data-parallel", "zero1", "--precision", "fp16"], 2,
      "data_parallel 'zero1' does not support fp16's gradient scaler"),
     (["--tp", "3"], 3, "num_heads 4 is not divisible by tp 3"),
+    (["--micro-batches", "0"], 1, "micro_batches must be >= 1, got 0"),
+    (["--dp", "0"], 1, "dp must be >= 1, got 0"),
 ])
 def test_what_cannot_run_is_one_config_error(flags, world, message):
     cfg, _ = load_config([*TINY, *flags])
