@@ -61,7 +61,6 @@ class Job:
     optimizer: torch.optim.Optimizer
     schedule: Any  # the runnable pipeline schedule (`plan.schedule` built), or None when pp == 1
     device: torch.device
-    autocast_dtype: torch.dtype | None
     scaler: Any  # torch.amp.GradScaler for fp16, else None
     fp8: Fp8Training | None = None  # --precision fp8: the FP8 layers, scales and their state
     eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
@@ -137,8 +136,7 @@ def make_job(plan: RunPlan, device: torch.device, groups: ParallelGroups,
     scaler = torch.amp.GradScaler(device.type) if plan.precision.loss_scaling else None
     # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
     optimizer = build_optimizer(stages, plan.optimizer, groups if plan.optimizer.sharded else None)
-    return Job(plan, groups, stages, optimizer, schedule, device, plan.precision.autocast_dtype,
-               scaler, fp8, eod_id, objective)
+    return Job(plan, groups, stages, optimizer, schedule, device, scaler, fp8, eod_id, objective)
 
 
 def setup(plan: RunPlan, device: torch.device) -> Job:
@@ -186,8 +184,9 @@ def compute_context(job: Job) -> Iterator[None]:
     """What a training forward runs under: autocast to the compute dtype (bf16 for fp8 too),
     and for fp8 the backend's own context (Transformer Engine's `fp8_autocast`)."""
     with contextlib.ExitStack() as stack:
-        if job.autocast_dtype:
-            stack.enter_context(torch.autocast(job.device.type, dtype=job.autocast_dtype))
+        dtype = job.plan.precision.autocast_dtype
+        if dtype:
+            stack.enter_context(torch.autocast(job.device.type, dtype=dtype))
         if job.fp8 is not None:
             stack.enter_context(job.fp8.autocast())
         yield

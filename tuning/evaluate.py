@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 def _amp(t: Tuning):
     job = t.job
-    return (torch.autocast(job.device.type, dtype=job.autocast_dtype) if job.autocast_dtype
+    dtype = job.plan.precision.autocast_dtype
+    return (torch.autocast(job.device.type, dtype=dtype) if dtype
             else contextlib.nullcontext())
 
 
