@@ -1,4 +1,6 @@
-"""The model presets (`core.config.PRESETS`) as a table, for `tessera models` / `--list-models`.
+"""The model presets (`core.config.PRESETS`): a model from a preset plus written fields
+(`model_from_spec`, for `tessera pretrain` and `tessera plan`), and the presets as a table, for
+`tessera models` / `--list-models`.
 
 The parameter count is the global model's (tied embeddings counted once), from the same shape
 rules the sharding uses, so it matches what a checkpoint of the preset holds.
@@ -6,11 +8,55 @@ rules the sharding uses, so it matches what a checkpoint of the preset holds.
 
 from __future__ import annotations
 
-from tessera.core.config import PRESETS, ModelConfig
+import dataclasses
+import typing
+from typing import Any
+
+from tessera.core.config import PRESETS, ConfigError, ModelConfig
+from tessera.core.field_values import coerce_field
 from tessera.core.units import human_count
+
+DEFAULT_PRESET = "llama-demo"
 
 COLUMNS = ("preset", "family", "params", "layers", "hidden", "heads", "kv heads", "ffn",
            "vocab", "context")
+
+
+def model_from_spec(spec: Any, preset: str | None = None, overrides: list[str] | tuple = ()
+                    ) -> tuple[ModelConfig, frozenset[str]]:
+    """The model a run config describes, and the names of the fields it sets.
+
+    `spec` is the YAML `model:` value (a preset name, a mapping of `ModelConfig` fields with an
+    optional `preset` key, or None); `preset` (`--model`) replaces its preset name and
+    `overrides` (`--model-overrides KEY=VALUE ...`, values read as YAML) its fields. A preset's
+    own values are not "set": a caller may still fill them (the vocabulary follows the
+    tokenizer). Raises `ConfigError` naming an unknown field or a value of the wrong type.
+    """
+    import yaml  # only when a model is described, not for `--help`
+
+    fields: dict[str, Any] = {}
+    name = DEFAULT_PRESET
+    if isinstance(spec, str):
+        name = spec
+    elif isinstance(spec, dict):
+        fields = dict(spec)
+        name = fields.pop("preset", name)
+    elif spec is not None:
+        raise ConfigError(f"model: expected a preset name or a mapping of fields, got {spec!r}")
+    if preset:
+        name = preset
+    hints = typing.get_type_hints(ModelConfig)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--model-overrides expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        fields[key] = yaml.safe_load(value)
+    for key, value in fields.items():
+        if key not in hints:
+            raise ConfigError(f"unknown model field {key!r}; the fields are "
+                              f"{', '.join(f.name for f in dataclasses.fields(ModelConfig))}")
+        fields[key] = coerce_field(f"model.{key}", value, hints[key])
+    return ModelConfig.from_name(name, **fields), frozenset(fields)
 
 
 def preset_rows() -> list[tuple[str, ...]]:
