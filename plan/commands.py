@@ -40,9 +40,9 @@ def _calibration_path(args: argparse.Namespace) -> Path:
 
 def _model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The ModelConfig and the fields the user overrode (for the run config's `model:`)."""
-    from tessera.training.config import _model_from
+    from tessera.core.presets import model_from_spec
 
-    model, fields_set = _model_from(None, args.model, args.model_overrides)
+    model, fields_set = model_from_spec(None, args.model, args.model_overrides)
     return model, {k: getattr(model, k) for k in sorted(fields_set)}
 
 

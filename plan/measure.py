@@ -5,10 +5,10 @@ All candidates run in one world of `--nproc-per-node` local ranks started by tor
 ranks), so the ranks' start-up (seconds per rank on a busy CPU) is paid once, not per candidate.
 Each rank loads each candidate's run config (`plan.run_config`, the YAML `--output` writes) with
 the pretraining config loader and trains it with the pretraining loop's own functions
-(`build_rank_model`, `make_job`, `local_batch`, `train_step`): the same checks, groups, schedules
-and optimizer a user's run gets, on a synthetic corpus of random tokens (timing does not depend
-on what the tokens say). A candidate that fails (a rule it breaks, running out of memory) is
-reported with the reason and the next one still runs.
+(`plan_for_world`, `build_rank_model`, `make_job`, `local_batch`, `train_step`): the same
+checks, groups, schedules and optimizer a user's run gets, on a synthetic corpus of random
+tokens (timing does not depend on what the tokens say). A candidate that fails (a rule it
+breaks, running out of memory) is reported with the reason and the next one still runs.
 
 Each step is timed between two barriers, so it lasts as long as the slowest rank's; the first
 `warmup` steps (kernel compilation, first allocations, gloo connections) are left out and the
@@ -158,25 +158,32 @@ def _run_candidate(config_file: str, spec: dict[str, Any]
 
     from tessera.training.config import load_config
     from tessera.training.gpt_dataset import build_datasets
-    from tessera.training.loop import build_rank_model, local_batch, make_job, train_step
+    from tessera.training.loop import (
+        build_rank_model,
+        local_batch,
+        make_job,
+        plan_for_world,
+        train_step,
+    )
 
     steps, times, cpu, job, tokens_per_step = spec["steps"], [], [], None, 0
     try:
         cfg, _ = load_config(["--config", config_file, "--data", spec["data"], "--steps",
                               str(steps), "--device", spec["device"]])
-        t = cfg.train
-        tokens_per_step = t.global_batch * t.seq_len
-        train_ds = build_datasets(cfg.data.data, t.seq_len, "100,0,0",
-                                  [steps * t.global_batch, 0, 0], t.seed)[0]
-        device, groups, stages = build_rank_model(cfg)
+        plan, device = plan_for_world(cfg)
+        data = plan.data
+        tokens_per_step = data.global_batch * data.seq_len
+        train_ds = build_datasets(list(data.data), data.seq_len, "100,0,0",
+                                  [data.train_samples, 0, 0], data.seed)[0]
+        groups, stages = build_rank_model(plan, device)
         for m in stages:
             m.train()
-        job = make_job(cfg, device, groups, stages)
+        job = make_job(plan, device, groups, stages)
         _reset_peak_memory(device)
         for step in range(steps):
             _barrier()
             tic, cpu_tic = time.perf_counter(), time.process_time()
-            tokens, labels = local_batch(train_ds, step, cfg, job.groups, job.device)
+            tokens, labels = local_batch(train_ds, step, data, job.groups, job.device)
             train_step(job, step, tokens, labels)
             _barrier()  # the step ends when the slowest rank's does
             times.append(time.perf_counter() - tic)

@@ -35,32 +35,35 @@ def split_epochs(dataset: Any, seq_len: int) -> list[tuple[str, float, int, int]
     return out
 
 
-def run_banner(cfg: Any, groups: ParallelGroups, train_ds: Any, device: Any, precision: str,
+def run_banner(plan: Any, groups: ParallelGroups, train_ds: Any, device: Any, precision: str,
                peak: float | None, peak_source: str, *, verb: str = "pretrain",
                start_step: int = 0) -> str:
-    """The banner's lines (see the module docstring) for a run of `cfg` (`PretrainConfig`)."""
-    m, t, par = cfg.model, cfg.train, cfg.parallel
+    """The banner's lines (see the module docstring) for a run of `plan`
+    (`training.run_plan.RunPlan`)."""
+    m, data, schedule = plan.model, plan.data, plan.schedule
     world = groups.tp_size * groups.cp_size * groups.pp_size * groups.dp_size
     name = m.name if getattr(m, "name", "") else "model"
     lines = [f"tessera {verb}: {name}, {m.num_layers} layers, hidden {m.hidden_size}, vocab "
              f"{m.vocab_size}: {human_count(num_parameters(m))} parameters"]
-    cp = f" x cp {groups.cp_size} ({par.cp_comm})" if groups.cp_size > 1 else ""
+    cp = f" x cp {groups.cp_size} ({schedule.cp_comm})" if groups.cp_size > 1 else ""
     layout = (f"tp {groups.tp_size}{cp} x pp {groups.pp_size} x dp {groups.dp_size} = {world} "
               f"rank{'s' if world > 1 else ''} (sequence parallel "
-              f"{'on' if par.sequence_parallel else 'off'})")
+              f"{'on' if plan.layout.sequence_parallel else 'off'})")
     if groups.pp_size > 1:
-        layout += f", schedule {par.schedule}, {par.virtual_stages} stage(s) per rank"
-    layout += f", {par.micro_batches} micro-batch{'es' if par.micro_batches > 1 else ''}"
-    per_step = t.global_batch * t.seq_len
-    steps = t.steps - start_step
-    batch = (f"{t.global_batch} sequences x {t.seq_len} tokens = {per_step:,} tokens/step; "
+        layout += (f", schedule {schedule.schedule}, {plan.layout.virtual_stages} stage(s) "
+                   "per rank")
+    n_mb = schedule.micro_batches
+    layout += f", {n_mb} micro-batch{'es' if n_mb > 1 else ''}"
+    per_step = data.global_batch * data.seq_len
+    steps = plan.run.steps - start_step
+    batch = (f"{data.global_batch} sequences x {data.seq_len} tokens = {per_step:,} tokens/step; "
              f"{steps} step{'s' if steps != 1 else ''} = {steps * per_step:,} tokens")
     if start_step:
-        batch += f" (resuming at step {start_step} of {t.steps})"
+        batch += f" (resuming at step {start_step} of {plan.run.steps})"
     rows = [("layout", layout), ("batch", batch)]
     if train_ds is not None:
         data = [f"{e:.2f} epochs of the training split of {prefix} ({tok:,} tokens in "
-                f"{docs:,} documents)" for prefix, e, tok, docs in split_epochs(train_ds, t.seq_len)]
+                f"{docs:,} documents)" for prefix, e, tok, docs in split_epochs(train_ds, data.seq_len)]
         rows += [("data", d) for d in data]
     rows += [("precision", f"{precision} on {device}"),
              ("MFU against", describe_peak(peak, peak_source)),

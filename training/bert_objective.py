@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tessera.training.objectives import Batch, Objective, Split
 
 if TYPE_CHECKING:
-    from tessera.training.config import PretrainConfig
+    from tessera.training.run_plan import RunPlan
 
 
 def _bert_evaluate(*args: Any) -> dict[str, float]:
@@ -18,15 +18,15 @@ def _bert_evaluate(*args: Any) -> dict[str, float]:
     return evaluate_masked_lm(*args)
 
 
-def _bert_problems(cfg: PretrainConfig) -> list[str]:
+def _bert_problems(plan: RunPlan) -> list[str]:
     out = []
-    if cfg.parallel.cp > 1:
-        out.append(f"--cp {cfg.parallel.cp}: context parallelism splits causal attention; a "
+    if plan.layout.cp > 1:
+        out.append(f"--cp {plan.layout.cp}: context parallelism splits causal attention; a "
                    "BERT encoder attends both ways and runs with --cp 1 (use --tp/--pp/--dp)")
-    if cfg.data.isolate_documents:
+    if plan.data.isolate_documents:
         out.append("--isolate-documents is for packed decoder samples; BERT samples are "
                    "[CLS] A [SEP] B [SEP] pairs with their own padding mask: leave it off")
-    if cfg.model.options.binary_head and cfg.parallel.pp > 1:
+    if plan.model.options.binary_head and plan.layout.pp > 1:
         out.append("the next-sentence head (binary_head=true) runs only without pipeline "
                    "parallelism (pp 1); set binary_head=false or --pp 1")
     return out
@@ -38,15 +38,14 @@ def _bert_vocab(data_vocab: int, set_vocab: int | None) -> int:
     return bert_specials(data_vocab, set_vocab).vocab_size
 
 
-def _bert_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+def _bert_datasets(plan: RunPlan) -> tuple[Any, Any]:
     from tessera.training.bert_dataset import BertSpecials, MaskingConfig, build_bert_datasets
 
-    t = cfg.train
-    specials = BertSpecials.of_model(cfg.model.vocab_size)  # `model_vocab` made room
+    d = plan.data
+    specials = BertSpecials.of_model(plan.model.vocab_size)  # `model_vocab` made room
     train_ds, valid_ds, _ = build_bert_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], specials,
-        t.seed, cfg.data.data_cache or None, MaskingConfig(nsp=cfg.model.options.binary_head))
+        list(d.data), d.seq_len, d.split, [d.train_samples, d.valid_samples, 0], specials,
+        d.seed, d.data_cache or None, MaskingConfig(nsp=plan.model.options.binary_head))
     return train_ds, valid_ds
 
 

@@ -6,7 +6,6 @@ With no arguments it runs the built-in demo (see `training.demo`). `--help` and
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -39,13 +38,12 @@ def main(argv: list[str]) -> int:
     try:
         if args.nproc_per_node and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             from tessera.core.parallel.launch import launch_local_ranks
-            from tessera.training.demo import apply_demo_defaults
-            from tessera.training.loop import check_config
+            from tessera.training.demo import demo_config, demo_fills_pipeline
+            from tessera.training.run_plan import resolve_plan
 
-            checked = copy.deepcopy(cfg)
-            if demo:
-                apply_demo_defaults(checked, explicit)
-            check_config(checked, args.nproc_per_node)  # before starting any rank
+            # Before starting any rank: the plan for that world must resolve.
+            resolve_plan(demo_config(cfg, explicit) if demo else cfg, args.nproc_per_node,
+                         fill_pipeline=demo and demo_fills_pipeline(explicit))
             return launch_local_ranks("pretrain", argv, args.nproc_per_node)
         if demo:
             from tessera.training.demo import run_demo

@@ -28,7 +28,6 @@ from tessera.core.arg_types import (
     positive_int,
 )
 from tessera.core.config import (
-    PRESETS,
     ConfigError,
     CPComm,
     DataParallel,
@@ -37,7 +36,9 @@ from tessera.core.config import (
     Recompute,
     TrainSchedule,
 )
+from tessera.core.field_values import coerce_field, str2bool
 from tessera.core.help import HelpFormatter, with_default
+from tessera.core.presets import DEFAULT_PRESET, model_from_spec
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -48,7 +49,7 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = opt(1234, "run seed: initialization, data order and dropout all derive from it",
                     range=non_negative_int)
@@ -112,7 +113,7 @@ def check_lr_range(train: TrainConfig) -> None:
                           "(default: lr / 10)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     data: list[str] = opt([], "indexed datasets: PREFIX, or weighted 0.7 PREFIX_A 0.3 PREFIX_B",
                           nargs="+")
@@ -126,7 +127,7 @@ class DataConfig:
                                           "needs --tokenizer for the EOD id")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopConfig:
     output: str = opt("runs/pretrain", "run directory: checkpoints, metrics.jsonl, tensorboard/")
     log_interval: int = opt(10, "print a metrics line every N steps", range=positive_int)
@@ -144,10 +145,10 @@ class LoopConfig:
     tensorboard: bool = opt(True, "write TensorBoard events when tensorboard is installed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelSection:
     """The `parallel:` section (and its flags): the layout and the training schedule together,
-    as the user writes them. `layout()` and `schedule()` split it into the core's `Layout`
+    as the user writes them. `layout()` and `train_schedule()` split it into the core's `Layout`
     (placement: the one the schedule needs) and `TrainSchedule`."""
 
     tp: int = 1
@@ -181,11 +182,12 @@ class ParallelSection:
         return split_layout_and_schedule(dataclasses.asdict(self))[1]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PretrainConfig:
-    """Everything `tessera pretrain` runs from; each component receives only its section."""
+    """What `tessera pretrain` was asked to run, as written (YAML, then flags); never changed
+    after parsing. `training.run_plan.resolve_plan` turns it into the run's plan."""
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig.from_name("llama-demo"))
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.from_name(DEFAULT_PRESET))
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -251,14 +253,6 @@ def _type_of(f: dataclasses.Field, owner: type) -> Any:
     return hints[f.name]
 
 
-def _str2bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, formatter_class=HelpFormatter,
@@ -311,7 +305,7 @@ def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]
             kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
                                   "metavar": metavar}
             if typ is bool:
-                kw.update(type=_str2bool, nargs="?", const=True, metavar="BOOL")
+                kw.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
             elif f.metadata.get("nargs"):
                 kw.update(nargs=f.metadata["nargs"])
             elif typ in (int, float):
@@ -330,12 +324,11 @@ def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     """Parse argv (YAML first, flags win) into a `PretrainConfig`; errors name the bad key."""
     args = build_parser().parse_args(argv)
     raw = read_yaml(args.config)
-    config = PretrainConfig()
     model_spec = raw.pop("model", None)
-    for section, values in section_values(raw, args, SECTIONS, args.config).items():
-        setattr(config, section, dataclasses.replace(getattr(config, section), **values))
-    config.model, config.model_fields_set = _model_from(model_spec, args.model,
-                                                        args.model_overrides)
+    sections = {section: owner(**values) for (section, values), owner in
+                zip(section_values(raw, args, SECTIONS, args.config).items(), SECTIONS.values())}
+    model, fields_set = model_from_spec(model_spec, args.model, args.model_overrides)
+    config = PretrainConfig(model=model, model_fields_set=fields_set, **sections)
     check_lr_range(config.train)
     return config, args
 
@@ -370,10 +363,10 @@ def section_values(raw: dict[str, Any], args: argparse.Namespace, sections: dict
             for k, v in value.items():
                 if k not in known or known[k] != key:
                     raise ConfigError(f"{source}: unknown field {key}.{k}")
-                out[key][k] = _coerce(f"{source}: {key}.{k}", v, hints[key][k], bounds[k])
+                out[key][k] = coerce_field(f"{source}: {key}.{k}", v, hints[key][k], bounds[k])
         elif key in known:  # a flat field (`data` is both a section and a field)
-            out[known[key]][key] = _coerce(f"{source}: {key}", value, hints[known[key]][key],
-                                           bounds[key])
+            out[known[key]][key] = coerce_field(f"{source}: {key}", value, hints[known[key]][key],
+                                                bounds[key])
         elif key in sections:
             raise ConfigError(f"{source}: section {key!r} must be a mapping of fields, "
                               f"got {value!r}")
@@ -384,81 +377,3 @@ def section_values(raw: dict[str, Any], args: argparse.Namespace, sections: dict
         if name and section in out:
             out[section][name] = value
     return out
-
-
-def _coerce(where: str, value: Any, typ: Any, bounds: Bounded | None = None) -> Any:
-    """A YAML value as its field's type, converted (and range-checked against `bounds`) as the
-    flag parser would convert it.
-
-    YAML reads `3e-4` as a string and `data: corpus` as one string rather than a list; both are
-    converted here, and a value that cannot be is an error naming the field.
-    """
-    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # optional: `int | None`
-        if value is None:
-            return None
-        typ = next(a for a in typing.get_args(typ) if a is not type(None))
-    if typing.get_origin(typ) is typing.Literal:
-        typ = str
-    scalar = isinstance(value, (str, int, float)) and not isinstance(value, bool)
-    converted: Any = None
-    try:
-        if typ is bool:
-            converted = value if isinstance(value, bool) else _str2bool(str(value))
-        elif typ in (int, float) and scalar:
-            converted = typ(value)
-            if typ is int and float(value) != converted:  # 2.5 is not an int
-                converted = None
-        elif typ is str and scalar:
-            converted = str(value)
-        elif typing.get_origin(typ) is list and isinstance(value, (list, tuple)):
-            converted = [str(v) for v in value]
-        elif typing.get_origin(typ) is list and scalar:
-            converted = str(value).split()
-    except (ValueError, argparse.ArgumentTypeError):
-        converted = None
-    if converted is None:
-        name = getattr(typ, "__name__", str(typ))
-        raise ConfigError(f"{where}: expected {name}, got {value!r}")
-    problem = bounds.problem(converted) if bounds is not None and typ in (int, float) else None
-    if problem:
-        raise ConfigError(f"{where}: {problem}")
-    return converted
-
-
-def _model_from(spec: Any, preset: str | None, overrides: list[str]
-                ) -> tuple[ModelConfig, frozenset[str]]:
-    """The model preset with the YAML `model:` fields and `--model-overrides` applied, and the
-    names of the fields so set (a preset's own values are not "set": `vocab_size` then follows
-    the tokenizer)."""
-    fields: dict[str, Any] = {}
-    name = "llama-demo"
-    if isinstance(spec, str):
-        name = spec
-    elif isinstance(spec, dict):
-        fields = dict(spec)
-        name = fields.pop("preset", name)
-    elif spec is not None:
-        raise ConfigError(f"model: expected a preset name or a mapping of fields, got {spec!r}")
-    if preset:
-        name = preset
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--model-overrides expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        fields[key] = yaml.safe_load(value)
-    for sub in ("moe", "options"):  # a YAML mapping `moe: {top_k: 2}` is `moe.top_k: 2`
-        if isinstance(fields.get(sub), dict):
-            fields.update({f"{sub}.{k}": v for k, v in fields.pop(sub).items()})
-    family = fields.get("family") or PRESETS.get(name, {}).get("family", ModelConfig.family)
-    types = ModelConfig.field_types(family)
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in fields.items():
-        if key not in types:
-            raise ConfigError(f"unknown model field {key!r} for a family {family!r} model; the "
-                              f"fields are {', '.join(sorted(types))}")
-        fields[key] = _coerce(f"model.{key}", value, types[key])
-        sub, _, name_in_sub = key.partition(".")
-        if name_in_sub:
-            nested.setdefault(sub, {})[name_in_sub] = fields[key]
-    flat = {k: v for k, v in fields.items() if "." not in k}
-    return ModelConfig.from_name(name, **flat, **nested), frozenset(fields)

@@ -19,7 +19,7 @@ samples printed; an unfinished one is refused like any other run directory, nami
 from __future__ import annotations
 
 import ast
-import copy
+import dataclasses
 import json
 import os
 import sysconfig
@@ -82,29 +82,39 @@ def prepare_data(run_dir: Path, vocab_size: int) -> tuple[Path, Path]:
     return tok, prefix
 
 
-def apply_demo_defaults(cfg: PretrainConfig, explicit: set[str]) -> None:
-    """The demo's own defaults, for every field not given on the command line."""
+def demo_config(cfg: PretrainConfig, explicit: set[str]) -> PretrainConfig:
+    """`cfg` with the demo's own defaults for every field not given on the command line
+    (`explicit`). Its micro-batches are the run plan's to decide (`demo_fills_pipeline`)."""
+    loop, train = {}, {}
     if "output" not in explicit:
-        cfg.loop.output = "runs/demo"
+        loop["output"] = "runs/demo"
     if "steps" not in explicit:
-        cfg.train.steps = 300
+        train["steps"] = 300
     if "eval_interval" not in explicit:
-        cfg.loop.eval_interval = 100
+        loop["eval_interval"] = 100
     if "save_interval" not in explicit:
-        cfg.loop.save_interval = 100
-    if cfg.parallel.pp > 1 and "micro_batches" not in explicit:
-        cfg.parallel.micro_batches = 2 * cfg.parallel.layout().num_stages
+        loop["save_interval"] = 100
+    return dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, **loop),
+                               train=dataclasses.replace(cfg.train, **train))
+
+
+def demo_fills_pipeline(explicit: set[str]) -> bool:
+    """Whether the demo's plan picks the micro-batches (2 per pipeline stage: the user gave
+    none, `run_plan.resolve_micro_batches`)."""
+    return "micro_batches" not in explicit
 
 
 def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
     from tessera.core.parallel.groups import resolve_device
     from tessera.core.parallel.launch import init_distributed
-    from tessera.training.loop import check_config, check_output, pretrain
+    from tessera.training.loop import check_output, pretrain
+    from tessera.training.run_plan import resolve_plan
 
-    apply_demo_defaults(cfg, explicit)
+    cfg = demo_config(cfg, explicit)
+    fill = demo_fills_pipeline(explicit)
     # A layout that cannot run is refused before any data is prepared or directory made.
-    check_config(copy.deepcopy(cfg), int(os.environ.get("WORLD_SIZE", "1")))
+    resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), fill_pipeline=fill)
     check_output(cfg.loop.output)  # before preparing data there
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))
@@ -122,8 +132,9 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     if dist.is_initialized():
         dist.barrier()
     tok, prefix = run_dir / "data" / "tokenizer.model", run_dir / "data" / "corpus"
-    cfg.data.data, cfg.data.tokenizer = [str(prefix)], str(tok)
-    summary = pretrain(cfg)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=[str(prefix)],
+                                                           tokenizer=str(tok)))
+    summary = pretrain(cfg, fill_pipeline=fill)
     if rank0 and summary.get("checkpoint"):
         print_result(cfg, summary["checkpoint"])
 

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.core.compile_cache import key_compile_cache_by_isa
-from tessera.core.config import ConfigError
+from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.flops import model_flops_per_token
-from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe
 from tessera.core.fp8_training import Fp8Training, enable_fp8_training
 from tessera.core.init import build_model
 from tessera.core.parallel import pipeline
@@ -46,6 +45,7 @@ from tessera.training.moe_step import begin_moe_step, end_moe_step
 from tessera.training.objectives import CAUSAL_LM, Objective, check_objective, objective_for
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
 from tessera.training.run_dir import claim_run_dir
+from tessera.training.run_plan import DataPlan, RunPlan, resolve_plan
 from tessera.training.state import (
     latest_checkpoint,
     load_training_checkpoint,
@@ -55,15 +55,14 @@ from tessera.training.state import (
 
 @dataclass
 class Job:
-    """What the loop works with on this rank."""
+    """What the loop works with on this rank: the run plan and what was built from it."""
 
-    cfg: PretrainConfig
+    plan: RunPlan
     groups: ParallelGroups
     stages: list[nn.Module]
     optimizer: torch.optim.Optimizer
-    schedule: Any  # pipeline schedule, or None when pp == 1
+    schedule: Any  # the runnable pipeline schedule (`plan.schedule` built), or None when pp == 1
     device: torch.device
-    autocast_dtype: torch.dtype | None
     scaler: Any  # torch.amp.GradScaler for fp16, else None
     fp8: Fp8Training | None = None  # --precision fp8: the FP8 layers, scales and their state
     eod_id: int | None = None  # set: packed documents are isolated (--isolate-documents)
@@ -73,131 +72,106 @@ class Job:
     embedding_sync: Callable[[], None] | None = None
 
 
-def check_config(cfg: PretrainConfig, world: int) -> None:
-    """Fit the layout to `world` ranks (dp defaults to what tp x cp x pp leave over) and raise
-    `ConfigError` for anything that cannot run: layout, schedule, sequence length, precision."""
-    par = cfg.parallel
-    fixed = par.tp * par.cp * par.pp
-    if par.dp == 1 and world > fixed and world % fixed == 0:
-        par.dp = world // fixed
-    layout, schedule = par.layout(), par.train_schedule()
-    pipeline.validate_training(cfg.model, layout, schedule, world_size=world,
-                               global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
-    problems: list[str] = []
-    if cfg.train.seq_len > cfg.model.max_position_embeddings:
-        problems.append(f"seq_len {cfg.train.seq_len} exceeds the model's "
-                        f"max_position_embeddings {cfg.model.max_position_embeddings}")
-    if cfg.train.precision not in ("fp32", "bf16", "bf16-pure", "fp16", "fp8"):
-        problems.append(f"unknown precision {cfg.train.precision!r}; use fp32, bf16, bf16-pure, "
-                        "fp16 or fp8")
-    if par.data_parallel != "ddp" and par.dp * par.cp > 1 and cfg.train.precision == "fp16":
-        problems.append(f"data_parallel {par.data_parallel!r} does not support fp16's gradient "
-                        "scaler; use --precision bf16 (or --data-parallel ddp)")
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+def join_world(device: str) -> tuple[torch.device, int]:
+    """The device `device` names (`auto`: CUDA when present), this process joined to the
+    torchrun world if it was launched into one, and the world's size."""
+    dev = resolve_device(device)
+    init_distributed(dev)
+    return dev, dist.get_world_size() if dist.is_initialized() else 1
 
 
-def build_rank_model(cfg: PretrainConfig, *, init: bool = True
-                     ) -> tuple[torch.device, ParallelGroups, list[nn.Module]]:
-    """Join the world, check the config against it, and build the groups and this rank's model
-    chunks, seeded (`init=False` leaves the weights for a checkpoint to fill)."""
-    device = resolve_device(cfg.train.device)
-    init_distributed(device)
-    check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    fp8 = fp8_recipe(cfg, device)
+def plan_for_world(cfg: Any, **options: Any) -> tuple[RunPlan, torch.device]:
+    """`cfg` (a written pretraining or tuning config) resolved for the world this process
+    joins (torchrun's, or itself alone; `resolve_plan`, with `options`), and its device."""
+    device, world = join_world(cfg.train.device)
+    return resolve_plan(cfg, world, **options), device
+
+
+def build_rank_model(plan: RunPlan, device: torch.device, *, init: bool = True
+                     ) -> tuple[ParallelGroups, list[nn.Module]]:
+    """The process groups of `plan.layout` and this rank's model chunks, seeded (`init=False`
+    leaves the weights for a checkpoint to fill). The world must be joined (`join_world`)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != plan.layout.world_size:
+        raise ConfigError(f"the plan is for {plan.layout.world_size} ranks but this world has "
+                          f"{world}; resolve it for this world (`resolve_plan`)")
+    fp8 = plan.precision.fp8_recipe_on(device)
     # FP8 under Transformer Engine needs TE's layers; the other FP8 backends need plain ones.
     backend = "auto" if fp8 is None else "te" if fp8.backend == "te" else "torch"
-    layout, schedule = cfg.parallel.layout(), cfg.parallel.train_schedule()
-    groups = init_groups(layout, kv_replicas=kv_replicas(cfg.model, layout.tp))
-    torch.manual_seed(cfg.train.seed)
+    layout, schedule, seed = plan.layout, plan.schedule, plan.run.seed
+    groups = init_groups(layout, kv_replicas=kv_replicas(plan.model, layout.tp))
+    torch.manual_seed(seed)
     if groups.cp_size > 1:
         # cp ranks hold different tokens: their dropout masks must differ (the default
         # generator stays shared over tp, which holds the same activations outside SP regions).
-        torch.manual_seed(cfg.train.seed + 7_919 * groups.cp_rank)
-    tracker.seed(cfg.train.seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16-pure" else torch.float32
+        torch.manual_seed(seed + 7_919 * groups.cp_rank)
+    tracker.seed(seed, groups.tp_rank + groups.tp_size * groups.cp_rank)
+    dtype = plan.precision.weight_dtype
     if layout.pp > 1:
-        stages = pipeline.build_stages(cfg.model, layout, groups, schedule=schedule,
-                                       device=device, dtype=dtype, seed=cfg.train.seed,
+        stages = pipeline.build_stages(plan.model, layout, groups, schedule=schedule,
+                                       device=device, dtype=dtype, seed=seed,
                                        init=init, backend=backend)
     else:
-        stages = [build_model(cfg.model, layout, groups, schedule=schedule, device=device,
-                              dtype=dtype, seed=cfg.train.seed, init=init, backend=backend)]
-    return device, groups, stages
+        stages = [build_model(plan.model, layout, groups, schedule=schedule, device=device,
+                              dtype=dtype, seed=seed, init=init, backend=backend)]
+    return groups, stages
 
 
-def fp8_recipe(cfg: Any, device: torch.device) -> Fp8Recipe | None:
-    """The FP8 recipe of a `--precision fp8` run on `device` (None for other precisions);
-    a `ConfigError` says what to install or change when none can run."""
-    t = cfg.train
-    if t.precision != "fp8":
-        return None
-    return resolve_fp8_recipe(device, t.fp8_backend, t.fp8_recipe, fp8_format=t.fp8_format,
-                              amax_history_len=t.fp8_amax_history_len, margin=t.fp8_margin,
-                              amax_compute_algo=t.fp8_amax_compute_algo)
-
-
-def make_job(cfg: PretrainConfig, device: torch.device, groups: ParallelGroups,
+def make_job(plan: RunPlan, device: torch.device, groups: ParallelGroups,
              stages: list[nn.Module], eod_id: int | None = None) -> Job:
     """The optimizer (over parameters that require grad), pipeline schedule and precision;
     under `--data-parallel fsdp` the stages are wrapped by FSDP2 first. `eod_id` set: packed
     documents are isolated at that token (pretraining's `--isolate-documents`)."""
-    par, precision = cfg.parallel, cfg.train.precision
-    recipe = fp8_recipe(cfg, device)
+    recipe = plan.precision.fp8_recipe_on(device)
     fp8 = None if recipe is None else enable_fp8_training(stages, recipe, groups)
-    if par.data_parallel == "fsdp":
-        stages = wrap_data_parallel(stages, par.train_schedule(), groups)  # in place: same names
+    if plan.schedule.data_parallel == "fsdp":
+        stages = wrap_data_parallel(stages, plan.schedule, groups)  # in place: same names
+    objective = objective_for(plan.model)
     schedule = None
-    if par.pp > 1:
-        schedule = pipeline.build_schedule(stages, par.layout(), par.train_schedule(), groups,
-                                           objective_for(cfg.model).pipeline_loss(cfg.model,
-                                                                                  groups))
-    # fp8: the block linears in FP8, everything else in bf16 (fp32 master weights).
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision)
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    if plan.layout.pp > 1:
+        schedule = pipeline.build_schedule(stages, plan.layout, plan.schedule, groups,
+                                           objective.pipeline_loss(plan.model, groups))
+    scaler = torch.amp.GradScaler(device.type) if plan.precision.loss_scaling else None
     # zero1 and fsdp: each dp rank keeps the optimizer state of its rows (core.parallel.zero).
-    sharded = par.data_parallel in ("zero1", "fsdp")
-    optimizer = build_optimizer(stages, cfg.train, groups if sharded else None)
-    return Job(cfg, groups, stages, optimizer, schedule, device, autocast, scaler, fp8, eod_id,
-               objective_for(cfg.model))
+    optimizer = build_optimizer(stages, plan.optimizer, groups if plan.optimizer.sharded else None)
+    return Job(plan, groups, stages, optimizer, schedule, device, scaler, fp8, eod_id, objective)
 
 
-def setup(cfg: PretrainConfig) -> Job:
-    """Validate the config against the world, build groups, model chunks and optimizer."""
-    device, groups, stages = build_rank_model(cfg)
+def setup(plan: RunPlan, device: torch.device) -> Job:
+    """Build the groups, model chunks and optimizer of `plan` on this rank."""
+    groups, stages = build_rank_model(plan, device)
     for m in stages:
         m.train()
-        if cfg.train.compile:
+        if plan.run.compile:
             key_compile_cache_by_isa()
             m.compile()  # in place: parameter names (checkpoints, optimizer) stay the same
     eod_id = None
-    if cfg.data.isolate_documents:
+    if plan.data.isolate_documents:
         from tessera.core.tokenizer import load_tokenizer
 
-        eod_id = load_tokenizer(cfg.data.tokenizer).eod_id
-    job = make_job(cfg, device, groups, stages, eod_id)
+        eod_id = load_tokenizer(plan.data.tokenizer).eod_id
+    job = make_job(plan, device, groups, stages, eod_id)
     if job.objective.embedding_sync is not None:  # collective: every rank, once
-        job.embedding_sync = job.objective.embedding_sync(cfg, groups, job.stages)
-    if cfg.parallel.cp_dynamic:
-        job.dynamic_cp = DynamicCP.create(cfg.model, cfg.parallel.layout(), groups,
-                                          cfg.parallel.cp_comm)
+        job.embedding_sync = job.objective.embedding_sync(plan, groups, job.stages)
+    if plan.schedule.cp_dynamic:
+        job.dynamic_cp = DynamicCP.create(plan.model, plan.layout, groups, plan.schedule.cp_comm)
     return job
 
 
-def local_batch(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
+def local_batch(dataset, step: int, data: DataPlan, groups: ParallelGroups,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's share of global batch `step` (samples indexed by step)."""
-    rows = local_rows(dataset, step, cfg, groups, device)
+    rows = local_rows(dataset, step, data, groups, device)
     return rows["tokens"], rows["labels"]
 
 
-def local_rows(dataset, step: int, cfg: PretrainConfig, groups: ParallelGroups,
+def local_rows(dataset, step: int, data: DataPlan, groups: ParallelGroups,
                device: torch.device) -> dict[str, torch.Tensor]:
     """This data-parallel rank's share of global batch `step` (samples indexed by step), for
     any objective: every tensor of the items, stacked (rows first); `Objective.split_batch`
     says what each is."""
-    per_dp = cfg.train.global_batch // groups.dp_size
-    start = step * cfg.train.global_batch + groups.dp_rank * per_dp
+    per_dp = data.per_dp_batch
+    start = step * data.global_batch + groups.dp_rank * per_dp
     items = [dataset[i] for i in range(start, start + per_dp)]
     return {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
 
@@ -207,8 +181,9 @@ def compute_context(job: Job) -> Iterator[None]:
     """What a training forward runs under: autocast to the compute dtype (bf16 for fp8 too),
     and for fp8 the backend's own context (Transformer Engine's `fp8_autocast`)."""
     with contextlib.ExitStack() as stack:
-        if job.autocast_dtype:
-            stack.enter_context(torch.autocast(job.device.type, dtype=job.autocast_dtype))
+        dtype = job.plan.precision.autocast_dtype
+        if dtype:
+            stack.enter_context(torch.autocast(job.device.type, dtype=dtype))
         if job.fp8 is not None:
             stack.enter_context(job.fp8.autocast())
         yield
@@ -218,16 +193,16 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
                      extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Accumulate this rank's gradients for one global batch; return the global mean loss.
     `extra`: the objective's per-row keyword inputs for every stage (`Objective.split_batch`)."""
-    g, par = job.groups, job.cfg.parallel
+    g = job.groups
     docs = document_ids(tokens, job.eod_id) if job.eod_id is not None else None
     begin_moe_step(job)  # Mixture-of-Experts: router-loss gradient scale, statistics
     if job.schedule is not None:
         with compute_context(job):
             loss = pipeline.pipeline_step(job.schedule, job.stages, g, tokens, labels,
                                           document_ids=docs, extra=extra)
-        loss = pipeline.broadcast_loss(loss, par.layout(), g)
+        loss = pipeline.broadcast_loss(loss, job.plan.layout, g)
     else:
-        model, n_mb = job.stages[0], par.micro_batches
+        model, n_mb = job.stages[0], job.plan.schedule.micro_batches
         loss = torch.zeros((), device=job.device)
         doc_chunks = [None] * n_mb if docs is None else docs.chunk(n_mb)
         extra_chunks = _chunk_rows(extra, n_mb)
@@ -267,7 +242,7 @@ def _chunk_rows(extra: dict[str, torch.Tensor] | None, n: int) -> list[dict[str,
 def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
                extra: dict[str, torch.Tensor] | None = None) -> dict:
     """One optimizer step; returns the metrics of the step."""
-    lr = learning_rate(step, job.cfg.train)
+    lr = learning_rate(step, job.plan.optimizer)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     job.optimizer.zero_grad(set_to_none=True)
@@ -276,7 +251,7 @@ def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
         job.fp8.step_end()  # delayed scaling: this step's amaxes set the next step's scales
     if job.scaler is not None:
         job.scaler.unscale_(job.optimizer)
-    grad_norm = clip_gradients(job.stages, job.cfg.train.clip_grad)
+    grad_norm = clip_gradients(job.stages, job.plan.optimizer.clip_grad)
     if job.scaler is not None:
         job.scaler.step(job.optimizer)
         job.scaler.update()
@@ -295,7 +270,7 @@ def evaluate_loss(job: Job, dataset, batches: int) -> float:
     total = 0.0
     for b in range(batches):
         tokens, labels, extra = job.objective.split_batch(
-            local_rows(dataset, b, job.cfg, job.groups, job.device))
+            local_rows(dataset, b, job.plan.data, job.groups, job.device))
         total += float(_eval_batch(job, tokens, labels, extra))
     for m in job.stages:
         m.train()
@@ -304,15 +279,15 @@ def evaluate_loss(job: Job, dataset, batches: int) -> float:
 
 def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
                 extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    g, par = job.groups, job.cfg.parallel
+    g, layout = job.groups, job.plan.layout
     kw = {} if job.eod_id is None else {"document_ids": document_ids(tokens, job.eod_id)}
     kw.update(extra or {})
     if job.schedule is not None and job.objective.pipeline_eval_loss is not None:
         loss = job.objective.pipeline_eval_loss(job.schedule, job.stages, tokens, labels, kw)
-        loss = pipeline.broadcast_loss(loss, par.layout(), g)
+        loss = pipeline.broadcast_loss(loss, layout, g)
     elif job.schedule is not None:
         loss = pipeline_forward(job.stages, g, tokens, labels=labels, **kw)
-        loss = pipeline.broadcast_loss(loss, par.layout(), g)
+        loss = pipeline.broadcast_loss(loss, layout, g)
     else:
         loss = job.stages[0](tokens, labels=labels, **kw).float()
     if g.dp_group is not None:
@@ -352,47 +327,47 @@ class _StopFlag:
         return int(flag)
 
 
-def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
-    """Run (or resume) pretraining as configured; returns the run summary on every rank."""
+def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, Any]:
+    """Run (or resume) pretraining as configured; returns the run summary on every rank.
+    `fill_pipeline`: the user wrote no micro-batches (`run_plan.resolve_micro_batches`)."""
     # Inputs and output first: a bad path fails in a second, not after the model is built.
-    _check_data(cfg)
-    check_output(cfg.loop.output)
-    claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite)
-    job = setup(cfg)
+    plan, device = plan_for_world(
+        cfg, fill_pipeline=fill_pipeline,
+        prepare=lambda plan: plan.with_model(_data_model(plan, cfg.model_fields_set)))
+    check_output(plan.loop.output)
+    claim_run_dir(plan.loop.output, resume=plan.loop.resume, overwrite=plan.loop.overwrite)
+    job = setup(plan, device)
     if dist.is_initialized():
         dist.barrier()  # every rank has looked at the output directory before rank 0 writes there
-    t = cfg.train
-    eval_batches = cfg.loop.eval_batches
-    train_ds, valid_ds = _datasets(cfg)
+    run, data, loop = plan.run, plan.data, plan.loop
+    train_ds, valid_ds = _datasets(plan)
     start = 0
-    resume_from = latest_checkpoint(cfg.loop.output) if cfg.loop.resume else None
+    resume_from = latest_checkpoint(loop.output) if loop.resume else None
     if resume_from is not None:
         start = load_training_checkpoint(resume_from, job.stages, job.optimizer,
                                          fp8=job.fp8)["step"]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    flops = model_flops_per_token(cfg.model, t.seq_len)
-    compute = job.autocast_dtype or (torch.bfloat16 if t.precision == "bf16-pure" else None)
-    peak, peak_source = resolve_peak(t.peak_tflops, job.device, compute)
+    flops = model_flops_per_token(plan.model, data.seq_len)
+    peak, peak_source = resolve_peak(run.peak_tflops, job.device, plan.precision.matmul_dtype)
     if rank0:
-        precision = t.precision if job.fp8 is None else job.fp8.describe()
-        print(run_banner(cfg, job.groups, train_ds, job.device, precision, peak, peak_source,
+        precision = plan.precision.name if job.fp8 is None else job.fp8.describe()
+        print(run_banner(plan, job.groups, train_ds, job.device, precision, peak, peak_source,
                          start_step=start), flush=True)
-    log = MetricsLogger(cfg.loop, enabled=rank0, total=t.steps, initial=start,
+    log = MetricsLogger(loop, enabled=rank0, total=run.steps, initial=start,
                         resumed_from=resume_from)
-    world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
     step, stopped = start, 0
-    tokenizer = cfg.data.tokenizer or None
+    tokenizer = data.tokenizer or None
     with _StopFlag() as stop:
-        while step < t.steps:
+        while step < run.steps:
             tic = time.perf_counter()
             tokens, labels, extra = job.objective.split_batch(
-                local_rows(train_ds, step, cfg, job.groups, job.device))
+                local_rows(train_ds, step, data, job.groups, job.device))
             metrics = train_step(job, step, tokens, labels, extra)
             step += 1
             elapsed = time.perf_counter() - tic
-            tokens_per_s = t.global_batch * t.seq_len / elapsed
-            tflops = flops * tokens_per_s / world / 1e12
+            tokens_per_s = data.global_batch * data.seq_len / elapsed
+            tflops = flops * tokens_per_s / plan.layout.world_size / 1e12
             metrics.update(step=step, tokens_per_s=tokens_per_s, tflops=tflops,
                            mfu=tflops / peak if peak else float("nan"),
                            memory_gb=memory_gb(job.device))
@@ -400,23 +375,23 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             if not math.isfinite(metrics["loss"]):
                 raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; lower "
                                          "--lr or use --precision fp32")
-            if cfg.loop.eval_interval and step % cfg.loop.eval_interval == 0 and step < t.steps:
-                metrics["valid_loss"] = evaluate_loss(job, valid_ds, eval_batches)
+            if loop.eval_interval and step % loop.eval_interval == 0 and step < run.steps:
+                metrics["valid_loss"] = evaluate_loss(job, valid_ds, loop.eval_batches)
             log.step(metrics)
             stopped = stop.agreed(job.device)
-            save_now = step == t.steps or stopped or (
-                cfg.loop.save_interval and step % cfg.loop.save_interval == 0)
+            save_now = step == run.steps or stopped or (
+                loop.save_interval and step % loop.save_interval == 0)
             if save_now:
                 path = save_training_checkpoint(
-                    cfg.loop.output, job.stages, job.optimizer, step=step,
-                    consumed_samples=step * t.global_batch, config=cfg.to_dict(),
-                    tokenizer=tokenizer, keep_last=cfg.loop.keep_last, fp8=job.fp8)
+                    loop.output, job.stages, job.optimizer, step=step,
+                    consumed_samples=step * data.global_batch, config=dict(plan.record),
+                    tokenizer=tokenizer, keep_last=loop.keep_last, fp8=job.fp8)
                 log.saved(path, step)
             if stopped:
                 break
-    valid = evaluate_loss(job, valid_ds, eval_batches) if not stopped else float("nan")
+    valid = evaluate_loss(job, valid_ds, loop.eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
-                         checkpoint=latest_checkpoint(cfg.loop.output), peak_tflops=peak,
+                         checkpoint=latest_checkpoint(loop.output), peak_tflops=peak,
                          peak_source=peak_source)
     summary["stop_signal"] = stopped  # the CLI exits 128 + it, as shells and schedulers expect
     return summary
@@ -434,52 +409,55 @@ def check_output(output: str) -> None:
                           "choose another --output") from exc
 
 
-def _check_data(cfg: PretrainConfig) -> None:
-    """The data must open and match the tokenizer if one is given; the model's vocabulary
-    follows the tokenizer (or, without one, the vocabulary the data was made with) unless the
-    user set `vocab_size`, and then the two must agree."""
+def _data_model(plan: RunPlan, fields_set: frozenset[str]) -> ModelConfig:
+    """The plan's model with the vocabulary the data decides, after checking that the data
+    opens and matches the tokenizer if one is given: the vocabulary follows the tokenizer
+    (or, without one, the vocabulary the data was made with) unless the user set `vocab_size`
+    (`fields_set`), and then the two must agree."""
     from tessera.core.tokenizer import load_tokenizer
     from tessera.training.gpt_dataset import parse_data_args
     from tessera.training.indexed_dataset import IndexedDataset
 
-    if not cfg.data.data:
+    data, model = plan.data, plan.model
+    if not data.data:
         raise ConfigError("no training data: pass --data PREFIX (made by `tessera preprocess`) "
                           "or run `tessera pretrain` with no arguments for the demo")
-    check_objective(cfg)  # what the model's family cannot do, before anything is read
-    if cfg.data.isolate_documents and not cfg.data.tokenizer:
+    check_objective(plan)  # what the model's family cannot do, before anything is read
+    if data.isolate_documents and not data.tokenizer:
         raise ConfigError("--isolate-documents finds document ends by the EOD id, which comes "
                           "from the tokenizer: pass --tokenizer (the one the data was made with)")
     with _as_config_error():
-        tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        tokenizer = load_tokenizer(data.tokenizer) if data.tokenizer else None
         sizes = {}
-        for _, prefix in parse_data_args(cfg.data.data):
+        for _, prefix in parse_data_args(list(data.data)):
             indexed = IndexedDataset(prefix)
             if tokenizer is not None:
                 indexed.check_vocab(tokenizer)
             sizes[prefix] = indexed.vocab_size
     if tokenizer is not None:
-        vocab, source = tokenizer.vocab_size, f"the tokenizer {cfg.data.tokenizer}"
+        vocab, source = tokenizer.vocab_size, f"the tokenizer {data.tokenizer}"
     else:
         source, vocab = max(sizes.items(), key=lambda item: item[1])
         source = f"the data {source}"
     with _as_config_error():  # BERT appends its special tokens after the data's vocabulary
-        set_vocab = cfg.model.vocab_size if "vocab_size" in cfg.model_fields_set else None
-        vocab = objective_for(cfg.model).model_vocab(vocab, set_vocab)
-    if "vocab_size" not in cfg.model_fields_set:
-        cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab)
+        set_vocab = model.vocab_size if "vocab_size" in fields_set else None
+        vocab = objective_for(model).model_vocab(vocab, set_vocab)
+    if "vocab_size" not in fields_set:
+        return dataclasses.replace(model, vocab_size=vocab)
     # Without a tokenizer a larger vocabulary than the data's stays allowed (as it always was).
-    elif cfg.model.vocab_size < vocab or (tokenizer is not None and cfg.model.vocab_size != vocab):
-        raise ConfigError(f"the model's vocab_size is set to {cfg.model.vocab_size} but {source} "
+    if model.vocab_size < vocab or (tokenizer is not None and model.vocab_size != vocab):
+        raise ConfigError(f"the model's vocab_size is set to {model.vocab_size} but {source} "
                           f"has a vocabulary of {vocab}: set vocab_size={vocab}, or leave "
                           "vocab_size out of --model-overrides and the YAML model section so "
                           "that it follows")
+    return model
 
 
-def _datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+def _datasets(plan: RunPlan) -> tuple[Any, Any]:
     """The train and validation datasets, sized for the whole run, as the objective makes
     them (GPT: `gpt_dataset.build_datasets`)."""
     with _as_config_error():
-        return objective_for(cfg.model).datasets(cfg)
+        return objective_for(plan.model).datasets(plan)
 
 
 @contextlib.contextmanager

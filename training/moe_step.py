@@ -32,7 +32,7 @@ def begin_moe_step(job: Any) -> None:
             f"imported HF models) pools every MoE layer's router statistics in one forward, but "
             f"pp={job.groups.pp_size} puts the layers on different stages; train with pp=1, or "
             f"set the model's moe_aux_loss_pooling to 'layer' (Megatron's per-layer loss)")
-    scale = 1.0 if job.schedule is not None else 1.0 / job.cfg.parallel.micro_batches
+    scale = 1.0 if job.schedule is not None else 1.0 / job.plan.schedule.micro_batches
     if job.scaler is not None:
         scale *= float(job.scaler.get_scale())
     for stage in job.stages:
@@ -44,5 +44,6 @@ def end_moe_step(job: Any) -> dict[str, float]:
     """The step's router metrics over all ranks ({} for a dense model)."""
     if not job.stages[0].config.moe.num_experts:
         return {}
-    par = job.cfg.parallel
-    return router_step_end(job.stages, job.groups, par.sequence_parallel, par.micro_batches)
+    plan = job.plan
+    return router_step_end(job.stages, job.groups, plan.layout.sequence_parallel,
+                           plan.schedule.micro_batches)

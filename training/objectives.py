@@ -3,12 +3,12 @@
 The loop (`training.loop`) is written once for every family. What differs between them is
 gathered in one `Objective`, picked by the model's family (`objective_for`):
 
-- `problems(cfg)`: the settings this family cannot take, each a message that says what to do
+- `problems(plan)`: the settings this family cannot take, each a message that says what to do
   (BERT: context parallelism, isolated documents, a next-sentence head in a pipeline);
 - `model_vocab(data_vocab, set_vocab)`: the model vocabulary for a tokenizer (or data) of
   `data_vocab` tokens; `set_vocab` is the user's explicit `vocab_size` or None. It raises
   ValueError when the explicit one cannot work (BERT appends 4 special tokens);
-- `datasets(cfg)`: the train and valid datasets, sized for the whole run (`steps x
+- `datasets(plan)`: the train and valid datasets, sized for the whole run (`steps x
   global_batch` and `eval_batches x global_batch` samples), deterministic in the sample index:
   item i is a dict of tensors, each with the same leading shape for every i, holding at least
   `tokens` and `labels`;
@@ -22,7 +22,7 @@ gathered in one `Objective`, picked by the model's family (`objective_for`):
 - `evaluate(model, documents, seq_len, batch, max_windows)`: what `tessera evaluate` reports
   for a single-process model over token documents (GPT: loss and perplexity; BERT: masked-LM
   loss, perplexity and accuracy), a dict with at least `loss` and `tokens`;
-- `embedding_sync(cfg, groups, stages)` (None: `pipeline.sync_tied_embedding_grads` is
+- `embedding_sync(plan, groups, stages)` (None: `pipeline.sync_tied_embedding_grads` is
   enough): made once at setup, collective over the world; returns the per-step gradient sync
   of embedding copies that the stages hold beyond the tied pair (T5);
 - `pipeline_eval_loss(schedule, stages, inputs, labels, extra)` (None: `pipeline_forward`,
@@ -56,7 +56,7 @@ from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.models.registry import family as model_family
 
 if TYPE_CHECKING:
-    from tessera.training.config import PretrainConfig
+    from tessera.training.run_plan import RunPlan
 
 Batch = dict[str, torch.Tensor]
 Split = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
@@ -79,13 +79,13 @@ class Objective:
     """One family's part of pretraining; see the module docstring for each member's contract."""
 
     name: str
-    problems: Callable[[PretrainConfig], list[str]]
+    problems: Callable[[RunPlan], list[str]]
     model_vocab: Callable[[int, int | None], int]
-    datasets: Callable[[PretrainConfig], tuple[Any, Any]]
+    datasets: Callable[[RunPlan], tuple[Any, Any]]
     split_batch: Callable[[Batch], Split]
     pipeline_loss: Callable[[ModelConfig, Any], Callable] = _default_pipeline_loss
     evaluate: Callable[..., dict[str, float]] = _gpt_evaluate
-    embedding_sync: Callable[[PretrainConfig, Any, list], Callable[[], None]] | None = None
+    embedding_sync: Callable[[RunPlan, Any, list], Callable[[], None]] | None = None
     pipeline_eval_loss: Callable[..., torch.Tensor | None] | None = None
     print_samples: Callable[[str], None] | None = None
 
@@ -93,20 +93,19 @@ class Objective:
 # ------------------------------------------------------------------------------ causal LM
 
 
-def _gpt_datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+def _gpt_datasets(plan: RunPlan) -> tuple[Any, Any]:
     from tessera.training.gpt_dataset import build_datasets
 
-    t = cfg.train
+    d = plan.data
     train_ds, valid_ds, _ = build_datasets(
-        cfg.data.data, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
-        cfg.data.data_cache or None)
+        list(d.data), d.seq_len, d.split, [d.train_samples, d.valid_samples, 0], d.seed,
+        d.data_cache or None)
     return train_ds, valid_ds
 
 
 CAUSAL_LM = Objective(
     name="causal-lm",
-    problems=lambda cfg: [],
+    problems=lambda plan: [],
     model_vocab=lambda data_vocab, set_vocab: data_vocab,
     datasets=_gpt_datasets,
     split_batch=lambda batch: (batch["tokens"], batch["labels"], {}),
@@ -137,12 +136,12 @@ def objective_for(config: ModelConfig) -> Objective:
     return objective_named(model_family(config).objective)
 
 
-def check_objective(cfg: PretrainConfig) -> None:
-    """Raise `ConfigError` listing what the model's family cannot do with this config."""
-    objective = objective_for(cfg.model)
-    problems = objective.problems(cfg)
+def check_objective(plan: RunPlan) -> None:
+    """Raise `ConfigError` listing what the model's family cannot do with this plan."""
+    objective = objective_for(plan.model)
+    problems = objective.problems(plan)
     if problems:
-        raise ConfigError(f"the {cfg.model.family} model ({objective.name} pretraining) "
+        raise ConfigError(f"the {plan.model.family} model ({objective.name} pretraining) "
                           "cannot run this configuration:\n  - " + "\n  - ".join(problems))
 
 

@@ -28,7 +28,7 @@ from tessera.core.parallel.expert_data_parallel import (
 )
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_spec, stored_shard
-from tessera.training.config import TrainConfig, resolved_min_lr
+from tessera.training.run_plan import OptimizerSettings
 
 
 def param_groups(models: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -43,7 +43,7 @@ def param_groups(models: list[nn.Module], weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(models: list[nn.Module], cfg: TrainConfig,
+def build_optimizer(models: list[nn.Module], cfg: OptimizerSettings,
                     shard_over: ParallelGroups | None = None) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel per tensor) where torch has the kernel.
 
@@ -69,9 +69,9 @@ def build_optimizer(models: list[nn.Module], cfg: TrainConfig,
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` (`resolved_min_lr`: a tenth
-    of lr unless set) at `steps` (or constant). Never above `lr`."""
+def learning_rate(step: int, cfg: OptimizerSettings) -> float:
+    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `steps` (or constant).
+    Never above `lr`: the plan's `min_lr` is at most `lr` (`config.resolved_min_lr`)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.decay == "constant":
@@ -84,8 +84,7 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
         raise ValueError(f"unknown decay {cfg.decay!r}; use cosine, linear or constant")
-    min_lr = resolved_min_lr(cfg)
-    return min_lr + (cfg.lr - min_lr) * factor
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
 
 
 def global_grad_norm(models: list[nn.Module]) -> torch.Tensor:

@@ -24,11 +24,11 @@ from tessera.core.models.t5.pipeline import sync_t5_embedding_grads, t5_embeddin
 from tessera.core.parallel.groups import ParallelGroups
 
 
-def t5_embedding_sync(cfg: Any, groups: ParallelGroups, stages: list[T5Model]
+def t5_embedding_sync(plan: Any, groups: ParallelGroups, stages: list[T5Model]
                       ) -> Callable[[], None]:
     """The per-step gradient sum of the embedding copies; every rank must call this once, in
     the same order (it creates process groups)."""
-    group = t5_embedding_group(cfg.model, cfg.parallel.layout(), groups)
+    group = t5_embedding_group(plan.model, plan.layout, groups)
     return lambda: sync_t5_embedding_grads(stages, group)
 
 

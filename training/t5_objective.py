@@ -31,30 +31,30 @@ from tessera.core.models.t5.tokens import DEFAULT_SENTINELS
 from tessera.training.objectives import Objective
 
 if TYPE_CHECKING:
-    from tessera.training.config import PretrainConfig
+    from tessera.training.run_plan import RunPlan
 
 Batch = dict[str, torch.Tensor]
 
 
-def problems(cfg: PretrainConfig) -> list[str]:
+def problems(plan: RunPlan) -> list[str]:
     """The settings T5 pretraining cannot run, each saying what to do instead."""
-    par, out = cfg.parallel, []
-    if par.cp > 1 or par.cp_dynamic:
-        out.append(f"--cp {par.cp}: context parallelism splits a decoder-only sequence; T5 runs "
+    layout, out = plan.layout, []
+    if layout.cp > 1 or plan.schedule.cp_dynamic:
+        out.append(f"--cp {layout.cp}: context parallelism splits a decoder-only sequence; T5 runs "
                    "with --cp 1 (use --tp/--pp/--dp)")
-    if cfg.data.isolate_documents:
+    if plan.data.isolate_documents:
         out.append("--isolate-documents is for packed decoder samples; T5 samples are span-"
                    "corrupted encoder inputs with their own padding mask: leave it off")
-    if par.virtual_stages > 1:
-        out.append(f"--virtual-stages {par.virtual_stages}: T5 runs one pipeline stage per rank "
+    if layout.virtual_stages > 1:
+        out.append(f"--virtual-stages {layout.virtual_stages}: T5 runs one pipeline stage per rank "
                    "(the encoder/decoder split); use --virtual-stages 1")
-    if par.recompute not in T5_RECOMPUTE:
-        out.append(f"--recompute {par.recompute}: T5 runs without activation recomputation; "
+    if plan.schedule.recompute not in T5_RECOMPUTE:
+        out.append(f"--recompute {plan.schedule.recompute}: T5 runs without activation recomputation; "
                    "use --recompute none")
-    if cfg.train.precision in T5_REFUSED_PRECISIONS:
+    if plan.precision.name in T5_REFUSED_PRECISIONS:
         out.append("--precision fp8 covers the decoder-only blocks; train T5 in fp32, bf16, "
                    "bf16-pure or fp16")
-    if not cfg.data.tokenizer:
+    if not plan.data.tokenizer:
         out.append("T5 span corruption puts its sentinel tokens above the tokenizer's pieces "
                    "and ends samples with its EOS: pass --tokenizer (the one the data was made "
                    "with)")
@@ -74,23 +74,22 @@ def model_vocab(data_vocab: int, set_vocab: int | None) -> int:
     return set_vocab
 
 
-def datasets(cfg: PretrainConfig) -> tuple[Any, Any]:
+def datasets(plan: RunPlan) -> tuple[Any, Any]:
     """The train and valid span-corruption datasets, sized for the whole run."""
     from tessera.core.models.t5.tokens import SentinelTokenizer
     from tessera.core.tokenizer import load_tokenizer
     from tessera.training.t5_data import build_t5_datasets
 
-    t = cfg.train
-    tokenizer = SentinelTokenizer(load_tokenizer(cfg.data.tokenizer), DEFAULT_SENTINELS)
+    d = plan.data
+    tokenizer = SentinelTokenizer(load_tokenizer(d.tokenizer), DEFAULT_SENTINELS)
     train_ds, valid_ds, _ = build_t5_datasets(
-        cfg.data.data, tokenizer, t.seq_len, cfg.data.split,
-        [t.steps * t.global_batch, cfg.loop.eval_batches * t.global_batch, 0], t.seed,
-        cfg.data.data_cache or None, cfg.model.vocab_size)
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        list(d.data), tokenizer, d.seq_len, d.split, [d.train_samples, d.valid_samples, 0],
+        d.seed, d.data_cache or None, plan.model.vocab_size)
+    if plan.layout.sequence_parallel and plan.layout.tp > 1:
         # Sequence parallelism splits the decoder's tokens over tp: the target length (from
         # seq_len, e.g. 9 for 32) is padded up to a multiple of tp with ignored positions. The
         # decoder is causal and the padding is never a label, so the loss stays the same.
-        train_ds, valid_ds = (None if ds is None else PaddedTargets(ds, cfg.parallel.tp,
+        train_ds, valid_ds = (None if ds is None else PaddedTargets(ds, plan.layout.tp,
                                                                     tokenizer.pad_id)
                               for ds in (train_ds, valid_ds))
     return train_ds, valid_ds
@@ -139,10 +138,10 @@ def _print_samples(checkpoint: str) -> None:
     print_t5_samples(checkpoint)
 
 
-def _embedding_sync(cfg: PretrainConfig, groups: Any, stages: list) -> Callable[[], None]:
+def _embedding_sync(plan: RunPlan, groups: Any, stages: list) -> Callable[[], None]:
     from tessera.training.t5_loop import t5_embedding_sync
 
-    return t5_embedding_sync(cfg, groups, stages)
+    return t5_embedding_sync(plan, groups, stages)
 
 
 def _pipeline_eval_loss(*args: Any) -> torch.Tensor | None:

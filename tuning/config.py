@@ -47,7 +47,7 @@ ENCODERS = ("mlp", "lstm")
 INITS = ("vocab", "text")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TuneConfig:
     checkpoint: str = opt("", "the frozen base model: a Tessera checkpoint directory")
     data: str = opt("", "training (or, with --evaluate, evaluation) examples: JSONL, one "
@@ -92,7 +92,8 @@ SECTIONS: dict[str, type] = {"tune": TuneConfig, "train": TrainConfig,
 
 @dataclass
 class TuneRunConfig:
-    """Everything `tessera tune` runs from. `model` is filled from the base checkpoint."""
+    """What `tessera tune` was asked to run, as written (YAML, then flags). The model comes
+    from the base checkpoint; `training.run_plan.resolve_plan` makes the run's plan."""
 
     tune: TuneConfig = field(default_factory=TuneConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(**TRAIN_DEFAULTS))
@@ -131,9 +132,10 @@ class TuneRunConfig:
             if self.train.precision == "fp8":
                 problems.append("LoRA tuning does not run with --precision fp8 yet (the "
                                 "adapter is not wired into the FP8 layers); use bf16 or fp32")
-            if self.parallel.data_parallel != "ddp":
+            data_parallel = self.parallel.train_schedule().data_parallel
+            if data_parallel != "ddp":
                 problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
-                                f"{self.parallel.data_parallel!r} (its adapter is small: "
+                                f"{data_parallel!r} (its adapter is small: "
                                 "sharding its optimizer state saves little)")
         if t.encoder_hidden < 0:
             problems.append(f"encoder_hidden must be >= 0, got {t.encoder_hidden}")

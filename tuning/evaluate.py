@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 def _amp(t: Tuning):
     job = t.job
-    return (torch.autocast(job.device.type, dtype=job.autocast_dtype) if job.autocast_dtype
+    dtype = job.plan.precision.autocast_dtype
+    return (torch.autocast(job.device.type, dtype=dtype) if dtype
             else contextlib.nullcontext())
 
 
@@ -42,7 +43,7 @@ def _logits(t: Tuning, ids: torch.Tensor) -> torch.Tensor | None:
     context parallelism each cp rank computes its tokens' logits and they are gathered."""
     job = t.job
     with _amp(t):
-        if job.cfg.parallel.pp == 1:
+        if job.plan.layout.pp == 1:
             out = job.stages[0](ids).float()
         else:
             out = pipeline_forward(job.stages, job.groups, ids)
@@ -53,10 +54,10 @@ def _logits(t: Tuning, ids: torch.Tensor) -> torch.Tensor | None:
 
 def _from_last_stage(t: Tuning, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """`value` (computed on the last stage's rank) on every rank of the pipeline group."""
-    g, par = t.job.groups, t.job.cfg.parallel
+    g = t.job.groups
     if g.pp_group is None:
         return value
-    src = last_stage_pp_rank(par.layout())
+    src = last_stage_pp_rank(t.job.plan.layout)
     buf = value.contiguous() if g.pp_rank == src else torch.empty_like(like)
     dist.broadcast(buf, src=g.pp_ranks[src], group=g.pp_group)
     return buf
@@ -126,7 +127,7 @@ def evaluate(t: Tuning, data: TaskData, max_batches: int = 0) -> dict[str, dict[
 
 def _evaluate(t: Tuning, data: TaskData, max_batches: int) -> dict[str, dict[str, Any]]:
     g, device = t.job.groups, t.job.device
-    per_dp = max(1, t.job.cfg.train.global_batch // g.dp_size)
+    per_dp = max(1, t.job.plan.data.per_dp_batch)
     results = {}
     for task, examples in data.by_task().items():
         if max_batches:

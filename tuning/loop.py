@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
-from tessera.core.config import ConfigError
+from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.flops import model_flops_per_token
 from tessera.core.lora import (
     attach_lora,
@@ -51,14 +51,14 @@ from tessera.core.prompt_table import (
 )
 from tessera.core.prompts import VirtualPrompts, attach_prompts
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
-from tessera.training.loop import Job, build_rank_model, make_job, memory_gb
+from tessera.training.loop import Job, build_rank_model, make_job, memory_gb, plan_for_world
 from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, resolve_peak
 from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.training.state import restore_fp8_state
 from tessera.tuning import checkpoint as ckpt
-from tessera.tuning.config import TuneRunConfig
+from tessera.tuning.config import TuneConfig, TuneRunConfig
 from tessera.tuning.data import (
     DataError,
     TaskData,
@@ -80,9 +80,10 @@ from tessera.tuning.prompts import (
 
 @dataclass
 class Tuning:
-    """What the tuning loop works with on this rank."""
+    """What the tuning loop works with on this rank: the tuning section and the job (whose
+    plan holds the rest of the run)."""
 
-    cfg: TuneRunConfig
+    tune: TuneConfig
     job: Job
     prompts: VirtualPrompts | None  # on ranks holding the first stage
     specs: dict[str, TaskSpec]
@@ -108,6 +109,7 @@ class Inputs:
     valid: TaskData | None
     seq_len: int
     modules: tuple[str, ...] = ()  # LoRA: the adapted modules (`--lora-targets` resolved)
+    model: ModelConfig | None = None  # the base checkpoint's
 
 
 def base_tokenizer(checkpoint: str) -> Tokenizer:
@@ -122,8 +124,8 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
                    train: str | None = None, valid: str | None = None) -> Inputs:
     """Read the base manifest and tokenizer, fix the tasks, tokenize the data; raise
     `ConfigError` / `DataError` for anything wrong. `specs` given: exactly these tasks."""
-    t = cfg.tune
-    if cfg.parallel.cp_dynamic:
+    t, layout = cfg.tune, cfg.parallel.layout()
+    if cfg.parallel.train_schedule().cp_dynamic:
         raise ConfigError("--cp-dynamic spreads the packed documents of pretraining samples by "
                           "their lengths; tuning rows are single examples padded to one length, "
                           "so there is nothing to spread: use fixed --cp (drop --cp-dynamic)")
@@ -131,7 +133,6 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
     require_decoder(model, "prompt tuning (and LoRA tuning)")  # BERT: no generation to tune
-    cfg.model = model
     lora = t.method == "lora"
     modules: tuple[str, ...] = ()
     if lora:
@@ -162,11 +163,11 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         load_examples(path, specs, n_virtual, tokenizer, context, t.add_eos) if path else None
         for path in (train, valid))
     examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
-    multiple = math.lcm(8, cfg.parallel.tp)  # sequence parallelism splits it over tp
-    if cfg.parallel.cp > 1:  # context parallelism cuts it into 2 x cp chunks (each split over tp)
-        multiple = math.lcm(multiple, 2 * cfg.parallel.cp * cfg.parallel.tp)
+    multiple = math.lcm(8, layout.tp)  # sequence parallelism splits it over tp
+    if layout.cp > 1:  # context parallelism cuts it into 2 x cp chunks (each split over tp)
+        multiple = math.lcm(multiple, 2 * layout.cp * layout.tp)
     seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
-    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules)
+    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules, model)
 
 
 def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | None = None,
@@ -180,18 +181,18 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
     """
     from tessera.core.prompts import fixed_prompts
 
-    cfg.train.seq_len = inputs.seq_len
-    device, groups, stages = build_rank_model(cfg, init=False)
+    plan, device = plan_for_world(cfg, model=inputs.model, seq_len=inputs.seq_len)
+    groups, stages = build_rank_model(plan, device, init=False)
     load_weights(stages, cfg.tune.checkpoint)
     prompts, lora = None, None
     if cfg.tune.method == "lora":
-        lora = adapter[0] if adapter else lora_config(cfg, inputs.modules)
-        attach_lora(stages, lora, tensors=adapter[1] if adapter else None, seed=cfg.train.seed)
+        lora = adapter[0] if adapter else lora_config(cfg.tune, inputs.modules)
+        attach_lora(stages, lora, tensors=adapter[1] if adapter else None, seed=plan.run.seed)
     elif any(m.is_first for m in stages):
         if tables is not None:
             prompts = fixed_prompts(tables, rows_from_ids=True)
         else:
-            prompts = _initial_prompts(cfg, inputs)
+            prompts = _initial_prompts(cfg.tune, inputs, plan.run.seed)
         attach_prompts(next(m for m in stages if m.is_first), prompts)
     for m in stages:
         (mark_only_lora_as_trainable if lora else mark_only_prompt_as_trainable)(m)
@@ -200,16 +201,16 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
             m.requires_grad_(False)
     if lora:
         set_lora_dropout(stages, True)  # the adapter's own dropout, while training
-    job = make_job(cfg, device, groups, stages)
-    return Tuning(cfg, job, prompts, inputs.specs, inputs.n_virtual,
+    job = make_job(plan, device, groups, stages)
+    return Tuning(cfg.tune, job, prompts, inputs.specs, inputs.n_virtual,
                   {name: k for k, name in enumerate(inputs.specs)}, inputs.tokenizer,
                   inputs.seq_len, cfg.tune.add_eos, lora)
 
 
-def lora_config(cfg: TuneRunConfig, modules: tuple[str, ...], fingerprint: str = ""
+def lora_config(t: TuneConfig, modules: tuple[str, ...], fingerprint: str = ""
                 ) -> AdapterConfig:
-    """The adapter `--method lora` tunes, from the config and the resolved target modules."""
-    t = cfg.tune
+    """The adapter `--method lora` tunes, from the tuning section and the resolved target
+    modules."""
     return AdapterConfig(rank=t.lora_rank, alpha=t.lora_alpha, modules=modules,
                          targets=tuple(x.strip() for x in t.lora_targets.split(",") if x.strip()),
                          dropout=t.lora_dropout,
@@ -217,21 +218,21 @@ def lora_config(cfg: TuneRunConfig, modules: tuple[str, ...], fingerprint: str =
                          base_fingerprint=fingerprint)
 
 
-def _initial_prompts(cfg: TuneRunConfig, inputs: Inputs) -> VirtualPrompts:
-    t = cfg.tune
+def _initial_prompts(t: TuneConfig, inputs: Inputs, seed: int) -> VirtualPrompts:
     embedding = CheckpointReader(t.checkpoint).global_tensor("tok_embeddings.weight").float()
     text_ids = inputs.tokenizer.encode(t.init_text) if t.init == "text" else None
     inits = initial_embeddings(embedding, inputs.n_virtual, init=t.init, text_ids=text_ids,
-                               seed=cfg.train.seed)
+                               seed=seed)
     return build_prompts(t.method, inits, encoder=t.encoder, encoder_hidden=t.encoder_hidden,
-                         seed=cfg.train.seed)
+                         seed=seed)
 
 
 def train_batch(t: Tuning, data: TaskData, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's share of global batch `step`."""
-    g, gb = t.job.groups, t.cfg.train.global_batch
-    idx = step_indices(step, len(data.examples), gb, t.cfg.train.seed)
-    per_dp = gb // g.dp_size
+    g, plan = t.job.groups, t.job.plan
+    gb = plan.data.global_batch
+    idx = step_indices(step, len(data.examples), gb, plan.run.seed)
+    per_dp = plan.data.per_dp_batch
     mine = [data.examples[i] for i in idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]]
     tokens, labels = make_batch(mine, t.task_index, t.n_virtual, t.seq_len, t.tokenizer.pad_id)
     return tokens.to(t.job.device), labels.to(t.job.device)
@@ -258,10 +259,12 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite,
                   files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR))
     t = setup(cfg, inputs)
-    loop = cfg.loop
+    plan = t.job.plan
+    loop = plan.loop
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
             "base_fingerprint": _shared_fingerprint(cfg.tune.checkpoint),
-            "method": cfg.tune.method, "n_virtual": inputs.n_virtual, "config": cfg.to_dict()}
+            "method": cfg.tune.method, "n_virtual": inputs.n_virtual,
+            "config": dict(plan.record)}
     if t.job.fp8 is not None:
         meta["fp8"] = t.job.fp8.record()
     if t.lora is not None:
@@ -284,10 +287,9 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
             if n:
                 print(f"tune: truncated {n} training examples of task {task!r} (field "
                       f"{inputs.specs[task].truncate_field!r}) to fit {inputs.seq_len} tokens")
-    compute = t.job.autocast_dtype or (torch.bfloat16 if cfg.train.precision == "bf16-pure"
-                                       else None)
-    peak, peak_source = resolve_peak(cfg.train.peak_tflops, t.job.device, compute)
-    log = MetricsLogger(loop, enabled=_rank0(), total=cfg.train.steps, initial=start,
+    peak, peak_source = resolve_peak(plan.run.peak_tflops, t.job.device,
+                                     plan.precision.matmul_dtype)
+    log = MetricsLogger(loop, enabled=_rank0(), total=plan.run.steps, initial=start,
                         resumed_from=resumed, desc="tune")
     before = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid and start == 0 else None
     losses = _train(t, inputs, log, start, meta, peak)
@@ -298,25 +300,26 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
 def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict[str, Any],
            peak: float | None) -> list[float]:
     """Steps `start..steps`: one optimizer step each, periodic validation and checkpoints."""
-    tr, loop, out = t.cfg.train, t.cfg.loop, Path(t.cfg.loop.output)
+    plan = t.job.plan
+    run, loop, out = plan.run, plan.loop, Path(plan.loop.output)
     # Frozen weights need no weight gradients: about 4N FLOPs per token instead of 6N.
-    flops = model_flops_per_token(t.cfg.model, t.seq_len) * 2 / 3
+    flops = model_flops_per_token(plan.model, t.seq_len) * 2 / 3
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
-    for step in range(start, tr.steps):
+    for step in range(start, run.steps):
         tic = time.perf_counter()
         tokens, labels = train_batch(t, inputs.train, step)
         metrics = pretrain_step(t.job, step, tokens, labels)
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"loss became {metrics['loss']} at step {step + 1}; lower "
                                      "--lr or use --precision fp32")
-        tokens_per_s = tr.global_batch * t.seq_len / (time.perf_counter() - tic)
+        tokens_per_s = plan.data.global_batch * t.seq_len / (time.perf_counter() - tic)
         tflops = flops * tokens_per_s / world / 1e12
         metrics.update(step=step + 1, tokens_per_s=tokens_per_s, tflops=tflops,
                        mfu=tflops / peak if peak else float("nan"),
                        memory_gb=memory_gb(t.job.device))
         losses.append(metrics["loss"])
-        done = step + 1 == tr.steps
+        done = step + 1 == run.steps
         results = None
         if inputs.valid and loop.eval_interval and (step + 1) % loop.eval_interval == 0 \
                 and not done:
@@ -364,7 +367,7 @@ def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
             export: bool) -> dict[str, Any]:
     """Write the prompt table or LoRA adapter (rank 0), print the per-task table, return the
     summary."""
-    cfg, out = t.cfg, Path(t.cfg.loop.output)
+    out = Path(t.job.plan.loop.output)
     tables = t.prompts.tables() if t.prompts is not None else {}
     result = out
     if t.lora is not None:
@@ -373,9 +376,9 @@ def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
         if _rank0():
             save_adapter(result, t.lora, tensors, overwrite=True)
     elif _rank0():
-        write_prompt_table(out, tables, base_checkpoint=cfg.tune.checkpoint,
+        write_prompt_table(out, tables, base_checkpoint=t.tune.checkpoint,
                            tasks={n: s.to_dict() for n, s in inputs.specs.items()},
-                           method=cfg.tune.method, extra={"add_eos": cfg.tune.add_eos})
+                           method=t.tune.method, extra={"add_eos": t.tune.add_eos})
         if export:
             from tessera.tuning.peft_format import export_peft
 
@@ -419,11 +422,12 @@ def evaluate_table(cfg: TuneRunConfig, prompts_dir: str) -> dict[str, dict[str, 
     from tessera.core.prompt_table import check_base, read_prompt_table
 
     manifest, tables = read_prompt_table(prompts_dir)
-    if not cfg.tune.checkpoint:
-        cfg.tune.checkpoint = manifest["base_checkpoint"]
     if not cfg.tune.data:
         raise ConfigError("--evaluate needs --data examples.jsonl")
-    cfg.tune.add_eos = manifest.get("add_eos", cfg.tune.add_eos)  # as the table was tuned
+    # The base defaults to the table's, and answers end as they did when it was tuned.
+    cfg = dataclasses.replace(cfg, tune=dataclasses.replace(
+        cfg.tune, checkpoint=cfg.tune.checkpoint or manifest["base_checkpoint"],
+        add_eos=manifest.get("add_eos", cfg.tune.add_eos)))
     specs = {name: TaskSpec(**{k: v for k, v in body.items() if k != "n_virtual"})
              for name, body in manifest["tasks"].items()}
     for name, spec in specs.items():
@@ -448,12 +452,11 @@ def evaluate_adapter(cfg: TuneRunConfig, adapter_dir: str) -> dict[str, dict[str
     from tessera.core.lora_format import load_adapter
 
     config, tensors = load_adapter(adapter_dir)
-    if not cfg.tune.checkpoint:
-        cfg.tune.checkpoint = config.base_checkpoint
     if not cfg.tune.data:
         raise ConfigError("--evaluate needs --data examples.jsonl")
+    cfg = dataclasses.replace(cfg, tune=dataclasses.replace(
+        cfg.tune, checkpoint=cfg.tune.checkpoint or config.base_checkpoint, method="lora"))
     check_base(config, base_fingerprint(cfg.tune.checkpoint), cfg.tune.checkpoint)
-    cfg.tune.method = "lora"
     specs = {name: cfg.tasks.get(name, TaskSpec(name=name))
              for name in discover_tasks(cfg.tune.data)}
     inputs = prepare_inputs(cfg, specs=specs, valid=cfg.tune.data)

@@ -12,9 +12,6 @@ base, an existing output) is refused before anything is written.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,7 +21,7 @@ from tessera.core.config import ConfigError
 from tessera.core.fingerprint import base_fingerprint
 from tessera.core.lora import attach_lora, merge_lora_
 from tessera.core.lora_format import check_base, load_adapter
-from tessera.training.loop import build_rank_model
+from tessera.training.loop import build_rank_model, plan_for_world
 from tessera.tuning.config import TuneRunConfig
 
 
@@ -45,14 +42,9 @@ def merge_adapter(cfg: TuneRunConfig, adapter_dir: str, *, output_given: bool = 
     output = Path(cfg.loop.output)
     if output.exists() and not cfg.loop.overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
-    cfg.tune.checkpoint, cfg.model = base, manifest.model
-    # No step runs, but the layout is checked as a training one: give it a schedule that fits.
-    par = cfg.parallel
-    micro = max(par.micro_batches, par.pp * par.virtual_stages)
-    cfg.parallel = dataclasses.replace(par, micro_batches=micro)
-    cfg.train.global_batch = micro * int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.train.seq_len = math.lcm(8, par.tp)
-    _, _, stages = build_rank_model(cfg, init=False)
+    # No step runs, but the layout is checked as a training one (`weights_only`).
+    plan, device = plan_for_world(cfg, model=manifest.model, weights_only=True)
+    _, stages = build_rank_model(plan, device, init=False)
     load_weights(stages, base)
     attach_lora(stages, config, tensors=tensors)
     merge_lora_(stages)

@@ -39,7 +39,7 @@ from tessera.core.checkpoint import CheckpointReader
 from tessera.core.parallel.sharding import is_expert_param, shard_expert_tensor
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
 from tessera.training.config import load_config
-from tessera.training.loop import local_rows, pretrain, setup, train_step
+from tessera.training.loop import local_rows, plan_for_world, pretrain, setup, train_step
 from tessera.training.moments import read_global_moments
 from tessera.training.objectives import objective_for
 from tessera.training.state import (
@@ -81,14 +81,14 @@ def _argv(tiny: TinyData, run: Path, *flags: str) -> list[str]:
 def _probe(argv: list[str], source: str) -> dict[str, Any]:
     """Load `source` (a step-2 checkpoint) into the zero1 job, take steps 3 and 4, and report
     this rank's parameters, grad norms and, per parameter, its optimizer rows and sizes."""
-    cfg = load_config(argv)[0]
-    job = setup(cfg)
+    plan, device = plan_for_world(load_config(argv)[0])
+    job = setup(plan, device)
     step = load_training_checkpoint(Path(source), job.stages, job.optimizer)["step"]
-    train_ds, _ = objective_for(cfg.model).datasets(cfg)
+    train_ds, _ = objective_for(plan.model).datasets(plan)
     norms = []
     for s in range(step, step + 2):
         tokens, labels, extra = job.objective.split_batch(
-            local_rows(train_ds, s, cfg, job.groups, job.device))
+            local_rows(train_ds, s, plan.data, job.groups, job.device))
         norms.append(train_step(job, s, tokens, labels, extra)["grad_norm"])
     assert isinstance(job.optimizer, ShardedOptimizer)
     g, model = job.groups, job.stages[0]
@@ -105,11 +105,11 @@ def _probe(argv: list[str], source: str) -> dict[str, Any]:
 
 
 def _resave(argv: list[str], source: str) -> None:
-    cfg = load_config(argv)[0]
-    job = setup(cfg)
+    plan, device = plan_for_world(load_config(argv)[0])
+    job = setup(plan, device)
     step = load_training_checkpoint(Path(source), job.stages, job.optimizer)["step"]
-    save_training_checkpoint(cfg.loop.output, job.stages, job.optimizer, step=step,
-                             consumed_samples=0, config=cfg.to_dict(), tokenizer=None,
+    save_training_checkpoint(plan.loop.output, job.stages, job.optimizer, step=step,
+                             consumed_samples=0, config=dict(plan.record), tokenizer=None,
                              keep_last=0)
 
 

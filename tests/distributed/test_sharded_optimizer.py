@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tessera.core.checkpoint import CheckpointReader, read_manifest
 from tessera.training.config import load_config
-from tessera.training.loop import pretrain, setup
+from tessera.training.loop import plan_for_world, pretrain, setup
 from tessera.training.moments import read_global_moments
 from tessera.training.state import (
     latest_checkpoint,
@@ -53,12 +53,12 @@ def _run_jobs(rank: int, world_size: int, jobs: list[tuple]) -> None:
             dist.barrier()
         else:
             argv, source = args
-            cfg = load_config(argv)[0]
-            job = setup(cfg)
+            plan, device = plan_for_world(load_config(argv)[0])
+            job = setup(plan, device)
             record = load_training_checkpoint(Path(source), job.stages, job.optimizer)
-            save_training_checkpoint(cfg.loop.output, job.stages, job.optimizer,
+            save_training_checkpoint(plan.loop.output, job.stages, job.optimizer,
                                      step=record["step"], consumed_samples=0,
-                                     config=cfg.to_dict(), tokenizer=None, keep_last=0)
+                                     config=dict(plan.record), tokenizer=None, keep_last=0)
 
 
 def _flags(flavour: str, *layout: str) -> tuple[str, ...]:

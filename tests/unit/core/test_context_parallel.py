@@ -160,23 +160,22 @@ def test_bad_cp_configurations_name_numbers_and_fix():
 
 def test_pretrain_flags_take_cp_and_check_it(tmp_path):
     from tessera.training.config import load_config
-    from tessera.training.loop import check_config
+    from tessera.training.run_plan import resolve_plan
 
     cfg, _ = load_config(["--cp", "2", "--cp-comm", "ring", "--seq-len", "30",
                           "--model", "llama-tiny", "--global-batch", "2"])
     assert (cfg.parallel.layout().cp, cfg.parallel.train_schedule().cp_comm) == (2, "ring")
     with pytest.raises(ConfigError, match=r"sequence length 30 is not divisible by 2 x cp = 4"):
-        check_config(cfg, 2)
+        resolve_plan(cfg, 2)
     cfg, _ = load_config(["--cp", "2", "--seq-len", "32", "--model", "llama-tiny",
                           "--global-batch", "4"])
-    check_config(cfg, 4)
-    assert cfg.parallel.dp == 2  # dp fills what tp x cp x pp leave of the world
+    assert resolve_plan(cfg, 4).layout.dp == 2  # dp fills what tp x cp x pp leave of the world
     # Isolating documents needs the tokenizer's EOD id; refused before any data is read.
-    from tessera.training.loop import _check_data
+    from tessera.training.loop import _data_model
 
     cfg, _ = load_config(["--data", str(tmp_path / "none"), "--isolate-documents", "true"])
     with pytest.raises(ConfigError, match="--isolate-documents .* pass --tokenizer"):
-        _check_data(cfg)
+        _data_model(resolve_plan(cfg, 1), cfg.model_fields_set)
 
 
 def test_tuning_refuses_dynamic_cp():

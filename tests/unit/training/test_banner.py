@@ -3,6 +3,7 @@ and the data by hand), and MFU is reported against a stated peak, or as n/a."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -32,7 +33,9 @@ def test_banner_states_the_run(tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     banner = out[:out.index("step      1")]
 
-    model = build_model(cfg.model, Layout(), ParallelGroups(), device=torch.device("cpu"))
+    # The run's model: the written one with the tokenizer's vocabulary (the run plan's).
+    run_model = dataclasses.replace(cfg.model, vocab_size=tiny.vocab_size)
+    model = build_model(run_model, Layout(), ParallelGroups(), device=torch.device("cpu"))
     params = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     assert f"vocab 320: {params / 1e3:.2f}K parameters" in banner, banner
     assert "tp 1 x pp 1 x dp 1 = 1 rank" in banner and "2 micro-batches" in banner

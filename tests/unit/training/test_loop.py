@@ -179,7 +179,7 @@ def _file(directory: Path) -> Path:
                          ids=[c[0] for c in ERROR_CASES])
 def test_clear_errors(tiny, tmp_path, capsys, monkeypatch, flags, message, early):
     if early:  # data and output problems must surface before any model is built
-        def no_setup(cfg):
+        def no_setup(*args):
             raise AssertionError("the model was built before the inputs were checked")
 
         monkeypatch.setattr(loop_module, "setup", no_setup)
@@ -336,13 +336,13 @@ def test_compiled_training_follows_the_eager_losses(tiny, run8, tmp_path):
 
 def test_sharded_data_parallel_is_accepted_but_not_with_fp16(tiny, tmp_path):
     from tessera.core.config import ConfigError
-    from tessera.training.loop import check_config
+    from tessera.training.run_plan import resolve_plan
 
     for flavour in ("zero1", "fsdp"):
         cfg, _ = load_config(pretrain_argv(tiny, tmp_path / "run", "--data-parallel", flavour))
-        check_config(cfg, 1)  # dp 1: nothing to shard, nothing to refuse
-        check_config(cfg, 2)  # wired into the loop and its checkpoints (tests/distributed)
+        resolve_plan(cfg, 1)  # dp 1: nothing to shard, nothing to refuse
+        resolve_plan(cfg, 2)  # wired into the loop and its checkpoints (tests/distributed)
         cfg, _ = load_config(pretrain_argv(tiny, tmp_path / "run", "--data-parallel", flavour,
                                            "--precision", "fp16"))
         with pytest.raises(ConfigError, match=f"data_parallel '{flavour}' does not support fp16"):
-            check_config(cfg, 2)
+            resolve_plan(cfg, 2)

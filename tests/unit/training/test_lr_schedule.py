@@ -4,15 +4,18 @@ import dataclasses
 
 import pytest
 
-from tessera.core.config import ConfigError
+from tessera.core.config import ConfigError, TrainSchedule
 from tessera.training.config import TrainConfig, load_config
 from tessera.training.optim import learning_rate
+from tessera.training.run_plan import optimizer_settings
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.config import load_config as load_tune_config
 
 
 def schedule(cfg: TrainConfig) -> list[float]:
-    return [learning_rate(step, cfg) for step in range(cfg.steps + 5)]
+    """The rates a run of the written `cfg` steps through, as its plan resolves them."""
+    settings = optimizer_settings(cfg, TrainSchedule())
+    return [learning_rate(step, settings) for step in range(cfg.steps + 5)]
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])

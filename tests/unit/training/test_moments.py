@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tessera.core.checkpoint import CheckpointError
 from tessera.training.config import load_config
-from tessera.training.loop import pretrain, setup
+from tessera.training.loop import plan_for_world, pretrain, setup
 from tessera.training.moments import read_global_moments
 from tessera.training.state import load_training_checkpoint
 from tests.pretrain_helper import TinyData, pretrain_argv, read_losses
@@ -65,7 +65,8 @@ def test_checkpoints_from_before_format_2_still_resume(tiny, run8, tmp_path):
 
     states = []
     for source in (step4, legacy):
-        job = setup(load_config(pretrain_argv(tiny, tmp_path / "x", model="gpt2-tiny"))[0])
+        job = setup(*plan_for_world(load_config(pretrain_argv(tiny, tmp_path / "x",
+                                                              model="gpt2-tiny"))[0]))
         load_training_checkpoint(source, job.stages, job.optimizer)
         states.append([job.optimizer.state[p] for g in job.optimizer.param_groups
                        for p in g["params"]])
