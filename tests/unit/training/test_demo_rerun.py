@@ -26,7 +26,7 @@ def demo_calls(monkeypatch):
     directory (where an old run would be deleted or refused), sampling is recorded."""
     calls = {"trained": [], "samples": []}
 
-    def fake_pretrain(cfg):
+    def fake_pretrain(cfg, **plan_options):
         claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite)
         calls["trained"].append(cfg.loop.output)
         return {}

@@ -44,7 +44,7 @@ def test_the_demo_fills_the_pipeline_unless_micro_batches_are_given():
     cfg, _ = load_config(["--pp", "2", "--virtual-stages", "2", "--schedule",
                           "interleaved-1f1b", "--global-batch", "16"])
     demo = demo_config(cfg, {"pp", "virtual_stages", "schedule", "global_batch"})
-    assert (demo.train.steps, demo.loop.output, demo.loop.overwrite) == (300, "runs/demo", True)
+    assert (demo.train.steps, demo.loop.output, demo.loop.overwrite) == (300, "runs/demo", False)
     plan = resolve_plan(demo, 2, fill_pipeline=demo_fills_pipeline({"pp"}))
     assert plan.schedule.micro_batches == 8 == plan.record["parallel"]["micro_batches"]
     assert not demo_fills_pipeline({"micro_batches"})
@@ -70,13 +70,22 @@ def test_a_weights_only_plan_fits_any_layout():
     (["--data-parallel", "zero1", "--precision", "fp16"], 2,
      "data_parallel 'zero1' does not support fp16's gradient scaler"),
     (["--tp", "3"], 3, "num_heads 4 is not divisible by tp 3"),
-    (["--micro-batches", "0"], 1, "micro_batches must be >= 1, got 0"),
-    (["--dp", "0"], 1, "dp must be >= 1, got 0"),
 ])
 def test_what_cannot_run_is_one_config_error(flags, world, message):
     cfg, _ = load_config([*TINY, *flags])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_plan(cfg, world)
+
+
+@pytest.mark.parametrize(("field", "message"), [
+    ("micro_batches", "micro_batches must be >= 1, got 0"), ("dp", "dp must be >= 1, got 0")])
+def test_a_zero_that_reaches_the_resolver_is_a_config_error(field, message):
+    """Flags and YAML refuse these at parse time; a config built in Python still reaches the
+    resolver's own check (a message, not a ZeroDivisionError)."""
+    cfg, _ = load_config(TINY)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **{field: 0}))
+    with pytest.raises(ConfigError, match=message):
+        resolve_plan(cfg, 1)
 
 
 def test_the_prepare_step_comes_before_the_checks_and_its_model_is_checked_and_recorded():
