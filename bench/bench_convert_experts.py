@@ -46,7 +46,7 @@ def make_checkpoint(path: Path, bank_mb: int, layers: int) -> tuple[int, int]:
     ffn = bank_mb * 2**20 // (experts * 2 * hidden * 4)  # w1: (E, 2 F, h) fp32
     config = ModelConfig.from_name("mixtral-tiny", hidden_size=hidden, num_heads=8,
                                    num_kv_heads=4, num_layers=layers, ffn_hidden_size=ffn,
-                                   num_experts=experts, vocab_size=32000)
+                                   moe={"num_experts": experts}, vocab_size=32000)
     if not (path / "manifest.json").is_file():
         save_checkpoint(path, build_model(config, seed=0))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -39,7 +39,8 @@ def _config(args) -> ModelConfig:
     return ModelConfig.from_name(
         "mixtral-tiny", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
         num_heads=args.hidden // 64, num_kv_heads=args.hidden // 64, ffn_hidden_size=args.ffn,
-        num_experts=args.experts, moe_top_k=args.top_k, max_position_embeddings=args.seq)
+        moe={"num_experts": args.experts, "top_k": args.top_k},
+        max_position_embeddings=args.seq)
 
 
 def _hf_model(config: ModelConfig):

@@ -83,7 +83,7 @@ def fp8_families() -> list[str]:
 def check_fp8_exportable(config: ModelConfig, spec: Fp8Export) -> None:
     """Raise ConversionError if `config` cannot be written in `spec`'s form: a family whose HF
     linears the FP8 loaders do not quantize, or a dimension the block does not divide."""
-    if config.num_experts:  # experts are grouped weights; `quantizable` covers dense linears
+    if config.moe.num_experts:  # experts are grouped weights; `quantizable` covers dense linears
         raise ConversionError(
             f"FP8 Hugging Face export supports the dense families {', '.join(fp8_families())}, "
             f"not the Mixture-of-Experts family {config.family!r}: its experts would stay "

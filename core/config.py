@@ -10,12 +10,15 @@ need the schedule names live in `core.parallel.pipeline`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tessera.core.errors import ConfigError
 from tessera.core.expert_config import expert_layout_problems
+from tessera.core.flat_model_fields import FLAT_MOE, FLAT_OPTIONS, as_dict, nest_flat_fields
 from tessera.core.models.registry import family as model_family
+from tessera.core.moe.config import MoEConfig
 
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
@@ -25,7 +28,9 @@ Recompute = Literal["none", "selective", "full"]
 
 @dataclass
 class ModelConfig:
-    """The global shape of a GPT-style decoder. Defaults describe a tiny Llama-style model."""
+    """The global shape of a model of one family (`core.models.registry`): the fields every
+    family reads, the decoder's Mixture-of-Experts options (`moe`) and the family's own
+    (`options`). Defaults describe a tiny Llama-style model."""
 
     name: str = "custom"
     family: str = "llama"  # a `core.models.registry` name: gpt2|llama|...|t5|bert
@@ -47,40 +52,14 @@ class ModelConfig:
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
-    # T5 (family "t5", `core.models.t5.model`): an encoder of `num_layers` and a decoder of
-    # `num_decoder_layers` (None: as many), relative position buckets, the decoder starting
-    # from `decoder_start_token_id`; `scaled_output` multiplies the decoder output by
-    # hidden_size ** -0.5 before the (tied) output projection, as the original T5 does.
-    num_decoder_layers: int | None = None
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    decoder_start_token_id: int = 0
-    scaled_output: bool = False
-    # BERT (issue 18): family "bert" is a bidirectional post-LayerNorm encoder with a masked-LM
-    # head (`core.models.bert.model`); these fields mean nothing to the decoder families.
-    type_vocab_size: int = 0  # token-type (segment A / B) embeddings; 0: none
-    binary_head: bool = False  # [CLS] pooler (dense + tanh) and next-sentence classifier
-    # Mixture-of-Experts (`core.moe`); the defaults describe a dense model. Checked by
-    # `core.moe.validate.moe_problems`.
-    num_experts: int = 0  # routed experts per MoE layer; 0: dense (no MoE layers)
-    moe_top_k: int = 2  # experts each token is sent to
-    moe_ffn_hidden_size: int | None = None  # each routed expert's FFN size (None: ffn_hidden_size)
-    moe_shared_ffn_hidden_size: int = 0  # Qwen2-MoE shared expert with a sigmoid gate (0: none)
-    moe_layer_freq: int = 1  # layer i is MoE when (i + 1) % freq == 0 (Qwen's decoder_sparse_step)
-    moe_router_score: str = "softmax"  # softmax | sigmoid
-    moe_norm_topk: bool = True  # renormalize the k chosen weights to sum to 1 (Mixtral)
-    moe_aux_loss_coef: float = 0.001  # load balancing: coef x E x sum_i f_i P_i, mean over layers
-    moe_z_loss_coef: float = 0.0  # router z-loss: coef x mean(logsumexp(logits)^2)
-    moe_capacity_factor: float | None = None  # None: dropless; else ceil(n k / E x factor) each
-    moe_expert_bias: bool = False  # aux-loss-free balancing: a routing-only bias per expert
-    moe_expert_bias_rate: float = 1e-3  # its update per step: rate x sign(mean load - load)
-    # MoE load-balancing loss pooling (`core.moe.pooled_aux`): "layer" = one loss per MoE layer,
-    # mean over layers (Megatron); "model" = one loss over all MoE layers' tokens (Hugging Face's
-    # `load_balancing_loss_func`; needs pp = 1 in training).
-    moe_aux_loss_pooling: str = "layer"
     # Qwen3 (issue 14, `core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
     # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
     qk_norm: bool = False
+    # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
+    # becomes the family's defaults; a family without options takes only None.
+    options: Any = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -102,6 +81,9 @@ class ModelConfig:
                 f"rotary dims {self.rotary_dim} (head_dim {self.head_dim} x rotary_fraction "
                 f"{self.rotary_fraction}) must be even."
             )
+        if not isinstance(self.moe, MoEConfig):
+            raise ConfigError(f"moe must be a MoEConfig (core.moe.config), got {self.moe!r}")
+        self._check_options(model_family(self).options)
         problems = model_family(self).problems(self)  # what this family cannot take
         if problems:
             raise ConfigError(f"a family {self.family!r} model cannot take "
@@ -109,13 +91,22 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
             raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
                               f"not {self.norm!r}")
-        if self.num_experts:
+        if self.moe.num_experts:
             from tessera.core.moe.validate import moe_problems
 
             problems = moe_problems(self)
             if problems:
                 raise ConfigError("invalid Mixture-of-Experts config:\n  - "
                                   + "\n  - ".join(problems))
+
+    def _check_options(self, options: type | None) -> None:
+        """Give the family's default options for None; refuse options of another type."""
+        if self.options is None and options is not None:
+            self.options = options()
+        elif self.options is not None and not isinstance(self.options, options or ()):
+            wants = f"a {options.__name__}" if options is not None else "None (it has none)"
+            raise ConfigError(f"a family {self.family!r} model takes options {wants}, got "
+                              f"{self.options!r}")
 
     @property
     def rotary_dim(self) -> int:
@@ -131,18 +122,63 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """A config from `to_dict` output, or from the flat form of older manifests (top-level
+        `num_experts`, `moe_top_k`, `num_decoder_layers`, ...: `core.flat_model_fields`);
+        `moe` and `options` may be mappings or instances. Unknown fields are an error."""
+        name = data.get("family", cls.family)
+        options = model_family(name).options
+        data = nest_flat_fields(data, name, options)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
+        if "moe" in data:
+            data["moe"] = _sub_config(MoEConfig, data["moe"], "moe")
+        if data.get("options") is not None and options is not None:
+            data["options"] = _sub_config(options, data["options"], "options")
         return cls(**data)
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset (see `PRESETS`), optionally with fields overridden."""
+        """A named preset (see `PRESETS`), optionally with fields overridden (as `from_dict`
+        reads them). A mapping for `moe` or `options` changes only the fields it names; an
+        instance replaces the preset's."""
         if name not in PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], "name": name, **overrides})
+        data = {**PRESETS[name], "name": name}
+        for key, value in overrides.items():
+            if key in ("moe", "options") and isinstance(value, dict):
+                value = {**as_dict(data.get(key)), **value}
+            data[key] = value
+        return cls.from_dict(data)
+
+    @classmethod
+    def field_types(cls, family: str) -> dict[str, Any]:
+        """The type of every field a family `family` config takes by name: the common ones,
+        `moe.<field>` and `options.<field>` (the family's options), and the flat names of older
+        manifests (`num_experts`, `moe_top_k`, ...)."""
+        types = {k: v for k, v in typing.get_type_hints(cls).items()
+                 if k not in ("moe", "options")}
+        subs = {"moe": MoEConfig, "options": model_family(family).options}
+        for prefix, kind in subs.items():
+            if kind is not None:
+                types.update({f"{prefix}.{k}": v for k, v in typing.get_type_hints(kind).items()})
+        types.update({flat: types[f"moe.{name}"] for flat, name in FLAT_MOE.items()})
+        types.update({flat: types[f"options.{flat}"] for flat in FLAT_OPTIONS
+                      if f"options.{flat}" in types})
+        return types
+
+
+def _sub_config(kind: type, value: Any, where: str) -> Any:
+    """A mapping `value` as a `kind` (unknown fields are an error); anything else as it is
+    (`ModelConfig.__post_init__` checks its type)."""
+    if not isinstance(value, dict):
+        return value
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"unknown {where} fields {unknown}; known fields: {sorted(known)}")
+    return kind(**value)
 
 
 _GPT2 = dict(family="gpt2", norm="layernorm", activation="gelu_tanh", position="learned",
@@ -197,46 +233,49 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
 }
 PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
-# T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied + scaled
-# output gives the original T5.
+# T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
+# `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",
-           bias=False, tied_embeddings=False, scaled_output=False, init_std=0.05)
+           bias=False, tied_embeddings=False, init_std=0.05)
 PRESETS["t5-tiny"] = {**_T5, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
-                      "num_decoder_layers": 2, "num_heads": 4, "ffn_hidden_size": 128,
-                      "max_position_embeddings": 512, "relative_attention_num_buckets": 32,
-                      "relative_attention_max_distance": 128}
+                      "num_heads": 4, "ffn_hidden_size": 128, "max_position_embeddings": 512,
+                      "options": dict(num_decoder_layers=2, relative_attention_num_buckets=32,
+                                      relative_attention_max_distance=128)}
 PRESETS["t5-base"] = {**_T5, "vocab_size": 32128, "hidden_size": 768, "num_layers": 12,
-                      "num_decoder_layers": 12, "num_heads": 12, "ffn_hidden_size": 2048,
-                      "max_position_embeddings": 512}
+                      "num_heads": 12, "ffn_hidden_size": 2048, "max_position_embeddings": 512,
+                      "options": dict(num_decoder_layers=12)}
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
-# Mixture-of-Experts: tiny sizes for tests, real ones (Mixtral 8x7B, Qwen1.5-MoE-A2.7B) for
-# planning. Qwen1.5-MoE's q/k/v biases (and no others) have no Tessera equivalent: left out.
-_MIXTRAL = dict(_LLAMA, family="mixtral", num_experts=8, moe_top_k=2, moe_norm_topk=True,
-                moe_aux_loss_coef=0.02)
-_QWEN_MOE = dict(_LLAMA, family="qwen2_moe", moe_top_k=4, moe_norm_topk=False,
-                 moe_aux_loss_coef=0.001)
+# Mixture-of-Experts (`MoEConfig` fields under "moe"): tiny sizes for tests, real ones (Mixtral
+# 8x7B, Qwen1.5-MoE-A2.7B) for planning. Qwen1.5-MoE's q/k/v biases (and no others) have no
+# Tessera equivalent: left out.
+_MIXTRAL_MOE = dict(num_experts=8, top_k=2, norm_topk=True, aux_loss_coef=0.02)
+_QWEN_MOE = dict(top_k=4, norm_topk=False, aux_loss_coef=0.001)
+_MIXTRAL = dict(_LLAMA, family="mixtral")
 PRESETS.update({
     "mixtral-tiny": {**_MIXTRAL, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
-                     "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128, "num_experts": 4,
-                     "max_position_embeddings": 256},
-    "qwen-moe-tiny": {**_QWEN_MOE, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
-                      "num_heads": 4, "num_kv_heads": 4, "ffn_hidden_size": 128,
-                      "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
-                      "moe_shared_ffn_hidden_size": 128, "max_position_embeddings": 256},
+                     "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,
+                     "max_position_embeddings": 256, "moe": {**_MIXTRAL_MOE, "num_experts": 4}},
+    "qwen-moe-tiny": {**_LLAMA, "family": "qwen2_moe", "vocab_size": 512, "hidden_size": 64,
+                      "num_layers": 2, "num_heads": 4, "num_kv_heads": 4, "ffn_hidden_size": 128,
+                      "max_position_embeddings": 256,
+                      "moe": {**_QWEN_MOE, "num_experts": 8, "top_k": 2, "ffn_hidden_size": 32,
+                              "shared_ffn_hidden_size": 128}},
     "mixtral-8x7b": {**_MIXTRAL, "vocab_size": 32000, "hidden_size": 4096, "num_layers": 32,
                      "num_heads": 32, "num_kv_heads": 8, "ffn_hidden_size": 14336,
-                     "max_position_embeddings": 32768, "rope_theta": 1e6},
-    "qwen1.5-moe-a2.7b": {**_QWEN_MOE, "vocab_size": 151936, "hidden_size": 2048,
-                          "num_layers": 24, "num_heads": 16, "ffn_hidden_size": 5632,
-                          "num_experts": 60, "moe_ffn_hidden_size": 1408,
-                          "moe_shared_ffn_hidden_size": 5632, "max_position_embeddings": 8192,
-                          "rope_theta": 1e6, "norm_eps": 1e-6},
+                     "max_position_embeddings": 32768, "rope_theta": 1e6, "moe": _MIXTRAL_MOE},
+    "qwen1.5-moe-a2.7b": {**_LLAMA, "family": "qwen2_moe", "vocab_size": 151936,
+                          "hidden_size": 2048, "num_layers": 24, "num_heads": 16,
+                          "ffn_hidden_size": 5632, "max_position_embeddings": 8192,
+                          "rope_theta": 1e6, "norm_eps": 1e-6,
+                          "moe": {**_QWEN_MOE, "num_experts": 60, "ffn_hidden_size": 1408,
+                                  "shared_ffn_hidden_size": 5632}},
 })
 
 # BERT (issue 18): post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
-# masked-LM decoder tied to the word embedding (`core.models.bert.model`).
+# masked-LM decoder tied to the word embedding (`core.models.bert.model`); two token types.
 _BERT = dict(family="bert", norm="layernorm", norm_eps=1e-12, activation="gelu",
-             position="learned", bias=True, tied_embeddings=True, type_vocab_size=2)
+             position="learned", bias=True, tied_embeddings=True,
+             options=dict(type_vocab_size=2))
 BERT_PRESETS: dict[str, dict[str, Any]] = {
     "bert-tiny": {**_BERT, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
                   "num_heads": 4, "ffn_hidden_size": 256, "max_position_embeddings": 256},
@@ -249,18 +288,19 @@ PRESETS.update(BERT_PRESETS)
 # Qwen3-MoE (issue 14, `core.qk_norm`): Qwen2-MoE without the shared expert, with per-head q/k
 # RMSNorm, normalized top-k and an explicit head_dim. A tiny one for tests and Qwen3-30B-A3B's
 # real sizes for planning (its config.json: 48 layers, 128 experts, top-8).
-_QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", qk_norm=True, moe_norm_topk=True,
-                  moe_aux_loss_coef=0.001)
+_QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", qk_norm=True)
 PRESETS.update({
     "qwen3-moe-tiny": {**_QWEN3_MOE, "vocab_size": 512, "hidden_size": 64, "num_layers": 2,
                        "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "ffn_hidden_size": 128,
-                       "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 32,
-                       "max_position_embeddings": 256},
+                       "max_position_embeddings": 256,
+                       "moe": dict(num_experts=8, top_k=2, ffn_hidden_size=32, norm_topk=True,
+                                   aux_loss_coef=0.001)},
     "qwen3-30b-a3b": {**_QWEN3_MOE, "vocab_size": 151936, "hidden_size": 2048, "num_layers": 48,
                       "num_heads": 32, "num_kv_heads": 4, "head_dim": 128,
-                      "ffn_hidden_size": 6144, "num_experts": 128, "moe_top_k": 8,
-                      "moe_ffn_hidden_size": 768, "max_position_embeddings": 40960,
-                      "rope_theta": 1e6, "norm_eps": 1e-6},
+                      "ffn_hidden_size": 6144, "max_position_embeddings": 40960,
+                      "rope_theta": 1e6, "norm_eps": 1e-6,
+                      "moe": dict(num_experts=128, top_k=8, ffn_hidden_size=768, norm_topk=True,
+                                  aux_loss_coef=0.001)},
 })
 
 
@@ -304,7 +344,7 @@ class Layout:
     the expert grid is etp fastest, then ep, then edp: `etp_rank = q % etp`,
     `ep_rank = (q // etp) % ep`, `edp_rank = q // (etp * ep)`, `edp = tp * cp * dp / (ep *
     etp)` (`core.parallel.expert_groups`). The *ep group* (same etp and edp rank) holds the
-    experts split along the expert dimension (`num_experts / ep` each) and exchanges tokens
+    experts split along the expert dimension (`moe.num_experts / ep` each) and exchanges tokens
     with all-to-alls; the *etp group* (same ep and edp rank, consecutive ranks) splits each
     expert's FFN like tensor parallelism and talks in every MoE layer, so it is fastest, as tp
     is; the *edp group* (same etp and ep rank) holds identical expert shards, and expert
@@ -420,7 +460,7 @@ def _layout_problems(
     out += _kv_head_problems(model, lay.tp)
     if model.ffn_hidden_size % lay.tp:
         out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {lay.tp}")
-    if model.num_experts:  # Mixture-of-Experts
+    if model.moe.num_experts:  # Mixture-of-Experts
         from tessera.core.moe.validate import moe_layout_problems
 
         out += moe_layout_problems(model, lay)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 def expert_ffn_size(model: ModelConfig) -> int:
-    """Each expert's FFN width: `moe_ffn_hidden_size`, or `ffn_hidden_size` when unset."""
-    return getattr(model, "moe_ffn_hidden_size", None) or model.ffn_hidden_size
+    """Each expert's FFN width: `moe.ffn_hidden_size`, or `ffn_hidden_size` when unset."""
+    return model.moe.ffn_hidden_size or model.ffn_hidden_size
 
 
 def _divisors(n: int) -> list[int]:
@@ -28,7 +28,7 @@ def expert_layout_problems(lay: Layout, model: ModelConfig) -> list[str]:
     bad = [f"{name} must be >= 1, got {v}" for name, v in (("ep", ep), ("etp", etp)) if v < 1]
     if bad or ep * etp == 1:
         return bad
-    experts = getattr(model, "num_experts", 0) or 0
+    experts = model.moe.num_experts
     if experts <= 0:
         return [f"ep {ep} x etp {etp} splits the experts of a Mixture-of-Experts model, but "
                 f"this model is dense (num_experts {experts}); set ep 1 and etp 1, or pick an "

@@ -1,7 +1,8 @@
 """A checkpoint's fingerprint: which base a prompt table or a LoRA adapter was tuned on.
 
-sha256 over the model config (less its name and dropout) and, per tensor, its name, shape and
-about 4,096 evenly spaced values rounded to bf16. It reads the weights once (as loading them
+sha256 over the model config in its flat form (`core.flat_model_fields.flat_fields`, less its
+name and dropout) and, per tensor, its name, shape and about 4,096 evenly spaced values rounded
+to bf16. It reads the weights once (as loading them
 does), distinguishes any two trainings, and is the same for every layout `tessera convert`
 writes and for an fp32 or bf16 copy of the same base (an FP8 copy differs).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tessera.core.checkpoint import MANIFEST, CheckpointReader
+from tessera.core.flat_model_fields import flat_fields
 
 _SAMPLES = 4096
 
@@ -32,7 +34,7 @@ def base_fingerprint(checkpoint: str | os.PathLike) -> str:
 def _fingerprint(path: str, mtime_ns: int, size: int) -> str:
     # Keyed by the manifest's mtime and size too: a checkpoint rewritten in place is read again.
     reader = CheckpointReader(path)
-    config = reader.manifest.model.to_dict()
+    config = flat_fields(reader.manifest.model.to_dict())  # the digest of older releases
     for key in ("name", "dropout"):  # a renamed copy, or another dropout, is the same base
         config.pop(key)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())

@@ -81,7 +81,7 @@ def build_model(
                            '(pip install --no-build-isolation "tessera[te]")')
     with torch.device("meta"):
         model = family.stage(config, layout, groups, stage_id, num_stages, schedule)
-    if schedule is not None and config.num_experts:  # the expert-parallel token dispatcher
+    if schedule is not None and config.moe.num_experts:  # the expert-parallel token dispatcher
         set_dispatchers(model, model.groups, schedule.moe_dispatcher)
     # to_empty replaces each meta parameter with a new one, dropping Python attributes such as
     # the `sequence_parallel` mark that the gradient sync looks for: carry it over.

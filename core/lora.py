@@ -94,7 +94,7 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
                        if pattern.fullmatch(m) or pattern.fullmatch(m.split(".", 2)[2])]
         if not matched:
             moe = (" (the Mixture-of-Experts layers have no w1 / w2: their experts are grouped "
-                   "weights LoRA does not adapt; target the attention)" if config.num_experts
+                   "weights LoRA does not adapt; target the attention)" if config.moe.num_experts
                    else "")
             raise AdapterError(f"LoRA target {item!r} matches no module of this model (its "
                                f"modules are {modules[0]} ... {modules[-1]}: layers.N."

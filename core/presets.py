@@ -8,8 +8,6 @@ rules the sharding uses, so it matches what a checkpoint of the preset holds.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Any
 
 from tessera.core.config import PRESETS, ConfigError, ModelConfig
@@ -28,7 +26,9 @@ def model_from_spec(spec: Any, preset: str | None = None, overrides: list[str] |
 
     `spec` is the YAML `model:` value (a preset name, a mapping of `ModelConfig` fields with an
     optional `preset` key, or None); `preset` (`--model`) replaces its preset name and
-    `overrides` (`--model-overrides KEY=VALUE ...`, values read as YAML) its fields. A preset's
+    `overrides` (`--model-overrides KEY=VALUE ...`, values read as YAML) its fields. A
+    sub-config field is named `moe.top_k` / `options.binary_head`, given as a `moe:` /
+    `options:` mapping, or by its flat name of older configs (`moe_top_k`, `binary_head`). A preset's
     own values are not "set": a caller may still fill them (the vocabulary follows the
     tokenizer). Raises `ConfigError` naming an unknown field or a value of the wrong type.
     """
@@ -45,18 +45,27 @@ def model_from_spec(spec: Any, preset: str | None = None, overrides: list[str] |
         raise ConfigError(f"model: expected a preset name or a mapping of fields, got {spec!r}")
     if preset:
         name = preset
-    hints = typing.get_type_hints(ModelConfig)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--model-overrides expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         fields[key] = yaml.safe_load(value)
+    for sub in ("moe", "options"):  # a YAML mapping `moe: {top_k: 2}` is `moe.top_k: 2`
+        if isinstance(fields.get(sub), dict):
+            fields.update({f"{sub}.{k}": v for k, v in fields.pop(sub).items()})
+    family = fields.get("family") or PRESETS.get(name, {}).get("family", ModelConfig.family)
+    types = ModelConfig.field_types(family)
+    nested: dict[str, dict[str, Any]] = {}
     for key, value in fields.items():
-        if key not in hints:
-            raise ConfigError(f"unknown model field {key!r}; the fields are "
-                              f"{', '.join(f.name for f in dataclasses.fields(ModelConfig))}")
-        fields[key] = coerce_field(f"model.{key}", value, hints[key])
-    return ModelConfig.from_name(name, **fields), frozenset(fields)
+        if key not in types:
+            raise ConfigError(f"unknown model field {key!r} for a family {family!r} model; the "
+                              f"fields are {', '.join(sorted(types))}")
+        fields[key] = coerce_field(f"model.{key}", value, types[key])
+        sub, _, name_in_sub = key.partition(".")
+        if name_in_sub:
+            nested.setdefault(sub, {})[name_in_sub] = fields[key]
+    flat = {k: v for k, v in fields.items() if "." not in k}
+    return ModelConfig.from_name(name, **flat, **nested), frozenset(fields)
 
 
 def preset_rows() -> list[tuple[str, ...]]:

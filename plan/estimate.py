@@ -31,11 +31,11 @@ The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
   `no_sync` only its no-pipeline schedule used, so its pipelined runs reduced after the
   backward with its local DDP); and the optimizer step, memory bound.
 
-MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe_layer_freq`-th) its
+MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe.layer_freq`-th) its
 top-k routed experts and the shared expert, with its own activations
 (`formulas.moe_layer_activation_bytes`) and collectives; per-layer times and activations are the
 model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
-`moe_layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
+`moe.layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
 the parameters, gradients and optimizer states are those of the stage holding the most MoE
 layers (`formulas.max_stage_moe_layers`). An MoE layer also pays, as memory-bound time not
 counted in the model FLOPs (Megatron-LM's MFU leaves the router out), its token permutation
@@ -186,12 +186,10 @@ class Job:
 
 
 def moe_fields(model: ModelConfig) -> tuple[int, int, int | None]:
-    """(num_experts, experts_per_token, moe_ffn_hidden_size) of `model`, zeros for a dense model
-    (read by name so that MoE `ModelConfig` fields, when they land, are picked up)."""
-    experts = int(getattr(model, "num_experts", 0) or 0)
-    topk = int(getattr(model, "experts_per_token", 0) or getattr(model, "moe_top_k", 0) or 0)
-    ffn = getattr(model, "moe_ffn_hidden_size", None)
-    return experts, (topk or (1 if experts else 0)), ffn
+    """(num_experts, experts_per_token, expert FFN size or None) of `model` (`model.moe`);
+    num_experts 0 for a dense model."""
+    moe = model.moe
+    return moe.num_experts, moe.top_k or (1 if moe.num_experts else 0), moe.ffn_hidden_size
 
 
 def counts_of(model: ModelConfig) -> F.ParameterCounts:
@@ -350,7 +348,7 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
     sl = s // cp
     T = b * sl  # tokens of one micro-batch on this rank
     experts, topk, moe_ffn = moe_fields(model)
-    shared = model.moe_shared_ffn_hidden_size if moe else 0
+    shared = model.moe.shared_ffn_hidden_size if moe else 0
     qkv_n = (a + 2 * kv) * hd / tp
     gemm = (_gemm_time(2 * T * h * qkv_n, (T, qkv_n, h), peak, hw)
             + _gemm_time(2 * T * a * hd / tp * h, (T, h, a * hd / tp), peak, hw))

@@ -46,7 +46,7 @@ class ParameterCounts:
     """Parameters of a model by where they live.
 
     A model has `num_layers` layers, `num_moe_layers` of them MoE layers (every
-    `moe_layer_freq`-th, `core.moe.shapes.is_moe_layer`), the rest dense. Per layer kind:
+    `moe.layer_freq`-th, `core.moe.shapes.is_moe_layer`), the rest dense. Per layer kind:
     `layer_dense` is one dense layer (attention, norms, dense MLP); `moe_layer_dense` one MoE
     layer's parameters outside the routed experts (attention, norms, router, the shared expert
     and its gate); `moe_layer_experts` its routed experts (all of them); `moe_layer_active`
@@ -106,14 +106,14 @@ def parameter_counts(
     """Parameter counts of `model` by shape, as `core.parallel.sharding.global_param_shapes`
     lays the weights out (fused QKV with kv heads, gated MLP halves, norm biases for layernorm).
 
-    MoE, from `model`'s fields (`num_experts`, `moe_top_k`, `moe_ffn_hidden_size`,
-    `moe_shared_ffn_hidden_size`, `moe_layer_freq`, `moe_expert_bias`; the arguments, when
-    given, override the first three): every `moe_layer_freq`-th layer (counting from 1,
+    MoE, from `model.moe` (`moe.num_experts`, `moe.top_k`, `moe.ffn_hidden_size`,
+    `moe.shared_ffn_hidden_size`, `moe.layer_freq`, `moe.expert_bias`; the arguments, when
+    given, override the first three): every `moe.layer_freq`-th layer (counting from 1,
     `core.moe.shapes.is_moe_layer`) replaces its MLP with a router (E x h, and an (E,) routing
-    bias with `moe_expert_bias`), E routed experts of FFN size `moe_ffn_hidden_size` (no
-    biases, `core.moe.shapes.moe_param_shapes`) and, with `moe_shared_ffn_hidden_size` = Fs,
+    bias with `moe.expert_bias`), E routed experts of FFN size `moe.ffn_hidden_size` (no
+    biases, `core.moe.shapes.moe_param_shapes`) and, with `moe.shared_ffn_hidden_size` = Fs,
     Qwen2-MoE's shared expert (a bias-free MLP of FFN size Fs) with its (1, h) sigmoid gate; a
-    token uses `moe_top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
+    token uses `moe.top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
     routed, active and shared expert parameters alike]. The other layers are dense.
     """
     h, hd = model.hidden_size, model.head_dim
@@ -122,19 +122,19 @@ def parameter_counts(
     attn += 2 * hd if model.qk_norm else 0  # Qwen3's per-head q/k norm weights (core.qk_norm)
     norm = h * (1 if model.norm == "rmsnorm" else 2)
     dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
-    E = model.num_experts if num_experts is None else num_experts
-    k = model.moe_top_k if experts_per_token is None else experts_per_token
+    E = model.moe.num_experts if num_experts is None else num_experts
+    k = model.moe.top_k if experts_per_token is None else experts_per_token
     moe: dict[str, int] = {}
     if E:
-        f = moe_ffn_hidden_size or model.moe_ffn_hidden_size or model.ffn_hidden_size
+        f = moe_ffn_hidden_size or model.moe.ffn_hidden_size or model.ffn_hidden_size
         expert = mlp_parameters(h, f, model.gated, False)
-        fs = model.moe_shared_ffn_hidden_size
+        fs = model.moe.shared_ffn_hidden_size
         shared = (mlp_parameters(h, fs, model.gated, False) + h) if fs else 0
-        router = h * E + (E if model.moe_expert_bias else 0)
+        router = h * E + (E if model.moe.expert_bias else 0)
         moe_dense = attn + 2 * norm + router + shared
         # Layers i with (i + 1) % freq == 0 in range(L): L // freq of them.
-        moe = dict(num_moe_layers=model.num_layers // model.moe_layer_freq,
-                   moe_layer_freq=model.moe_layer_freq,
+        moe = dict(num_moe_layers=model.num_layers // model.moe.layer_freq,
+                   moe_layer_freq=model.moe.layer_freq,
                    moe_layer_dense=moe_dense, moe_layer_experts=E * expert,
                    moe_layer_active=moe_dense + k * expert)
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
@@ -322,7 +322,7 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
 
     - attention, the norms, the MLP input and the dropout masks as a dense layer
       (`layer_activation_bytes`), the dense MLP replaced by the shared expert when there is one
-      (an MLP of `moe_shared_ffn_hidden_size`, split over tp like the dense MLP: its
+      (an MLP of `moe.shared_ffn_hidden_size`, split over tp like the dense MLP: its
       `6 Fs/h` or `4 Fs/h` units) plus the shared expert's output that its gate multiplies,
       `2 s b h` (split over t with sequence parallelism);
     - for the n tokens the rank routes (`s b / cp`, divided by t under sequence parallelism;
@@ -345,7 +345,7 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
     if recompute == "full":
         return layer_activation_bytes(model, s, b, t, sequence_parallel, recompute, cp)
     h = model.hidden_size
-    fs = model.moe_shared_ffn_hidden_size
+    fs = model.moe.shared_ffn_hidden_size
     units = layer_activation_units(model, flash_attention, ffn=fs)
     split_by = t if sequence_parallel else 1
     local = s / cp * b  # tokens of this rank's micro-batch
@@ -353,9 +353,9 @@ def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
                                   flash_attention, units)
     shared_out = 2 * local * h / split_by if fs else 0.0
     n = local / split_by
-    f = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    f = model.moe.ffn_hidden_size or model.ffn_hidden_size
     per_copy = 2 * h * etp + (6 if model.gated else 4) * f + 2 * h
-    routed = n * (4 * model.num_experts + model.moe_top_k * per_copy)
+    routed = n * (4 * model.moe.num_experts + model.moe.top_k * per_copy)
     return base + shared_out + routed
 
 
@@ -520,13 +520,13 @@ def layer_forward_flops(model: ModelConfig, tokens: float, s: int, active_mlp_pa
 
 
 def moe_active_mlp_weights(model: ModelConfig) -> int:
-    """MLP weights one token multiplies by in an MoE layer: `moe_top_k` routed experts and the
+    """MLP weights one token multiplies by in an MoE layer: `moe.top_k` routed experts and the
     shared expert, each `(2 if gated else 1) f h + f h` (no biases; `core.moe.shapes`). The
     router's (E x h) and the gate's (1 x h) logits are left out, as Megatron-LM's
     `num_floating_point_operations` leaves out the router."""
     up = 3 if model.gated else 2
-    f = model.moe_ffn_hidden_size or model.ffn_hidden_size
-    return up * model.hidden_size * (model.moe_top_k * f + model.moe_shared_ffn_hidden_size)
+    f = model.moe.ffn_hidden_size or model.ffn_hidden_size
+    return up * model.hidden_size * (model.moe.top_k * f + model.moe.shared_ffn_hidden_size)
 
 
 def logits_forward_flops(tokens: float, h: int, vocab: int) -> float:

@@ -26,7 +26,7 @@ def _bert_problems(plan: RunPlan) -> list[str]:
     if plan.data.isolate_documents:
         out.append("--isolate-documents is for packed decoder samples; BERT samples are "
                    "[CLS] A [SEP] B [SEP] pairs with their own padding mask: leave it off")
-    if plan.model.binary_head and plan.layout.pp > 1:
+    if plan.model.options.binary_head and plan.layout.pp > 1:
         out.append("the next-sentence head (binary_head=true) runs only without pipeline "
                    "parallelism (pp 1); set binary_head=false or --pp 1")
     return out
@@ -45,7 +45,7 @@ def _bert_datasets(plan: RunPlan) -> tuple[Any, Any]:
     specials = BertSpecials.of_model(plan.model.vocab_size)  # `model_vocab` made room
     train_ds, valid_ds, _ = build_bert_datasets(
         list(d.data), d.seq_len, d.split, [d.train_samples, d.valid_samples, 0], specials,
-        d.seed, d.data_cache or None, MaskingConfig(nsp=plan.model.binary_head))
+        d.seed, d.data_cache or None, MaskingConfig(nsp=plan.model.options.binary_head))
     return train_ds, valid_ds
 
 

@@ -59,7 +59,7 @@ def evaluate_span_corruption(model, documents: Iterable[np.ndarray], seq_len: in
                          "--seq-len, or choose another --split")
     total, correct, count = 0.0, 0, 0
     for start in range(0, len(held), batch):
-        rows = [_sample(w.numpy(), shape, tok, seq_len, model.config.decoder_start_token_id,
+        rows = [_sample(w.numpy(), shape, tok, seq_len, model.config.options.decoder_start_token_id,
                         start + k, seed)
                 for k, w in enumerate(held[start:start + batch])]
         enc, mask, dec, labels = (torch.from_numpy(np.stack(c)) for c in zip(*rows))

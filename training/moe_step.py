@@ -4,7 +4,7 @@
   router-loss gradient is scaled by, the one the loop applies to the model loss before
   `backward()` (1 / micro-batches when it accumulates them itself; 1 under a pipeline schedule,
   which averages the gradients itself; times the fp16 loss scale), and starts recording the
-  routing statistics (`core.moe.stats`). Refuses `moe_aux_loss_pooling = "model"` with pp > 1.
+  routing statistics (`core.moe.stats`). Refuses `moe.aux_loss_pooling = "model"` with pp > 1.
 - `end_moe_step(job) -> dict`, after the optimizer step: the step's router metrics for
   metrics.jsonl (aux and z losses, tokens per expert min / max / CV, dropped tokens), and the
   aux-loss-free expert-bias update. Collective over the world for MoE models.
@@ -22,9 +22,9 @@ from tessera.core.moe.stats import router_step_end, track_router_stats
 def begin_moe_step(job: Any) -> None:
     """Set the MoE layers' aux-loss gradient scale and start recording (see the module)."""
     config = job.stages[0].config
-    if not config.num_experts:
+    if not config.moe.num_experts:
         return
-    if (config.moe_aux_loss_pooling == "model" and job.groups.pp_size > 1
+    if (config.moe.aux_loss_pooling == "model" and job.groups.pp_size > 1
             and job.stages[0].training):  # tuning runs the frozen base in eval: no router loss
         # Before the pipeline schedule runs (it would wrap the layers' own error).
         raise ConfigError(
@@ -42,7 +42,7 @@ def begin_moe_step(job: Any) -> None:
 
 def end_moe_step(job: Any) -> dict[str, float]:
     """The step's router metrics over all ranks ({} for a dense model)."""
-    if not job.stages[0].config.num_experts:
+    if not job.stages[0].config.moe.num_experts:
         return {}
     plan = job.plan
     return router_step_end(job.stages, job.groups, plan.layout.sequence_parallel,

@@ -5,7 +5,7 @@ of the masked-LM head is the word embedding (`cls.predictions.decoder.weight`, a
 that transformers does not save) and its bias is `cls.predictions.bias` (`decoder.bias` is the
 same tensor); both copies are skipped on import when present. `architectures` decides the
 next-sentence head: `BertForPreTraining` has the pooler and `cls.seq_relationship`
-(`binary_head=True`), `BertForMaskedLM` has neither (but a MaskedLM config whose weights hold
+(`options.binary_head=True`), `BertForMaskedLM` has neither (but a MaskedLM config whose weights hold
 the head, as the original Hub checkpoints do, imports with it: `bert_head_from_weights`). HF
 config features the Tessera model cannot compute (relative position embeddings, a decoder,
 cross-attention, different hidden and attention dropouts) are errors that name the field.
@@ -25,6 +25,7 @@ from tessera.converters.hf.family import (
     with_shared_fields,
 )
 from tessera.core.config import ModelConfig
+from tessera.core.models.bert.options import BertOptions
 
 _L = "bert.encoder.layer.{}."
 _NAMES: dict[str, tuple[str, ...]] = {
@@ -77,8 +78,10 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=hf["max_position_embeddings"], norm="layernorm",
         norm_eps=hf.get("layer_norm_eps", 1e-12), activation=_ACTIVATIONS[act],
         position="learned", bias=True, tied_embeddings=True, dropout=dropout,
-        init_std=hf.get("initializer_range", 0.02), type_vocab_size=hf.get("type_vocab_size", 2),
-        binary_head="BertForPreTraining" in (hf.get("architectures") or []))
+        init_std=hf.get("initializer_range", 0.02),
+        options=BertOptions(
+            type_vocab_size=hf.get("type_vocab_size", 2),
+            binary_head="BertForPreTraining" in (hf.get("architectures") or [])))
 
 
 def _check_exportable(c: ModelConfig) -> None:
@@ -89,13 +92,14 @@ def _check_exportable(c: ModelConfig) -> None:
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
-    fields = dict(architectures=["BertForPreTraining" if c.binary_head else "BertForMaskedLM"],
+    head = "BertForPreTraining" if c.options.binary_head else "BertForMaskedLM"
+    fields = dict(architectures=[head],
                   model_type="bert", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                   intermediate_size=c.ffn_hidden_size,
                   hidden_act="gelu" if c.activation == "gelu" else "gelu_pytorch_tanh",
                   max_position_embeddings=c.max_position_embeddings,
-                  type_vocab_size=c.type_vocab_size, layer_norm_eps=c.norm_eps,
+                  type_vocab_size=c.options.type_vocab_size, layer_norm_eps=c.norm_eps,
                   hidden_dropout_prob=c.dropout, attention_probs_dropout_prob=c.dropout)
     return with_shared_fields(fields, c, **shared)
 
@@ -105,9 +109,10 @@ def _head_from_weights(config: ModelConfig, hf_names: Set[str]) -> ModelConfig:
     `cls.seq_relationship`) although `architectures` says `BertForMaskedLM`, as the original
     BERT checkpoints on the Hub do; any other config is returned as it is."""
     head = {"bert.pooler.dense.weight", "cls.seq_relationship.weight"}
-    if config.binary_head or not head <= set(hf_names):
+    if config.options.binary_head or not head <= set(hf_names):
         return config
-    return dataclasses.replace(config, binary_head=True)
+    return dataclasses.replace(config, options=dataclasses.replace(config.options,
+                                                                   binary_head=True))
 
 
 BERT = HfFamily(

@@ -22,12 +22,12 @@ Config fields Tessera cannot compute exactly are errors that name the field: Mix
 jitter noise, Qwen's q/k/v-only biases (Tessera has one bias flag for every linear layer), its
 `mlp_only_layers` and sliding windows (Qwen3-MoE's `mlp_only_layers` converts only when it
 names layers that are dense anyway: Tessera places MoE layers only by `decoder_sparse_step`,
-its `moe_layer_freq`). Qwen's dense layers (`decoder_sparse_step > 1`) use the
+its `moe.layer_freq`). Qwen's dense layers (`decoder_sparse_step > 1`) use the
 model's `intermediate_size`, the routed experts `moe_intermediate_size`.
 
 The load-balancing loss: Hugging Face computes one loss over the router logits of all MoE layers
 pooled (`load_balancing_loss_func`), Tessera by default one per layer, averaged (Megatron). An
-imported model gets `moe_aux_loss_pooling = "model"` (`HF_AUX_LOSS_POOLING`, recorded in the
+imported model gets `moe.aux_loss_pooling = "model"` (`HF_AUX_LOSS_POOLING`, recorded in the
 checkpoint manifest's model config): `router_aux_loss_coef` was chosen for that loss, and
 fine-tuning an imported model should optimize the objective Hugging Face would, to 1e-6
 (`tests/unit/converters/test_hf_moe.py`). The price: the pooled loss needs every MoE layer in one
@@ -52,6 +52,7 @@ from tessera.converters.hf.family import (
 from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_config
 from tessera.converters.hf.qwen3 import QK_NORM_NAMES, qwen3_base
 from tessera.core.config import ModelConfig
+from tessera.core.moe.config import MoEConfig
 
 # How Hugging Face pools the load-balancing loss of these families (see the module docstring).
 HF_AUX_LOSS_POOLING = "model"
@@ -118,7 +119,7 @@ def _pairs(names: NameMap) -> Callable[[ModelConfig, Set[str] | None], TensorPai
     def pairs(config: ModelConfig, hf_names: Set[str] | None) -> TensorPairs:
         chosen = {**names, **_FUSED_EXPERTS} if hf_names and has_fused_experts(hf_names) else names
         return mapped_pairs(config, chosen,
-                            expand=lambda p: expand_experts(p, config.num_experts))
+                            expand=lambda p: expand_experts(p, config.moe.num_experts))
     return pairs
 
 
@@ -137,24 +138,23 @@ def _moe_base(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _mixtral_config(hf: dict[str, Any]) -> ModelConfig:
     require(hf, "router_jitter_noise", (0.0, 0, None), 0.0)
-    return ModelConfig(**{**_moe_base(hf), "num_experts": hf["num_local_experts"],
-                          "moe_top_k": hf["num_experts_per_tok"], "moe_norm_topk": True,
-                          "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
-                          "moe_aux_loss_pooling": HF_AUX_LOSS_POOLING})
+    moe = MoEConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                    norm_topk=True, aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                    aux_loss_pooling=HF_AUX_LOSS_POOLING)
+    return ModelConfig.from_dict({**_moe_base(hf), "moe": moe})
 
 
 def _qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
     require(hf, "mlp_only_layers", ([], None), [])
     require(hf, "use_sliding_window", (False, None), False)
-    return ModelConfig(**{
-        **_moe_base({**hf, "sliding_window": None}), "num_experts": hf["num_experts"],
-        "moe_top_k": hf["num_experts_per_tok"],
-        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-        "moe_shared_ffn_hidden_size": hf.get("shared_expert_intermediate_size") or 0,
-        "moe_layer_freq": hf.get("decoder_sparse_step", 1),
-        "moe_norm_topk": bool(hf.get("norm_topk_prob", False)),
-        "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
-        "moe_aux_loss_pooling": HF_AUX_LOSS_POOLING})
+    moe = MoEConfig(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                    ffn_hidden_size=hf["moe_intermediate_size"],
+                    shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or 0,
+                    layer_freq=hf.get("decoder_sparse_step", 1),
+                    norm_topk=bool(hf.get("norm_topk_prob", False)),
+                    aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                    aux_loss_pooling=HF_AUX_LOSS_POOLING)
+    return ModelConfig.from_dict({**_moe_base({**hf, "sliding_window": None}), "moe": moe})
 
 
 def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
@@ -168,25 +168,25 @@ def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
     experts = hf.get("num_experts", hf.get("num_local_experts"))  # 5.x saves the latter
     if experts is None:
         raise KeyError("num_experts")
-    return ModelConfig(**{
-        **qwen3_base(hf), "num_experts": experts, "moe_top_k": hf["num_experts_per_tok"],
-        "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_layer_freq": step,
-        "moe_norm_topk": bool(hf.get("norm_topk_prob", False)),
-        "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
-        "moe_aux_loss_pooling": HF_AUX_LOSS_POOLING})
+    moe = MoEConfig(num_experts=experts, top_k=hf["num_experts_per_tok"],
+                    ffn_hidden_size=hf["moe_intermediate_size"], layer_freq=step,
+                    norm_topk=bool(hf.get("norm_topk_prob", False)),
+                    aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                    aux_loss_pooling=HF_AUX_LOSS_POOLING)
+    return ModelConfig.from_dict({**qwen3_base(hf), "moe": moe})
 
 
 def _common_problems(c: ModelConfig, qk_norm: bool) -> list[str]:
     """What keeps `c` from being any of these HF MoE models (empty: nothing)."""
     out = []
-    if c.num_experts == 0:
+    if c.moe.num_experts == 0:
         out.append("num_experts is 0 (a dense model)")
     if (c.norm, c.activation, c.position, c.rotary_fraction, c.bias) != (
             "rmsnorm", "swiglu", "rope", 1.0, False):
         out.append("norm/activation/position/rotary_fraction/bias must be rmsnorm/swiglu/rope/"
                    "1.0/False")
-    if c.moe_router_score != "softmax" or c.moe_capacity_factor is not None or (
-            c.moe_expert_bias or c.moe_z_loss_coef):
+    if c.moe.router_score != "softmax" or c.moe.capacity_factor is not None or (
+            c.moe.expert_bias or c.moe.z_loss_coef):
         out.append("router must be softmax, dropless, without expert bias or z-loss")
     if c.qk_norm != qk_norm:  # Qwen3's per-head q/k norm (core.qk_norm)
         out.append(f"qk_norm must be {qk_norm} for {c.family}")
@@ -194,21 +194,21 @@ def _common_problems(c: ModelConfig, qk_norm: bool) -> list[str]:
 
 
 def _mixtral_problems(c: ModelConfig) -> list[str]:
-    if not c.moe_norm_topk or c.moe_shared_ffn_hidden_size or c.moe_layer_freq != 1 or (
-            c.moe_ffn_hidden_size not in (None, c.ffn_hidden_size)):
+    if not c.moe.norm_topk or c.moe.shared_ffn_hidden_size or c.moe.layer_freq != 1 or (
+            c.moe.ffn_hidden_size not in (None, c.ffn_hidden_size)):
         return ["Mixtral normalizes the top-k weights, has no shared expert, an MoE block in "
                 "every layer and experts of ffn_hidden_size"]
     return []
 
 
 def _qwen2_moe_problems(c: ModelConfig) -> list[str]:
-    if not c.moe_shared_ffn_hidden_size:
+    if not c.moe.shared_ffn_hidden_size:
         return ["Qwen2-MoE always has a shared expert: set moe_shared_ffn_hidden_size"]
     return []
 
 
 def _qwen3_moe_problems(c: ModelConfig) -> list[str]:
-    if c.moe_shared_ffn_hidden_size:
+    if c.moe.shared_ffn_hidden_size:
         return ["Qwen3-MoE has no shared expert: set moe_shared_ffn_hidden_size to 0"]
     return []
 
@@ -232,28 +232,28 @@ def _common_fields(c: ModelConfig) -> dict[str, Any]:
         num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
         hidden_act="silu", max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.norm_eps, attention_dropout=c.dropout, rope_parameters=rope,
-        rope_theta=c.rope_theta, num_experts_per_tok=c.moe_top_k,
-        router_aux_loss_coef=c.moe_aux_loss_coef, output_router_logits=False)
+        rope_theta=c.rope_theta, num_experts_per_tok=c.moe.top_k,
+        router_aux_loss_coef=c.moe.aux_loss_coef, output_router_logits=False)
 
 
 def _mixtral_fields(c: ModelConfig) -> dict[str, Any]:
-    return dict(architectures=["MixtralForCausalLM"], num_local_experts=c.num_experts,
+    return dict(architectures=["MixtralForCausalLM"], num_local_experts=c.moe.num_experts,
                 router_jitter_noise=0.0, sliding_window=None)
 
 
 def _qwen2_moe_fields(c: ModelConfig) -> dict[str, Any]:
-    return dict(architectures=["Qwen2MoeForCausalLM"], num_experts=c.num_experts,
-                moe_intermediate_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
-                shared_expert_intermediate_size=c.moe_shared_ffn_hidden_size,
-                decoder_sparse_step=c.moe_layer_freq, mlp_only_layers=[],
-                norm_topk_prob=c.moe_norm_topk, qkv_bias=False, use_sliding_window=False)
+    return dict(architectures=["Qwen2MoeForCausalLM"], num_experts=c.moe.num_experts,
+                moe_intermediate_size=c.moe.ffn_hidden_size or c.ffn_hidden_size,
+                shared_expert_intermediate_size=c.moe.shared_ffn_hidden_size,
+                decoder_sparse_step=c.moe.layer_freq, mlp_only_layers=[],
+                norm_topk_prob=c.moe.norm_topk, qkv_bias=False, use_sliding_window=False)
 
 
 def _qwen3_moe_fields(c: ModelConfig) -> dict[str, Any]:
-    return dict(architectures=["Qwen3MoeForCausalLM"], num_experts=c.num_experts,
-                moe_intermediate_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
-                decoder_sparse_step=c.moe_layer_freq, mlp_only_layers=[],
-                norm_topk_prob=c.moe_norm_topk, attention_bias=False, use_sliding_window=False,
+    return dict(architectures=["Qwen3MoeForCausalLM"], num_experts=c.moe.num_experts,
+                moe_intermediate_size=c.moe.ffn_hidden_size or c.ffn_hidden_size,
+                decoder_sparse_step=c.moe.layer_freq, mlp_only_layers=[],
+                norm_topk_prob=c.moe.norm_topk, attention_bias=False, use_sliding_window=False,
                 sliding_window=None)
 
 

@@ -46,7 +46,7 @@ def qwen3_base(hf: dict[str, Any]) -> dict[str, Any]:
 
 def qwen3_config(hf: dict[str, Any]) -> ModelConfig:
     """`ModelConfig` of a `Qwen3ForCausalLM` config.json."""
-    return ModelConfig(**qwen3_base(hf))
+    return ModelConfig.from_dict(qwen3_base(hf))
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:

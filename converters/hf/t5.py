@@ -7,8 +7,8 @@ Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transforme
 the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
 by d_model ** -0.5 is one question in the original T5 and v1.1 alike: transformers v5 records it
 as `scale_decoder_outputs` (and always writes `tie_word_embeddings: true`), v4 as
-`tie_word_embeddings`. So `scaled_output = tied_embeddings = that flag`. Other activations
-(gated-silu, ...) are refused, as is `num_decoder_layers` 0.
+`tie_word_embeddings`. So `options.scaled_output = tied_embeddings = that flag`. Other activations
+(gated-silu, ...) are refused, as is `options.num_decoder_layers` 0.
 
 Tensors: q/k/v are stacked into `attention.wqkv`, cross-attention k/v into `wkv`, gated
 `wi_0`/`wi_1` into `feed_forward.w1` ([gate; up]); the relative position bias of block 0 of
@@ -19,6 +19,7 @@ checkpoints are not read.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Set
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from tessera.converters.hf.family import ConversionError, HfFamily, TensorPairs
 from tessera.core.config import ModelConfig
 from tessera.core.models.t5.layout import decoder_layers
+from tessera.core.models.t5.options import T5Options
 from tessera.core.models.t5.sharding import t5_param_shapes
 
 _ACTIVATIONS = {"gated-gelu": "geglu", "relu": "relu"}
@@ -70,23 +72,26 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     start = hf.get("decoder_start_token_id")
     return ModelConfig(
         name="t5", family="t5", vocab_size=hf["vocab_size"], hidden_size=hf["d_model"],
-        num_layers=layers, num_decoder_layers=hf.get("num_decoder_layers") or layers,
-        num_heads=hf["num_heads"], head_dim=hf["d_kv"], ffn_hidden_size=hf["d_ff"],
+        num_layers=layers, num_heads=hf["num_heads"], head_dim=hf["d_kv"], ffn_hidden_size=hf["d_ff"],
         max_position_embeddings=hf.get("n_positions", 512), norm="rmsnorm",
         norm_eps=hf.get("layer_norm_epsilon", 1e-6), activation=_ACTIVATIONS[proj],
-        position="relative", bias=False, tied_embeddings=tied, scaled_output=tied,
+        position="relative", bias=False, tied_embeddings=tied,
         dropout=hf.get("dropout_rate", 0.0),
         init_std=hf.get("initializer_factor", 1.0) * 0.05,
-        relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
-        decoder_start_token_id=hf.get("pad_token_id", 0) if start is None else start)
+        options=T5Options(
+            num_decoder_layers=hf.get("num_decoder_layers") or layers, scaled_output=tied,
+            relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
+            relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
+            decoder_start_token_id=hf.get("pad_token_id", 0) if start is None else start))
 
 
 def _check_exportable(config: ModelConfig) -> None:
     """Raise ConversionError when `config` computes what no transformers T5 does."""
     want = dict(norm="rmsnorm", position="relative", bias=False,
                 scaled_output=config.tied_embeddings, num_kv_heads=config.num_heads)
-    clash = {k: getattr(config, k) for k, v in want.items() if getattr(config, k) != v}
+    have = {**dataclasses.asdict(config.options), **{k: getattr(config, k) for k in want
+                                                    if k != "scaled_output"}}
+    clash = {k: have[k] for k, v in want.items() if have[k] != v}
     if config.activation not in ("geglu", "relu"):
         clash["activation"] = config.activation
     if clash:
@@ -103,17 +108,17 @@ def _config_to_hf(config: ModelConfig, *, dtype: str, bos_token_id: int | None,
         architectures=["T5ForConditionalGeneration"], model_type="t5", vocab_size=c.vocab_size,
         d_model=c.hidden_size, d_kv=c.head_dim, d_ff=c.ffn_hidden_size, num_layers=c.num_layers,
         num_decoder_layers=decoder_layers(c), num_heads=c.num_heads,
-        relative_attention_num_buckets=c.relative_attention_num_buckets,
-        relative_attention_max_distance=c.relative_attention_max_distance,
+        relative_attention_num_buckets=c.options.relative_attention_num_buckets,
+        relative_attention_max_distance=c.options.relative_attention_max_distance,
         dropout_rate=c.dropout, layer_norm_epsilon=c.norm_eps,
         initializer_factor=c.init_std / 0.05,
         feed_forward_proj="gated-gelu" if c.activation == "geglu" else "relu",
         is_encoder_decoder=True, n_positions=c.max_position_embeddings,
         # v4 reads the tying from tie_word_embeddings, v5 the scaling from scale_decoder_outputs
         # (and unties a stored lm_head that differs from the embedding).
-        tie_word_embeddings=c.tied_embeddings, scale_decoder_outputs=c.scaled_output,
-        decoder_start_token_id=c.decoder_start_token_id,
-        pad_token_id=c.decoder_start_token_id if pad_token_id is None else pad_token_id,
+        tie_word_embeddings=c.tied_embeddings, scale_decoder_outputs=c.options.scaled_output,
+        decoder_start_token_id=c.options.decoder_start_token_id,
+        pad_token_id=c.options.decoder_start_token_id if pad_token_id is None else pad_token_id,
         eos_token_id=eos_token_id, bos_token_id=bos_token_id, dtype=dtype, torch_dtype=dtype)
 
 

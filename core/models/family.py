@@ -86,6 +86,9 @@ class Family:
     - `norm_shapes(config)`: local name -> shape of the parameters of one such norm (e.g.
       `{"weight": (hidden,)}`), matching `norm`; None: the decoder's (weight, and a bias unless
       RMSNorm).
+    - `options`: the dataclass of what only this family's configs say (`ModelConfig.options`,
+      e.g. `T5Options`), built with its defaults when a config gives none; None: the family has
+      no options. It must import without torch, like the family module.
     - `transformer_engine`: whether `build_model(backend="auto" | "te")` may swap its linears
       for Transformer Engine's.
     """
@@ -104,6 +107,7 @@ class Family:
     norm: Lazy | None = None
     norm_shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
     transformer_engine: bool = True
+    options: type | None = None
 
     def stage(self, config: Any, layout: Any = None, groups: Any = None, stage_id: int = 0,
               num_stages: int = 1, schedule: Any = None) -> Any:

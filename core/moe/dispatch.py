@@ -45,7 +45,7 @@ class Dispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """All `num_experts` experts live on this rank: permute, and unpermute back."""
+    """All `moe.num_experts` experts live on this rank: permute, and unpermute back."""
 
     def __init__(self, num_experts: int):
         self.num_local_experts, self.local_expert_offset = num_experts, 0
@@ -73,5 +73,5 @@ def make_dispatcher(groups: Any, config: Any, kind: str = "alltoall") -> Dispatc
     (`core.parallel.expert_parallel`).
     """
     if groups.ep_size * groups.etp_size > 1:
-        return make_expert_parallel_dispatcher(groups, config.num_experts, kind)
-    return LocalDispatcher(config.num_experts)
+        return make_expert_parallel_dispatcher(groups, config.moe.num_experts, kind)
+    return LocalDispatcher(config.moe.num_experts)

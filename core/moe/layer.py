@@ -16,8 +16,8 @@ tp after backward, `pipeline.sync_sequence_parallel_grads`), and the aux losses 
 over the whole sequence (`core.moe.losses`). The shared expert is split over tp like the dense
 MLP (column-parallel `w1`, row-parallel `w2`).
 
-The load-balancing and z losses, weighted by `moe_aux_loss_coef` / `moe_z_loss_coef` and
-averaged over the model's MoE layers (with `moe_aux_loss_pooling = "model"` the load-balancing
+The load-balancing and z losses, weighted by `moe.aux_loss_coef` / `moe.z_loss_coef` and
+averaged over the model's MoE layers (with `moe.aux_loss_pooling = "model"` the load-balancing
 loss is instead one loss pooled over every MoE layer, `core.moe.pooled_aux`), join the
 training loss through the layer's output (`losses.attach_aux_loss`, scaled by
 `aux_loss_scale`), unless the router is frozen (prompt tuning: the router losses must not train
@@ -56,7 +56,7 @@ class RouterRecord:
 
 
 class SharedExpert(nn.Module):
-    """A dense MLP of `moe_shared_ffn_hidden_size`, split over tp like the model's MLP."""
+    """A dense MLP of `moe.shared_ffn_hidden_size`, split over tp like the model's MLP."""
 
     def __init__(self, hidden: int, ffn: int, activation: str, groups, sp: bool):
         super().__init__()
@@ -76,7 +76,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, config, layer: int, groups, sp: bool):
         super().__init__()
         c = config
-        self.config, self.layer, self.num_experts, self.sp = c, layer, c.num_experts, sp
+        self.config, self.layer, self.num_experts, self.sp = c, layer, c.moe.num_experts, sp
         self.tp_group = groups.tp_group if sp else None
         self.tp_size = groups.tp_size if sp else 1
         # The ranks sharing one sequence's tokens for the router losses: tp under SP, and cp.
@@ -85,28 +85,28 @@ class MoEFeedForward(nn.Module):
         self.cp_size = groups.cp_size
         self.seq_groups = tuple(x for x in (self.tp_group, groups.cp_group) if x is not None)
         n_moe = len(moe_layers(c))
-        self.aux_coef, self.z_coef = c.moe_aux_loss_coef / n_moe, c.moe_z_loss_coef / n_moe
-        # `moe_aux_loss_pooling = "model"`: one load-balancing loss over every MoE layer's
+        self.aux_coef, self.z_coef = c.moe.aux_loss_coef / n_moe, c.moe.z_loss_coef / n_moe
+        # `moe.aux_loss_pooling = "model"`: one load-balancing loss over every MoE layer's
         # tokens, as Hugging Face computes it (`core.moe.pooled_aux`); the coefficient is then
         # not divided by the layers.
-        self.pooled = c.moe_aux_loss_pooling == "model"
+        self.pooled = c.moe.aux_loss_pooling == "model"
         self.moe_layer_ids, self.pp_size = moe_layers(c), groups.pp_size
         self.aux_pool: AuxPool | None = None  # this layer's last training forward's pool
         self.aux_loss_scale = 1.0  # set by the training loop (`losses.set_aux_loss_scale`)
         # Training forwards append here while `track` is on (`stats.track_router_stats`).
         self.track, self.records = False, []
-        self.router = Router(c.hidden_size, c.num_experts, c.moe_top_k,
-                             score=c.moe_router_score, norm_topk=c.moe_norm_topk,
-                             capacity_factor=c.moe_capacity_factor,
-                             expert_bias=c.moe_expert_bias)
+        self.router = Router(c.hidden_size, c.moe.num_experts, c.moe.top_k,
+                             score=c.moe.router_score, norm_topk=c.moe.norm_topk,
+                             capacity_factor=c.moe.capacity_factor,
+                             expert_bias=c.moe.expert_bias)
         self.dispatcher = make_dispatcher(groups, c)
         # Expert parallelism: this rank's E / ep experts, each FFN sliced over etp.
         expert_grid = groups.ep_size * groups.etp_size > 1
         self.experts = GroupedExperts(self.dispatcher.num_local_experts, c.hidden_size,
                                       moe_ffn_size(c) // groups.etp_size, c.activation)
         self.shared_expert = self.shared_expert_gate = None
-        if c.moe_shared_ffn_hidden_size:
-            self.shared_expert = SharedExpert(c.hidden_size, c.moe_shared_ffn_hidden_size,
+        if c.moe.shared_ffn_hidden_size:
+            self.shared_expert = SharedExpert(c.hidden_size, c.moe.shared_ffn_hidden_size,
                                               c.activation, groups, sp)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         replicated = [self.router.weight]
@@ -155,7 +155,7 @@ class MoEFeedForward(nn.Module):
                 if self.z_coef:
                     out = attach_aux_loss(out, self.z_coef * z * self.cp_size,
                                           self.aux_loss_scale)
-                weight = self.config.moe_aux_loss_coef * self.cp_size * self.aux_loss_scale
+                weight = self.config.moe.aux_loss_coef * self.cp_size * self.aux_loss_scale
                 return attach_pooled_aux(out, score_sum, self.aux_pool, weight)
             out = attach_aux_loss(out, (self.aux_coef * aux + self.z_coef * z) * self.cp_size,
                                   self.aux_loss_scale)

@@ -4,7 +4,7 @@
   Qwen2-MoE): `E * sum_e f_e * P_e`, with `f_e` the share of the N tokens' top-k choices that
   went to expert e (counted before capacity dropping, so it sums to k over e) and `P_e` the mean
   router score of expert e. 1 x k at perfect balance.
-  This is `moe_aux_loss_pooling = "layer"`, averaged over the MoE layers; `"model"` pools the
+  This is `moe.aux_loss_pooling = "layer"`, averaged over the MoE layers; `"model"` pools the
   statistics of all MoE layers into one loss as Hugging Face does (`core.moe.pooled_aux`).
 - Router z-loss (ST-MoE, Zoph et al. 2022): `mean_t logsumexp(logits_t)^2`.
 

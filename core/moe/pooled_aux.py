@@ -1,6 +1,6 @@
 """Hugging Face's load-balancing loss: one Switch loss over the tokens of every MoE layer.
 
-`ModelConfig.moe_aux_loss_pooling = "model"`. Hugging Face (`load_balancing_loss_func` of
+`MoEConfig.aux_loss_pooling = "model"`. Hugging Face (`load_balancing_loss_func` of
 Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) concatenates the router logits of the L MoE layers of one
 forward and computes a single loss over the L x N rows (N tokens per layer):
 

@@ -10,8 +10,8 @@ the per-expert scores over all experts).
   decisions are discrete, and bf16 ties flip them).
 - The k experts with the highest `score + expert_bias` are chosen; the bias (aux-loss-free
   balancing, Wang et al. 2024, arXiv 2408.15664) only steers the choice, the weights are the
-  unbiased scores. With `moe_norm_topk` the k weights are divided by their sum.
-- Capacity (`moe_capacity_factor`, None: dropless): each expert takes at most
+  unbiased scores. With `moe.norm_topk` the k weights are divided by their sum.
+- Capacity (`moe.capacity_factor`, None: dropless): each expert takes at most
   `ceil(n * k / E * factor)` of the n local tokens' assignments, first choices before second
   ones and earlier tokens before later ones (GShard's priority); the rest are dropped (`-1`)
   before any dispatch, so every expert-parallel dispatcher sees the same decision.

@@ -6,11 +6,11 @@ checkpoints and the expert-parallel dispatchers), for an MoE layer i:
 
 - `layers.{i}.feed_forward.router.weight` `(E, hidden)`: router logits `x @ W^T`;
 - `layers.{i}.feed_forward.router.expert_bias` `(E,)`: aux-loss-free balancing bias, added to
-  the scores for choosing experts only (present when `moe_expert_bias`; not trained by gradient);
+  the scores for choosing experts only (present when `moe.expert_bias`; not trained by gradient);
 - `layers.{i}.feed_forward.experts.w1` `(E, F * (2 if gated else 1), hidden)`: each expert's first
   projection, `[gate; up]` stacked along dim 1 for SwiGLU like the dense `feed_forward.w1`;
 - `layers.{i}.feed_forward.experts.w2` `(E, hidden, F)`;
-- with a shared expert (`moe_shared_ffn_hidden_size = Fs > 0`, Qwen2-MoE):
+- with a shared expert (`moe.shared_ffn_hidden_size = Fs > 0`, Qwen2-MoE):
   `layers.{i}.feed_forward.shared_expert.w1.weight` `(Fs * (2 if gated else 1), hidden)`,
   `...shared_expert.w2.weight` `(hidden, Fs)` and `...shared_expert_gate.weight` `(1, hidden)`.
 
@@ -27,13 +27,13 @@ from typing import Any
 
 def moe_ffn_size(config: Any) -> int:
     """Each routed expert's FFN hidden size."""
-    return config.moe_ffn_hidden_size or config.ffn_hidden_size
+    return config.moe.ffn_hidden_size or config.ffn_hidden_size
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """Whether global layer `layer` is an MoE layer: every `moe_layer_freq`-th, counting from 1
+    """Whether global layer `layer` is an MoE layer: every `moe.layer_freq`-th, counting from 1
     (Qwen2-MoE's `(layer + 1) % decoder_sparse_step == 0`)."""
-    return config.num_experts > 0 and (layer + 1) % config.moe_layer_freq == 0
+    return config.moe.num_experts > 0 and (layer + 1) % config.moe.layer_freq == 0
 
 
 def moe_layers(config: Any) -> list[int]:
@@ -43,14 +43,14 @@ def moe_layers(config: Any) -> list[int]:
 
 def moe_param_shapes(config: Any, layer: int) -> dict[str, tuple[int, ...]]:
     """The global shapes of MoE layer `layer`'s feed-forward weights, in module order."""
-    p, c, e = f"layers.{layer}.feed_forward", config.hidden_size, config.num_experts
+    p, c, e = f"layers.{layer}.feed_forward", config.hidden_size, config.moe.num_experts
     f, gate = moe_ffn_size(config), 2 if config.gated else 1
     shapes: dict[str, tuple[int, ...]] = {f"{p}.router.weight": (e, c)}
-    if config.moe_expert_bias:
+    if config.moe.expert_bias:
         shapes[f"{p}.router.expert_bias"] = (e,)
     shapes[f"{p}.experts.w1"] = (e, f * gate, c)
     shapes[f"{p}.experts.w2"] = (e, c, f)
-    fs = config.moe_shared_ffn_hidden_size
+    fs = config.moe.shared_ffn_hidden_size
     if fs:
         shapes[f"{p}.shared_expert.w1.weight"] = (fs * gate, c)
         shapes[f"{p}.shared_expert.w2.weight"] = (c, fs)
@@ -63,17 +63,17 @@ def moe_active_expert_weights(config: Any) -> int:
     (the 3-D expert tensors are otherwise not counted as matrix multiplies)."""
     gate = 2 if config.gated else 1
     per_expert = (gate + 1) * moe_ffn_size(config) * config.hidden_size
-    return len(moe_layers(config)) * config.moe_top_k * per_expert if config.num_experts else 0
+    return len(moe_layers(config)) * config.moe.top_k * per_expert if config.moe.num_experts else 0
 
 
 def moe_split(local_name: str, config: Any) -> dict[str, Any] | None:
     """The `ShardSpec` fields of an MoE weight (`local_name` without the `layers.{i}.` prefix),
     or None when `local_name` is not an MoE weight."""
-    if not local_name.startswith("feed_forward.") or config.num_experts == 0:
+    if not local_name.startswith("feed_forward.") or config.moe.num_experts == 0:
         return None
     leaf = local_name[len("feed_forward."):]
     if leaf == "shared_expert.w1.weight":
-        fs = config.moe_shared_ffn_hidden_size
+        fs = config.moe.shared_ffn_hidden_size
         return {"dim": 0, "parts": (fs, fs) if config.gated else None}
     if leaf == "shared_expert.w2.weight":
         return {"dim": 1}

@@ -8,7 +8,7 @@ returns the step's metrics:
 
 - `moe_aux_loss`, `moe_z_loss`: the load-balancing and z losses (without their coefficients),
   mean over the MoE layers and micro-batches (and data-parallel ranks); with
-  `moe_aux_loss_pooling = "model"` the load-balancing loss is the one pooled over the layers
+  `moe.aux_loss_pooling = "model"` the load-balancing loss is the one pooled over the layers
   (`core.moe.pooled_aux`), mean over micro-batches;
 - `moe_tokens_per_expert_min` / `_max`: over every (MoE layer, expert), the token copies the
   expert processed in the step (all micro-batches, all ranks);
@@ -54,10 +54,10 @@ def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool
     (`torch.distributed.pipelining` metadata inference), which the layers cannot tell apart
     from a training forward; its records come first."""
     config = stages[0].config
-    if not config.num_experts:
+    if not config.moe.num_experts:
         return {}
     index = {layer: i for i, layer in enumerate(moe_layers(config))}
-    n_layers, n_experts = len(index), config.num_experts
+    n_layers, n_experts = len(index), config.moe.num_experts
     device = next(stages[0].parameters()).device
     # One flat buffer, one all-reduce: counts (L, E), then dropped, aux, z and calls per layer.
     buf = torch.zeros(n_layers * (n_experts + 4), dtype=torch.float64, device=device)
@@ -86,10 +86,10 @@ def router_step_end(stages: Sequence[nn.Module], groups, sequence_parallel: bool
     dropped /= same_tokens
     mean = counts.mean(dim=1)
     cv = counts.std(dim=1, unbiased=False) / mean.clamp(min=1)
-    _update_expert_bias(modules, counts, index, config.moe_expert_bias_rate)
+    _update_expert_bias(modules, counts, index, config.moe.expert_bias_rate)
     aux = aux * shares / calls  # per layer: mean over micro-batches
     # "model" pooling: the layers' records hold their terms of one pooled loss, which add up.
-    aux = aux.sum() if config.moe_aux_loss_pooling == "model" else aux.mean()
+    aux = aux.sum() if config.moe.aux_loss_pooling == "model" else aux.mean()
     return {"moe_aux_loss": float(aux),
             "moe_z_loss": float((z * shares / calls).mean()),
             "moe_tokens_per_expert_min": float(counts.min()),

@@ -4,7 +4,7 @@ A dispatcher follows the protocol of the MoE layer (`core.moe.dispatch`; `LocalD
 the one-rank case):
 
 - `num_local_experts`, `local_expert_offset`: this rank holds global experts
-  `[offset, offset + num_local_experts)` (ep rank r holds the r-th block of `num_experts / ep`);
+  `[offset, offset + num_local_experts)` (ep rank r holds the r-th block of `moe.num_experts / ep`);
 - `dispatch(x (n, h), expert_ids (n, k) int64, weights (n, k)) -> (xs (m, h), counts)`: the
   rows every local expert must process, grouped by local expert (`counts[e]` rows for local
   expert e, int64), gathered from the whole ep group (and the etp group, see below); dropped

@@ -421,7 +421,7 @@ def is_expert_param(name: str) -> bool:
 
 def expert_global_shape(name: str, config: ModelConfig) -> tuple[int, int, int]:
     """The global shape of expert bank `name`: w1 `(E, F x (2 if gated), h)`, w2 `(E, h, F)`."""
-    e, f, h = config.num_experts, expert_ffn_size(config), config.hidden_size
+    e, f, h = config.moe.num_experts, expert_ffn_size(config), config.hidden_size
     if name.endswith(".w1"):
         return (e, f * (2 if config.gated else 1), h)
     return (e, h, f)

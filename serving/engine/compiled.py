@@ -55,10 +55,10 @@ class CompiledDecode:
         if not (model.is_first and model.is_last) or model.groups.tp_size != 1:
             raise ValueError("a compiled decode step needs the whole model in one process "
                              "(tp=1, pp=1); serve tensor/pipeline-parallel layouts without it")
-        if model.config.num_experts:
+        if model.config.moe.num_experts:
             raise ValueError(
                 "a compiled decode step does not run Mixture-of-Experts models (num_experts "
-                f"{model.config.num_experts}): their token dispatch has data-dependent shapes "
+                f"{model.config.moe.num_experts}): their token dispatch has data-dependent shapes "
                 "(torch.nonzero, tokens per expert) that split the graph, and the compiler "
                 "cannot trace torch._grouped_mm in fp32 on CPU; serve without --compile "
                 "(compile_decode=False), the eager engine runs them")

@@ -20,13 +20,14 @@ from torch import nn
 
 from tessera.core import Layout, ModelConfig
 from tessera.core.checkpoint import CheckpointReader, load_weights, save_checkpoint
+from tessera.core.moe.config import MoEConfig
 from tessera.core.parallel.groups import ParallelGroups, init_groups
 from tessera.core.parallel.sharding import (
     expert_global_shape,
     shard_expert_tensor,
 )
 
-CONFIG = ModelConfig.from_name("llama-tiny", num_experts=4, moe_ffn_hidden_size=12)
+CONFIG = ModelConfig.from_name("llama-tiny", moe=MoEConfig(num_experts=4, ffn_hidden_size=12))
 BANKS = [f"layers.{i}.feed_forward.experts.{w}" for i in range(CONFIG.num_layers)
          for w in ("w1", "w2")]
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tessera.core.config import Layout, ModelConfig
+from tessera.core.moe.config import MoEConfig
 from tessera.core.parallel.data_parallel import allreduce_gradients
 from tessera.core.parallel.expert_parallel import make_expert_parallel_dispatcher
 from tessera.core.parallel.groups import ParallelGroups, init_groups
@@ -27,7 +28,7 @@ from tests.distributed._expert_toy import close, routing, toy_experts
 
 E, F, H = 8, 6, 4
 CONFIG = ModelConfig(hidden_size=H, num_heads=2, ffn_hidden_size=F, activation="gelu",
-                     num_experts=E)
+                     moe=MoEConfig(num_experts=E))
 BANKS = ["layers.0.feed_forward.experts.w1", "layers.0.feed_forward.experts.w2"]
 
 

@@ -76,7 +76,7 @@ def make_batch(case: BertCase, vocab: int) -> dict[str, torch.Tensor]:
 
 def _kwargs(batch: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     kw = {"token_types": batch["token_types"], "attention_mask": batch["attention_mask"]}
-    if config.binary_head:
+    if config.options.binary_head:
         kw["next_sentence"] = batch["next_sentence"]
     return kw
 

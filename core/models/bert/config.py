@@ -25,6 +25,7 @@ def bert_problems(config: ModelConfig) -> list[str]:
                 for k, v in BERT_TRAITS.items() if getattr(config, k) != v]
     if config.activation not in ("gelu", "gelu_tanh"):
         problems.append(f"activation={config.activation!r} (BERT needs 'gelu' or 'gelu_tanh')")
-    if config.type_vocab_size < 1:
-        problems.append(f"type_vocab_size={config.type_vocab_size} (BERT needs >= 1 segment)")
+    if config.options.type_vocab_size < 1:
+        problems.append(f"options.type_vocab_size={config.options.type_vocab_size} (BERT needs "
+                        f">= 1 segment)")
     return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tessera.core.models.bert.config import BERT_TRAITS, bert_problems
+from tessera.core.models.bert.options import BertOptions
 from tessera.core.models.family import Family, Lazy
 
 _HERE = "tessera.core.models.bert"
@@ -16,4 +17,5 @@ BERT = Family(
     problems=bert_problems,
     objective="masked-lm",
     traits=BERT_TRAITS,
+    options=BertOptions,
 )

@@ -4,7 +4,7 @@ A bidirectional encoder: word + learned position + token-type embeddings, LayerN
 `x = norm(x + attention(x))`, `x = norm(x + mlp(x))` (LayerNorm after the residual add, as in the
 original), attention without a causal mask but with a padding mask; a masked-LM head (dense, GELU,
 LayerNorm, then the decoder, which is the word embedding with a bias of its own); optionally a
-[CLS] pooler and next-sentence classifier (`ModelConfig.binary_head`).
+[CLS] pooler and next-sentence classifier (`BertOptions.binary_head`).
 
 The pieces are the decoder's: `Attention` (fused QKV, column/row parallel), `MLP`, `Norm`, the
 vocabulary-parallel embedding and cross-entropy, so tensor and sequence parallelism work as for
@@ -132,7 +132,7 @@ class BertModel(nn.Module):
         if self.is_first:
             self.tok_embeddings = VocabParallelEmbedding(vocab_rows, c, g.tp_rank, g.tp_group)
             self.pos_embeddings = nn.Embedding(config.max_position_embeddings, c)
-            self.type_embeddings = nn.Embedding(config.type_vocab_size, c)
+            self.type_embeddings = nn.Embedding(config.options.type_vocab_size, c)
             self.embed_norm = Norm(config, False)  # runs on the whole sequence, before SP
         selective = rc.recompute == "selective"
         self.layers = nn.ModuleDict({str(i): BertBlock(config, i, g, sp, selective)
@@ -140,7 +140,7 @@ class BertModel(nn.Module):
         n_full = len(self.layer_ids) if rc.recompute_layers is None else rc.recompute_layers
         self.recompute_ids = set(self.layer_ids[:n_full]) if rc.recompute == "full" else set()
         if self.is_last:
-            if config.binary_head:  # on the gathered [CLS] row: replicated, full gradients
+            if config.options.binary_head:  # on the gathered [CLS] row: replicated, full gradients
                 self.pooler = nn.Module()
                 self.pooler.dense = _Dense(c, c, False)
                 self.binary_head = _Dense(c, 2, False)
@@ -212,7 +212,7 @@ class BertModel(nn.Module):
 
     def next_sentence_logits(self, h: torch.Tensor) -> torch.Tensor:
         """`(B, 2)` is-random-next logits from the last layer's `h (T, B, C)` [CLS] row."""
-        if not self.config.binary_head:
+        if not self.config.options.binary_head:
             raise ValueError("this BERT has no next-sentence head: set binary_head=True")
         if self.layout.sequence_parallel:
             # [CLS] sits in tp rank 0's chunk. Gather along the last dim, whose backward

@@ -21,7 +21,7 @@ def bert_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         "tok_embeddings.weight": (config.vocab_size, c),
         "pos_embeddings.weight": (config.max_position_embeddings, c),
-        "type_embeddings.weight": (config.type_vocab_size, c),
+        "type_embeddings.weight": (config.options.type_vocab_size, c),
         "embed_norm.weight": (c,), "embed_norm.bias": (c,),
     }
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
@@ -35,7 +35,7 @@ def bert_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             # A norm's weight is a vector (cols 0); every BERT linear and norm has a bias.
             shapes[f"layers.{i}.{name}.weight"] = (rows, cols) if cols else (rows,)
             shapes[f"layers.{i}.{name}.bias"] = (rows,)
-    if config.binary_head:
+    if config.options.binary_head:
         shapes.update({"pooler.dense.weight": (c, c), "pooler.dense.bias": (c,),
                        "binary_head.weight": (2, c), "binary_head.bias": (2,)})
     shapes.update({"lm_head.dense.weight": (c, c), "lm_head.dense.bias": (c,),

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from tessera.core.config import ModelConfig
 from tessera.core.models.family import Family, Lazy
 from tessera.core.models.t5.layout import t5_layout_problems, t5_stage_layers
+from tessera.core.models.t5.options import T5Options
 
 _HERE = "tessera.core.models.t5"
 
@@ -27,4 +28,5 @@ T5 = Family(
     objective="span-corruption",
     traits=MappingProxyType(dict(norm="rmsnorm", position="relative", bias=False)),
     transformer_engine=False,
+    options=T5Options,
 )

@@ -3,7 +3,7 @@
 The encoder runs once; the decoder then takes one token per step, its self-attention keys and
 values kept in a `T5Cache` together with the cross-attention keys and values of the encoder
 output (computed on the first step). This is Hugging Face `generate`'s greedy search for T5:
-start from `decoder_start_token_id`, take the argmax, and once a row has produced EOS it
+start from `options.decoder_start_token_id`, take the argmax, and once a row has produced EOS it
 continues with the pad id until every row has, or `max_new_tokens` are made.
 """
 
@@ -28,7 +28,7 @@ def t5_greedy(model: T5Model, encoder_ids: torch.Tensor,
         enc = model.encode(encoder_ids, encoder_mask)
         cache = T5Cache()
         B = encoder_ids.shape[0]
-        step = torch.full((B, 1), model.config.decoder_start_token_id, dtype=torch.long,
+        step = torch.full((B, 1), model.config.options.decoder_start_token_id, dtype=torch.long,
                           device=encoder_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=encoder_ids.device)
         out = []

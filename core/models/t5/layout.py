@@ -22,8 +22,9 @@ T5_REFUSED_PRECISIONS = ("fp8",)
 
 
 def decoder_layers(config: ModelConfig) -> int:
-    """The decoder's layer count (`num_decoder_layers`, by default the encoder's)."""
-    return config.num_layers if config.num_decoder_layers is None else config.num_decoder_layers
+    """The decoder's layer count (`options.num_decoder_layers`, by default the encoder's)."""
+    layers = config.options.num_decoder_layers
+    return config.num_layers if layers is None else layers
 
 
 def t5_stage_split(config: ModelConfig, num_stages: int, encoder_stages: int | None = None
@@ -84,7 +85,7 @@ def t5_model_problems(config: ModelConfig) -> list[str]:
             "bias": (False,), "num_kv_heads": (config.num_heads,)}
     out = [f"T5 takes {field} in {list(allowed)}, got {getattr(config, field)!r}"
            for field, allowed in want.items() if getattr(config, field) not in allowed]
-    if config.scaled_output and not config.tied_embeddings:
+    if config.options.scaled_output and not config.tied_embeddings:
         out.append("scaled_output (the original T5's hidden_size ** -0.5 before the output) "
                    "goes with tied_embeddings; set both or neither")
     if decoder_layers(config) < 1 or config.num_layers < 1:

@@ -7,7 +7,7 @@ encoder, causal ones in the decoder), computed by layer 0 of each stack and shar
 layers; decoder blocks add cross-attention over the encoder output; the MLP is gated GELU (v1.1,
 `activation="geglu"`) or ReLU (the original). One embedding table feeds both stacks; the
 output projection is separate (v1.1) or the embedding, with the decoder output scaled by
-hidden_size ** -0.5 first (`scaled_output`, the original).
+hidden_size ** -0.5 first (`options.scaled_output`, the original).
 
 One `T5Model` is one pipeline stage (see `core.models.t5.sharding` for the names and tp
 splits, `core.models.t5.layout` for how stages share out encoder and decoder). Call it as
@@ -87,9 +87,9 @@ class RelativeBias(nn.Module):
 
     def __init__(self, config: ModelConfig, heads_local: int, bidirectional: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.relative_attention_num_buckets, heads_local))
+        self.weight = nn.Parameter(torch.empty(config.options.relative_attention_num_buckets, heads_local))
         self.bidirectional = bidirectional
-        self.max_distance = config.relative_attention_max_distance
+        self.max_distance = config.options.relative_attention_max_distance
 
     def forward(self, q_len: int, k_len: int, offset: int = 0) -> torch.Tensor:
         """The bias `(1, H / tp, q_len, k_len)` of queries at `offset + [0, q_len)`."""
@@ -372,7 +372,7 @@ class T5Model(nn.Module):
              sp: bool) -> torch.Tensor:
         """Decoder norm and output projection: the loss, or logits (see the module docstring)."""
         h = self._drop(self.decoder.norm(h), sp)
-        if self.config.scaled_output:
+        if self.config.options.scaled_output:
             h = h * self.config.hidden_size ** -0.5
         weight = self.embedding.weight if self.output is None else self.output.weight
         logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)

@@ -47,7 +47,7 @@ def t5_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.attention.wo.weight"] = (c, h * d)
             if i == 0:
                 shapes[f"{p}.attention.relative_attention_bias.weight"] = (
-                    config.relative_attention_num_buckets, h)
+                    config.options.relative_attention_num_buckets, h)
             if stack == "decoder":
                 shapes[f"{p}.cross_attention_norm.weight"] = (c,)
                 shapes[f"{p}.cross_attention.wq.weight"] = (h * d, c)

@@ -82,7 +82,7 @@ def t5_parameter_counts(model: ModelConfig) -> T5ParameterCounts:
         embedding=model.vocab_size * h,
         output=0 if model.tied_embeddings else model.vocab_size * h,
         encoder_layer=attn + mlp + 2 * h, decoder_layer=2 * attn + mlp + 3 * h,
-        relative_bias=model.relative_attention_num_buckets * model.num_heads, final_norm=h,
+        relative_bias=model.options.relative_attention_num_buckets * model.num_heads, final_norm=h,
         num_encoder_layers=model.num_layers, num_decoder_layers=decoder_layers(model))
 
 

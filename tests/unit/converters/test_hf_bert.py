@@ -61,7 +61,7 @@ def test_logits_and_loss_match_hf(imported):
     cls, hf, root = imported
     model = load_checkpoint(root / "ckpt")
     assert type(model).__name__ == "BertModel"
-    assert model.config.binary_head == (cls == "BertForPreTraining")
+    assert model.config.options.binary_head == (cls == "BertForPreTraining")
     ids, types, mask, labels = _inputs()
     with torch.no_grad():
         out = hf(ids, token_type_ids=types, attention_mask=mask)
@@ -108,7 +108,7 @@ def test_pretraining_weights_under_a_masked_lm_config_keep_their_head(tmp_path):
     model.config.architectures = ["BertForMaskedLM"]
     model.save_pretrained(tmp_path / "hf")
     _convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
-    assert load_checkpoint(tmp_path / "ckpt").config.binary_head
+    assert load_checkpoint(tmp_path / "ckpt").config.options.binary_head
 
 
 def test_unsupported_hf_bert_is_refused():

@@ -250,7 +250,7 @@ def test_bad_input_is_refused_and_nothing_is_written(root, tmp_path, capsys):
     assert "GPT-2 stores its linear layers as Conv1D" in err and not out.exists()
     # Nor a Mixture-of-Experts family (Qwen3-MoE): its experts are not quantized linears.
     moe = save_checkpoint(tmp_path / "moe", build_model(ModelConfig.from_name(
-        "qwen3-moe-tiny", num_layers=1, num_experts=2, max_position_embeddings=32), seed=0))
+        "qwen3-moe-tiny", num_layers=1, moe={"num_experts": 2}, max_position_embeddings=32), seed=0))
     err = _fails(capsys, "--to", "hf", "--fp8", "block", "--fp8-block", 16, "--input", moe,
                  "--output", out)
     assert "not the Mixture-of-Experts family 'qwen3_moe'" in err and not out.exists()

@@ -106,12 +106,12 @@ def test_logits_loss_and_aux_loss_match_hf(imported):
     model = load_checkpoint(root / "ckpt")
     config = model.config
     assert config.family == family and len(moe_layers(config)) == 2
-    assert config.moe_aux_loss_pooling == "model"  # the import default (converters.hf_moe)
+    assert config.moe.aux_loss_pooling == "model"  # the import default (converters.hf_moe)
     ids = _ids()
     targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     with torch.no_grad():
         assert (hf_model(ids).logits - model(ids)).abs().max().item() <= 1e-4
-    coef, k = config.moe_aux_loss_coef, config.moe_top_k
+    coef, k = config.moe.aux_loss_coef, config.moe.top_k
     hf = hf_model(ids, labels=ids, output_router_logits=True)  # loss = LM + coef * aux
     hf_lm = hf.loss - coef * hf.aux_loss
     hf_grads = _hf_router_grads(hf_model, hf.loss)
@@ -127,10 +127,10 @@ def test_logits_loss_and_aux_loss_match_hf(imported):
 
     # "layer" (Megatron's, the preset default): the mean over MoE layers of E * sum f_i P_i,
     # i.e. HF's function applied to one layer's router logits at a time.
-    per_layer_model = GPTModel(replace(config, moe_aux_loss_pooling="layer"))
+    per_layer_model = GPTModel(replace(config, moe=replace(config.moe, aux_loss_pooling="layer")))
     per_layer_model.load_state_dict(model.state_dict())
     hf = hf_model(ids, labels=ids, output_router_logits=True)
-    per_layer = torch.stack([load_balancing_loss_func((rl,), config.num_experts, k)
+    per_layer = torch.stack([load_balancing_loss_func((rl,), config.moe.num_experts, k)
                              for rl in hf.router_logits])
     assert abs(per_layer.mean().item() - hf.aux_loss.item()) > 1e-4  # the two poolings differ
     hf_grads = _hf_router_grads(hf_model, hf.loss + coef * (per_layer.mean() - hf.aux_loss))

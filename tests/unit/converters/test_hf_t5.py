@@ -67,7 +67,7 @@ def imported(request, tmp_path_factory):
 def test_logits_and_loss_match_hf(imported):
     kind, hf, tmp = imported
     ours = load_t5_checkpoint(str(tmp / "tessera"))
-    assert ours.config.tied_embeddings == ours.config.scaled_output == (kind == "original")
+    assert ours.config.tied_embeddings == ours.config.options.scaled_output == (kind == "original")
     enc, mask, dec, labels = batch()
     want = hf(input_ids=enc, attention_mask=mask, decoder_input_ids=dec, labels=labels)
     got = ours(enc, decoder_input_ids=dec, encoder_mask=mask)

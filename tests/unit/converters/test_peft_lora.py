@@ -55,7 +55,7 @@ CONFIGS = {
                          num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
                          ffn_hidden_size=96, max_position_embeddings=64, qk_norm=True),
     # Qwen3-MoE: only the attention is adapted (its experts are not LoRA modules in Tessera).
-    "qwen3_moe": ModelConfig.from_name("qwen3-moe-tiny", vocab_size=VOCAB, num_experts=4,
+    "qwen3_moe": ModelConfig.from_name("qwen3-moe-tiny", vocab_size=VOCAB, moe={"num_experts": 4},
                                        max_position_embeddings=64),
 }
 PEFT_TARGETS = {

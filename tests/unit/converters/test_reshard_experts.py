@@ -256,7 +256,7 @@ def test_memory_stays_a_few_chunks_with_large_banks(tmp_path, monkeypatch):
     banks or ep pieces (the RSS above the start of each conversion, printed)."""
     config = ModelConfig.from_name("mixtral-tiny", num_layers=1, hidden_size=256,
                                    num_heads=4, num_kv_heads=2, ffn_hidden_size=1024,
-                                   num_experts=8)
+                                   moe={"num_experts": 8})
     src = save_checkpoint(tmp_path / "single", build_model(config, seed=1))
     bank = 8 * 2 * 1024 * 256 * 4  # w1 of one layer, fp32
     monkeypatch.setattr(reshard_mod, "CHUNK_BYTES", 256 << 10)

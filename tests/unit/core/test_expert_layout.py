@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tessera.core import ConfigError, Layout, ModelConfig
+from tessera.core.moe.config import MoEConfig
 from tessera.core.parallel.expert_groups import edp_size, expert_mesh
 from tessera.core.parallel.groups import layout_mesh, rank_of
 
-MOE = ModelConfig.from_name("llama-tiny", num_experts=8, moe_ffn_hidden_size=96)
+MOE = ModelConfig.from_name("llama-tiny", moe=MoEConfig(num_experts=8, ffn_hidden_size=96))
 
 
 def test_defaults_keep_old_layouts():
@@ -38,7 +39,7 @@ def test_bad_expert_layouts_name_the_numbers(layout, model, needles):
 
 def test_top_k_above_the_experts_is_refused_with_the_numbers():
     with pytest.raises(ConfigError, match="moe_top_k 9 must be between 1 and num_experts 8"):
-        ModelConfig(num_experts=8, moe_top_k=9)
+        ModelConfig(moe=MoEConfig(num_experts=8, top_k=9))
 
 
 def test_good_expert_layouts_pass():

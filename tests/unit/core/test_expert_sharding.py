@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tessera.core import ModelConfig
+from tessera.core.moe.config import MoEConfig
 from tessera.core.parallel.sharding import (
     expert_global_shape,
     expert_local_shape,
@@ -17,8 +18,8 @@ from tessera.core.parallel.sharding import (
     unshard_tensors,
 )
 
-GATED = ModelConfig.from_name("llama-tiny", num_experts=4, moe_ffn_hidden_size=12)
-PLAIN = ModelConfig.from_name("gpt2-tiny", num_experts=4, moe_ffn_hidden_size=12)
+GATED = ModelConfig.from_name("llama-tiny", moe=MoEConfig(num_experts=4, ffn_hidden_size=12))
+PLAIN = ModelConfig.from_name("gpt2-tiny", moe=MoEConfig(num_experts=4, ffn_hidden_size=12))
 
 
 def test_expert_names_and_shapes():

@@ -60,8 +60,8 @@ def test_qwen_freq2_counts_by_hand():
     Dense layer 41,088; MoE layer outside the experts 16,384 + 128 + 520 + 24,640 = 41,672,
     experts 49,152; active 41,672 + 2 x 6,144 = 53,960. Embedding and output 2 x 32,768,
     final norm 64: total 2 x 41,088 + 2 x (41,672 + 49,152) + 65,600 = 329,424."""
-    c = F.parameter_counts(ModelConfig.from_name("qwen-moe-tiny", num_layers=4, moe_layer_freq=2,
-                                                 moe_expert_bias=True))
+    c = F.parameter_counts(ModelConfig.from_name("qwen-moe-tiny", num_layers=4,
+                                                 moe={"layer_freq": 2, "expert_bias": True}))
     assert (c.layer_dense, c.moe_layer_dense, c.moe_layer_experts, c.moe_layer_active) == (
         41_088, 41_672, 49_152, 53_960)
     assert c.total == 329_424
@@ -86,7 +86,7 @@ def test_real_presets_match_published_totals(name, total, active):
 
 
 H100 = load_hardware("h100-80gb")
-QWEN_FREQ2 = ModelConfig.from_name("qwen-moe-tiny", num_layers=4, moe_layer_freq=2)
+QWEN_FREQ2 = ModelConfig.from_name("qwen-moe-tiny", num_layers=4, moe={"layer_freq": 2})
 
 
 def test_step_flops_golden_dense_and_moe_layers():
@@ -211,7 +211,7 @@ def test_pipeline_stage_with_most_moe_layers():
     from tessera.core.config import Layout
     from tessera.core.parallel.groups import ParallelGroups
 
-    config = ModelConfig.from_name("qwen-moe-tiny", num_layers=6, moe_layer_freq=2)
+    config = ModelConfig.from_name("qwen-moe-tiny", num_layers=6, moe={"layer_freq": 2})
     counts = F.parameter_counts(config)
     assert F.max_stage_moe_layers(counts, 2) == 2 and F.max_stage_moe_layers(counts, 3) == 1
     with torch.device("meta"):

@@ -5,8 +5,6 @@ PyTorch's `FlopCounterMode` over a tiny HF T5's forward and backward, and hand a
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -36,16 +34,16 @@ def _hf(model: ModelConfig, device: str = "meta"):
     return hf
 
 
-ORIGINAL = dict(activation="relu", tied_embeddings=True, scaled_output=True)
+ORIGINAL = dict(activation="relu", tied_embeddings=True, options=dict(scaled_output=True))
 
 
 @pytest.mark.parametrize("preset, overrides", [
     ("t5-base", {}), ("t5-tiny", {}),
     ("t5-base", ORIGINAL),  # the original T5: ReLU MLP, tied output (HF's own tying, as is)
-    ("t5-tiny", dict(num_decoder_layers=3, relative_attention_num_buckets=8)),
+    ("t5-tiny", dict(options=dict(num_decoder_layers=3, relative_attention_num_buckets=8))),
 ])
 def test_t5_parameters_equal_hf(preset, overrides):
-    model = dataclasses.replace(ModelConfig.from_name(preset), **overrides)
+    model = ModelConfig.from_name(preset, **overrides)
     hf = _hf(model)
     counted = t5_parameter_counts(model).total
     assert counted == sum(p.numel() for p in hf.parameters())
@@ -93,7 +91,7 @@ def test_t5_flops_by_hand_and_by_flop_counter():
 
 @pytest.mark.parametrize("preset, overrides, pps", [
     ("t5-base", {}, (2, 3, 4, 6)),
-    ("t5-tiny", dict(num_decoder_layers=4), (2, 3, 6)),
+    ("t5-tiny", dict(options=dict(num_decoder_layers=4)), (2, 3, 6)),
     ("t5-tiny", ORIGINAL, (2, 3, 4)),  # tied: the last stage holds a copy of the embedding
 ])
 def test_t5_stage_parameters_equal_tessera_stages(preset, overrides, pps):
@@ -102,7 +100,7 @@ def test_t5_stage_parameters_equal_tessera_stages(preset, overrides, pps):
     from tessera.core.config import Layout
     from tessera.core.models.t5.model import T5Model
 
-    model = dataclasses.replace(ModelConfig.from_name(preset), **overrides)
+    model = ModelConfig.from_name(preset, **overrides)
     for pp in pps:
         with torch.device("meta"):
             built = [sum(p.numel() for p in T5Model(model, Layout(pp=pp), stage_id=k,

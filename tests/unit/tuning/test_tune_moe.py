@@ -41,7 +41,7 @@ def moe_base(tmp_path_factory):
     tok = root / "tok.model"
     train_tokenizer([], 384, tok, "bpe", texts=corpus(300), num_threads=1)
     config = ModelConfig.from_name("mixtral-tiny", vocab_size=384, max_position_embeddings=64,
-                                   moe_z_loss_coef=0.01)
+                                   moe={"z_loss_coef": 0.01})
     base = save_checkpoint(root / "base", build_model(config, seed=5), tokenizer=tok)
     train = write_jsonl(root / "train.jsonl", task_examples("kind", "train", 64))
     return base, train
@@ -117,6 +117,6 @@ def test_lora_mlp_targets_skip_moe_layers():
     fail in backward)."""
     with pytest.raises(AdapterError, match="Mixture-of-Experts layers have no w1 / w2"):
         resolve_targets("mlp", ModelConfig.from_name("mixtral-tiny"))
-    qwen = ModelConfig.from_name("qwen-moe-tiny", num_layers=4, moe_layer_freq=2)
+    qwen = ModelConfig.from_name("qwen-moe-tiny", num_layers=4, moe={"layer_freq": 2})
     assert resolve_targets("mlp", qwen) == ("layers.0.feed_forward.w1", "layers.0.feed_forward.w2",
                                             "layers.2.feed_forward.w1", "layers.2.feed_forward.w2")

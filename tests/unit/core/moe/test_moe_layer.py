@@ -74,9 +74,9 @@ def _reference(layer: MoEFeedForward, x: torch.Tensor, config: ModelConfig) -> t
     w1, w2 = layer.experts.w1, layer.experts.w2
     for t in range(x.shape[0]):
         logits = x[t] @ layer.router.weight.t()
-        scores = logits.softmax(-1) if config.moe_router_score == "softmax" else logits.sigmoid()
-        top = torch.topk(scores, config.moe_top_k).indices
-        weights = scores[top] / (scores[top].sum() if config.moe_norm_topk else 1)
+        scores = logits.softmax(-1) if config.moe.router_score == "softmax" else logits.sigmoid()
+        top = torch.topk(scores, config.moe.top_k).indices
+        weights = scores[top] / (scores[top].sum() if config.moe.norm_topk else 1)
         y = torch.zeros_like(x[t])
         for e, w in zip(top.tolist(), weights):
             gate, up = (w1[e] @ x[t]).chunk(2)
@@ -159,7 +159,7 @@ def test_router_losses_reach_the_router_gradient():
     grad = torch.autograd.grad(out.sum(), layer.router.weight)[0]
     layer.eval()
     routing = layer.router(x)
-    extra = (0.3 * load_balancing_loss(routing.scores, routing.chosen, config.num_experts)
+    extra = (0.3 * load_balancing_loss(routing.scores, routing.chosen, config.moe.num_experts)
              + 0.2 * z_loss(routing.logits)) / 2  # two MoE layers in the model
     want = torch.autograd.grad(layer(x).sum() + 0.5 * extra, layer.router.weight)[0]
     torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-7)
@@ -183,7 +183,7 @@ def test_expert_bias_steers_choice_not_weights_and_moves_toward_balance():
     model(torch.randint(0, 512, (2, 16)))
     metrics = router_step_end([model], model.groups, sequence_parallel=False)
     # Expert 3 took every token: its bias goes down by the rate, the others' up.
-    rate = config.moe_expert_bias_rate
+    rate = config.moe.expert_bias_rate
     assert router.expert_bias[3].item() == pytest.approx(10.0 - rate)
     assert metrics["moe_tokens_per_expert_max"] == 32
 
@@ -215,9 +215,9 @@ def test_bad_moe_configs_name_the_numbers(overrides, message):
 
 
 def test_presets_and_dense_defaults():
-    assert ModelConfig().num_experts == 0
+    assert ModelConfig().moe.num_experts == 0
     for name in ("mixtral-tiny", "qwen-moe-tiny", "mixtral-8x7b", "qwen1.5-moe-a2.7b"):
-        assert ModelConfig.from_name(name).num_experts > 0
+        assert ModelConfig.from_name(name).moe.num_experts > 0
     from tessera.core.parallel.sharding import num_parameters
 
     # Mixtral 8x7B: 46.7B parameters (Mistral AI's figure).

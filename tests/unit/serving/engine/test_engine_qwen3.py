@@ -65,7 +65,7 @@ def test_greedy_equals_argmax_of_the_full_forward_pass(checkpoint):
 @pytest.mark.slow
 def test_compiled_decode_equals_the_full_forward_pass(checkpoint):
     model = load_checkpoint(checkpoint).eval()
-    if model.config.num_experts:
+    if model.config.moe.num_experts:
         pytest.skip("compiled decode is refused for MoE models (test_engine_moe.py)")
     expected = [full_forward_greedy(model, p, 8)[0] for p in PROMPTS]
     assert _greedy(model, compile_decode=True) == expected

@@ -1,0 +1,77 @@
+"""Model configs in the flat form of older checkpoint manifests, YAML files and overrides.
+
+Before `ModelConfig` held sub-configs, its Mixture-of-Experts options and its T5 and BERT options
+were top-level fields (`num_experts`, `moe_top_k`, `num_decoder_layers`, `type_vocab_size`, ...),
+and every manifest wrote all of them. `nest_flat_fields` moves such keys into the nested form
+(`moe`, `options`) so those manifests, and the flat `--model-overrides` names, keep working.
+Imports nothing from `core.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tessera.core.errors import ConfigError
+
+# flat name -> `MoEConfig` field
+FLAT_MOE: dict[str, str] = {
+    "num_experts": "num_experts", "moe_top_k": "top_k", "moe_ffn_hidden_size": "ffn_hidden_size",
+    "moe_shared_ffn_hidden_size": "shared_ffn_hidden_size", "moe_layer_freq": "layer_freq",
+    "moe_router_score": "router_score", "moe_norm_topk": "norm_topk",
+    "moe_aux_loss_coef": "aux_loss_coef", "moe_z_loss_coef": "z_loss_coef",
+    "moe_capacity_factor": "capacity_factor", "moe_expert_bias": "expert_bias",
+    "moe_expert_bias_rate": "expert_bias_rate", "moe_aux_loss_pooling": "aux_loss_pooling",
+}
+# flat name (the same name in the family's options) -> the value every flat manifest wrote for
+# a family that has no such option
+FLAT_OPTIONS: dict[str, Any] = {
+    "num_decoder_layers": None, "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128, "decoder_start_token_id": 0, "scaled_output": False,
+    "type_vocab_size": 0, "binary_head": False,
+}
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """A sub-config as a dict: a dataclass instance's fields, a mapping's items, None: {}."""
+    if value is None:
+        return {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return dict(value)
+    raise ConfigError(f"expected a mapping of fields, got {value!r}")
+
+
+def nest_flat_fields(data: dict[str, Any], family: str, options: type | None) -> dict[str, Any]:
+    """`data` with its flat MoE and family-option keys moved into `moe` and `options` (dicts;
+    a flat key overrides the same field of a nested one). `options` is the family's options
+    class (None: it has none); a flat option key it lacks must hold the value flat manifests
+    wrote for every family, or it is an error naming the key."""
+    out = {k: v for k, v in data.items() if k not in FLAT_MOE and k not in FLAT_OPTIONS}
+    moe = {FLAT_MOE[k]: v for k, v in data.items() if k in FLAT_MOE}
+    if moe:
+        out["moe"] = {**as_dict(data.get("moe")), **moe}
+    known = {f.name for f in dataclasses.fields(options)} if options is not None else set()
+    flat = {k: v for k, v in data.items() if k in FLAT_OPTIONS}
+    taken = {k: v for k, v in flat.items() if k in known}
+    stray = sorted(k for k, v in flat.items() if k not in known and v != FLAT_OPTIONS[k])
+    if stray:
+        raise ConfigError(f"model fields {stray} mean nothing to a family {family!r} model; "
+                          f"remove them or pick the family that has them")
+    if taken:
+        out["options"] = {**as_dict(data.get("options")), **taken}
+    return out
+
+
+def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`ModelConfig.to_dict()` output in the flat form (what `to_dict` wrote before the
+    sub-configs: every MoE field under its flat name, every family option present, with the
+    flat default where the family has no such option). Digests of a config hash this form,
+    so they stay what they were (`core.fingerprint`)."""
+    out = {k: v for k, v in data.items() if k not in ("moe", "options")}
+    moe = as_dict(data.get("moe"))
+    out.update({flat: moe[name] for flat, name in FLAT_MOE.items() if name in moe})
+    options = as_dict(data.get("options"))
+    out.update({flat: options.get(flat, default) for flat, default in FLAT_OPTIONS.items()})
+    return out
