@@ -112,6 +112,7 @@ def test_t5_output_yaml_is_what_pretrain_runs(tmp_path, capsys):
     from tessera.__main__ import main
     from tessera.training.config import load_config
     from tessera.training.objectives import check_objective
+    from tessera.training.run_plan import resolve_plan
 
     path = tmp_path / "run.yaml"
     assert main(["plan", "--model", "t5-tiny", "--gpus", "2", "--gpu", "a100-80gb",
@@ -120,7 +121,7 @@ def test_t5_output_yaml_is_what_pretrain_runs(tmp_path, capsys):
     assert "--tokenizer TOKENIZER" in capsys.readouterr().out
     cfg, _ = load_config(["--config", str(path), "--tokenizer", "tok.model"])
     assert (cfg.model.family, cfg.parallel.pp, cfg.parallel.recompute) == ("t5", 2, "none")
-    check_objective(cfg)  # raises ConfigError on anything T5 pretraining refuses
+    check_objective(resolve_plan(cfg, 2))  # raises ConfigError on anything T5 pretraining refuses
 
 
 def test_t5_layer_activations_by_hand():
