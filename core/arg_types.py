@@ -82,3 +82,12 @@ non_negative_float = Bounded(float, low=0)
 fraction_below_one = Bounded(float, low=0, high=1, high_open=True)  # dropout, Adam's betas
 top_p = Bounded(float, low=0, high=1, low_open=True)  # nucleus sampling mass: (0, 1]
 port = Bounded(int, low=1, high=65535)
+
+
+def str2bool(text: str) -> bool:
+    """`true/false` (also 1/0, yes/no, on/off) as a bool; anything else is an argparse error."""
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")

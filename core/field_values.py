@@ -11,17 +11,8 @@ import types
 import typing
 from typing import Any
 
-from tessera.core.arg_types import Bounded
+from tessera.core.arg_types import Bounded, str2bool
 from tessera.core.config import ConfigError
-
-
-def str2bool(text: str) -> bool:
-    """`true/false` (also 1/0, yes/no, on/off) as a bool; anything else is an argparse error."""
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
 def coerce_field(where: str, value: Any, typ: Any, bounds: Bounded | None = None) -> Any:

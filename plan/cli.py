@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera.core.arg_types import non_negative_int, positive_float, positive_int
+from tessera.core.arg_types import non_negative_int, positive_float, positive_int, str2bool
 from tessera.core.help import HelpFormatter
 
 GPUS = ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu")
@@ -57,14 +57,6 @@ tokens_per_s, peak_memory_gib, step_times_s, error, cpu_share}, and the object h
 "spearman".
 
 Exit codes: 0 done; 2 bad input or nothing fits (the message says what would)."""
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
 def _gpu(text: str) -> str:
@@ -126,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "over N ranks (MoE; searched among 1 and tp)"),
                         ("--micro-batch", "sequences per micro-batch")):
         fix.add_argument(flag, type=positive_int, metavar="N", default=None, help=help_)
-    fix.add_argument("--sequence-parallel", type=_bool, nargs="?", const=True, metavar="BOOL",
+    fix.add_argument("--sequence-parallel", type=str2bool, nargs="?", const=True, metavar="BOOL",
                      default=None, help="shard norm/dropout activations over tp (needs tp > 1)")
     fix.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                      help="activation recomputation: selective recomputes core attention, full "

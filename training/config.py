@@ -26,6 +26,7 @@ from tessera.core.arg_types import (
     non_negative_int,
     positive_float,
     positive_int,
+    str2bool,
 )
 from tessera.core.config import (
     ConfigError,
@@ -36,7 +37,7 @@ from tessera.core.config import (
     Recompute,
     TrainSchedule,
 )
-from tessera.core.field_values import coerce_field, str2bool
+from tessera.core.field_values import coerce_field
 from tessera.core.help import HelpFormatter, with_default
 from tessera.core.presets import DEFAULT_PRESET, model_from_spec
 

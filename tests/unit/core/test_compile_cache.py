@@ -21,11 +21,16 @@ import json, torch
 from torch._dynamo.utils import counters
 from tessera.core import fused
 torch.set_num_threads(1)
+torch.manual_seed(0)
 fused.set_mode("on")
 x = torch.randn(4, 8, 64, requires_grad=True)
 w = torch.ones(64, requires_grad=True)
 fused.rms_norm(x, w, 1e-5).sum().backward()
-ok = torch.allclose(x.grad, torch.func.grad(lambda x: fused.rms_norm.eager(x, w, 1e-5).sum())(x))
+ref = torch.func.grad(lambda x: fused.rms_norm.eager(x, w, 1e-5).sum())(x)
+# Kernel and eager sum the row's 64 squares and 64 gradient terms in different orders: each
+# differs by at most 64 fp32 roundings of the largest term (measured: 2e-7 to 6e-7). A kernel
+# built for another ISA that leaves lanes unwritten is off by O(1).
+ok = bool((x.grad - ref).abs().max() <= 64 * torch.finfo(torch.float32).eps * ref.abs().max())
 print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"], "grad_ok": ok}))
 """
