@@ -123,8 +123,8 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     if finished is not None:
         if rank0:
             print(f"demo: {run_dir} already holds a finished demo run; kept, its samples are "
-                  "below (to train it again: `python -m tessera --overwrite`, which deletes "
-                  "it, or `python -m tessera --output DIR` for a new directory)")
+                  "below (to train it again: `python -m tessera pretrain --overwrite`, which deletes "
+                  "it, or `python -m tessera pretrain --output DIR` for a new directory)")
             print_result(cfg, str(finished))
         return
     if rank0:
