@@ -45,7 +45,6 @@ training module (`training.bert_objective`, `training.t5_objective`), named by o
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera.core.config import ConfigError, ModelConfig
+from tessera.core.models.family import import_named
 from tessera.core.models.registry import family as model_family
 
 if TYPE_CHECKING:
@@ -127,8 +127,7 @@ def objective_named(name: str) -> Objective:
     if name not in _FAMILY_OBJECTIVES:
         raise ConfigError(f"unknown pretraining objective {name!r}; known: "
                           f"{', '.join([CAUSAL_LM.name, *_FAMILY_OBJECTIVES])}")
-    module, _, attribute = _FAMILY_OBJECTIVES[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return import_named(_FAMILY_OBJECTIVES[name])
 
 
 def objective_for(config: ModelConfig) -> Objective:

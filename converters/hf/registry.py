@@ -7,9 +7,8 @@ plus the HF model types it reads in `_MODEL_TYPES`.
 
 from __future__ import annotations
 
-import importlib
-
 from tessera.converters.hf.family import ConversionError, HfFamily
+from tessera.core.models.family import import_named
 
 _P = "tessera.converters.hf."
 _FAMILIES: dict[str, str] = {
@@ -49,8 +48,7 @@ def hf_family(family: str) -> HfFamily:
     if target is None:
         raise ConversionError(f"family {family!r} has no Hugging Face mapping; families with "
                               f"one: {', '.join(_FAMILIES)}")
-    module, attribute = target.split(":")
-    found = getattr(importlib.import_module(module), attribute)
+    found = import_named(target)
     if found.family != family:
         raise ConversionError(f"registry line {family!r} -> {target} holds the mapping of "
                               f"{found.family!r}; fix the line")

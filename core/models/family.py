@@ -18,6 +18,13 @@ from types import MappingProxyType
 from typing import Any
 
 
+def import_named(path: str) -> Any:
+    """The object `"package.module:attribute"` names, importing its module (every registry
+    line here and in the upper layers' registries is such a path)."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 class Lazy:
     """A callable named `"package.module:attribute"`, imported on first use."""
 
@@ -28,8 +35,7 @@ class Lazy:
     def resolve(self) -> Any:
         """The named object (imported once)."""
         if self._target is None:
-            module, _, attribute = self.path.partition(":")
-            self._target = getattr(importlib.import_module(module), attribute)
+            self._target = import_named(self.path)
         return self._target
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -7,11 +7,10 @@ family is one folder under `core/models/` and one line here.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from tessera.core.errors import ConfigError
-from tessera.core.models.family import Family
+from tessera.core.models.family import Family, import_named
 
 _DECODER = "tessera.core.models.decoder.families"
 FAMILIES: dict[str, str] = {
@@ -45,8 +44,7 @@ def family(of: Any) -> Family:
     if name not in FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known families: "
                           f"{', '.join(FAMILIES)}")
-    module, _, attribute = FAMILIES[name].partition(":")
-    found = getattr(importlib.import_module(module), attribute)
+    found = import_named(FAMILIES[name])
     if found.name != name:
         raise ConfigError(f"registry line {name!r} -> {FAMILIES[name]} holds family "
                           f"{found.name!r}; fix the line")

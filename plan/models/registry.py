@@ -8,10 +8,10 @@ formulas count. Any other family without a line is refused with a message saying
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from tessera.core.config import ModelConfig
+from tessera.core.models.family import import_named
 from tessera.core.models.registry import family as core_family
 from tessera.core.models.registry import registered
 from tessera.plan.errors import PlanError
@@ -47,5 +47,4 @@ def plan_family(model: ModelConfig) -> PlanFamily:
     if target is None:
         raise PlanError(f"tessera plan does not model the {model.family} family (no planner "
                         f"formulas for it); it plans: {', '.join(planned_families())}")
-    module, attribute = target.split(":")
-    return getattr(importlib.import_module(module), attribute)
+    return import_named(target)
