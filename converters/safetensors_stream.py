@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
+from tessera.core.safetensors_header import HeaderError, read_header
+
 _CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # what the reference implementation accepts
 
 
 class SafetensorsFormatError(ValueError):
@@ -170,35 +171,24 @@ class SafetensorsFile:
             raise
 
     def _read_header(self):
-        size = os.fstat(self._fh.fileno()).st_size
-        head = self._fh.read(8)
-        if len(head) < 8:
-            raise SafetensorsFormatError(f"{self.path}: {size} bytes, too short for a header")
-        n = struct.unpack("<Q", head)[0]
-        if n > min(_MAX_HEADER, size - 8):
-            raise SafetensorsFormatError(
-                f"{self.path}: header claims {n} bytes but the file has {size}: truncated or not "
-                "a safetensors file")
         try:
-            header = json.loads(self._fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SafetensorsFormatError(f"{self.path}: header is not valid JSON ({exc})") from exc
-        metadata = header.pop("__metadata__", None) or {}
+            header = read_header(self.path)
+        except HeaderError as exc:
+            raise SafetensorsFormatError(f"{self.path}: {exc}") from exc
         entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for name, info in header.items():
-            if info.get("dtype") not in _DTYPES:
-                raise SafetensorsFormatError(f"{self.path}: {name!r} has unknown dtype {info.get('dtype')!r}")
-            dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
-            begin, end = info["data_offsets"]
-            if end - begin != _nbytes(dtype, shape):
+        for name, e in header.tensors.items():
+            if e.dtype not in _DTYPES:
+                raise SafetensorsFormatError(f"{self.path}: {name!r} has unknown dtype {e.dtype!r}")
+            dtype = _DTYPES[e.dtype]
+            if e.end - e.begin != _nbytes(dtype, e.shape):
                 raise SafetensorsFormatError(f"{self.path}: {name!r} offsets do not match its shape")
-            entries[name] = (dtype, shape, begin, end)
-        data_size = max((e[3] for e in entries.values()), default=0)
-        if 8 + n + data_size > size:
+            entries[name] = (dtype, e.shape, e.begin, e.end)
+        end = header.data_start + max((e[3] for e in entries.values()), default=0)
+        if end > header.file_size:
             raise SafetensorsFormatError(
-                f"{self.path}: truncated: the header describes {8 + n + data_size} bytes, the file "
-                f"has {size}; re-copy or re-convert it")
-        return entries, metadata, 8 + n
+                f"{self.path}: truncated: the header describes {end} bytes, the file has "
+                f"{header.file_size}; re-copy or re-convert it")
+        return entries, header.metadata, header.data_start
 
     def keys(self) -> list[str]:
         return list(self._entries)

@@ -14,10 +14,8 @@ one more function in `checks`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +23,9 @@ from pathlib import Path
 from tessera.core.checkpoint import Manifest, read_manifest
 from tessera.core.expert_checkpoint import stored_in_pieces
 from tessera.core.parallel.sharding import global_param_shapes, padded_vocab_size, shard_spec
+from tessera.core.safetensors_header import ITEM_BYTES, Header, HeaderError, read_header
 
-# safetensors dtype codes -> bytes per element
-ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
-              "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MANIFEST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
 @dataclass(frozen=True)
@@ -44,25 +39,6 @@ class FileProblem:
         return f"{self.file}: {self.problem}"
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors header: dtype code, shape, byte range in the data section."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-@dataclass(frozen=True)
-class Header:
-    """A parsed safetensors header and where its data section lies in the file."""
-
-    tensors: dict[str, TensorEntry]
-    data_start: int
-    file_size: int
-
-
 @dataclass
 class Expected:
     """What the manifest says one file holds."""
@@ -73,42 +49,6 @@ class Expected:
 
 
 FileCheck = Callable[[Path, Header, Expected], list[str]]
-
-
-class HeaderError(ValueError):
-    """A safetensors header that cannot be parsed; the message says how it is damaged."""
-
-
-def read_header(file: str | os.PathLike) -> Header:
-    """The header of safetensors `file`; raises `HeaderError` when it is cut or malformed."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise HeaderError(f"{size} bytes, shorter than the 8-byte header length: truncated")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(size - 8, _MAX_HEADER):
-            raise HeaderError(f"the header claims {length} bytes but the file holds {size - 8} "
-                              "after the length field: truncated or not safetensors")
-        raw = fh.read(length)
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"the header is not valid JSON ({exc}): corrupted") from exc
-    if not isinstance(body, dict):
-        raise HeaderError("the header is not a JSON object: corrupted")
-    tensors = {}
-    for name, entry in body.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = entry["data_offsets"]
-            tensors[name] = TensorEntry(str(entry["dtype"]), tuple(int(d) for d in entry["shape"]),
-                                        int(begin), int(end))
-        except (TypeError, KeyError, ValueError) as exc:
-            raise HeaderError(f"the header entry of {name!r} is malformed ({entry!r}): "
-                              "corrupted") from exc
-    return Header(tensors, 8 + length, size)
 
 
 def check_tensors(file: Path, header: Header, expected: Expected) -> list[str]:
