@@ -43,4 +43,6 @@ def test_python_api_snippets_run_in_order(workdir: Path, capsys: pytest.CaptureF
             raise AssertionError(f"README Python API snippet {number} failed: {exc!r}") from exc
     completions = ast.literal_eval(capsys.readouterr().out.strip().splitlines()[-1])
     assert isinstance(completions, list) and len(completions) == 2
-    assert all(isinstance(c, str) and c for c in completions), completions
+    # Strings, possibly empty: the snippets sample (unseeded) from a model with random weights,
+    # whose first draw may be the end-of-sequence token.
+    assert all(isinstance(c, str) for c in completions), completions
