@@ -40,6 +40,70 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def device_time(fn: Callable[[], object], steps: int = 5, warmup: int = 2,
+                device: str = "cpu") -> float:
+    """Mean seconds per call of `fn` over `steps` calls after `warmup` calls. On CUDA it is
+    timed with CUDA events around all `steps` (one synchronisation at the end, so launch
+    overhead overlaps as it does in a real loop); elsewhere with the wall clock."""
+    for _ in range(warmup):
+        fn()
+    if device == "cuda" or (device.startswith("cuda:")):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / steps
+    tic = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - tic) / steps
+
+
+class Budget:
+    """A wall-clock allowance in seconds for a benchmark (`--budget-s`): rows are measured while
+    `left()` is positive, and what was measured is still reported when it runs out."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.start = time.monotonic()
+
+    def left(self) -> float:
+        if self.seconds is None:
+            return float("inf")
+        return self.seconds - (time.monotonic() - self.start)
+
+    def spent(self) -> bool:
+        return self.left() <= 0
+
+
+class Rows:
+    """The rows of one benchmark, each printed and saved the moment it is measured: a line on
+    stdout (`ROW {json}`), appended to `bench/results/<name>.jsonl`; `finish()` writes the table
+    (`record`). A killed run keeps every row it printed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.rows: list[dict] = []
+        RESULTS.mkdir(exist_ok=True)
+        self._jsonl = RESULTS / f"{name}.jsonl"
+        self._jsonl.write_text("")
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        line = json.dumps(row, default=str)
+        with self._jsonl.open("a") as f:
+            f.write(line + "\n")
+        print(f"ROW {self.name} {line}", flush=True)
+        return row
+
+    def finish(self) -> list[dict]:
+        record(self.rows, self.name)
+        return self.rows
+
+
 def matmul_peak_tflops(dtype: torch.dtype, device: str = "cpu", n: int | None = None) -> float:
     """The best dense matmul TFLOP/s of this device in `dtype` (the MFU denominator), measured
     as training does, on larger matrices."""
