@@ -2,7 +2,7 @@
 PYTHON = python3
 TORCH = torch==2.13.0
 
-.PHONY: install install-run lint test test-slow demo bench
+.PHONY: install install-run lint test test-slow demo bench gpu-check
 .NOTPARALLEL:
 
 # torch pinned to the wheel CI holds. Running (the demo) needs only the package's own
@@ -43,3 +43,9 @@ demo: install-run
 
 bench:
 	$(PYTHON) bench/run_all.py
+
+# One CUDA GPU, at most 7 minutes: every GPU figure, streamed, into bench/results/gpu_check-<card>.md
+# (bench/gpu_check.py --help). On a machine without network, tools/gpu_session.sh first installs
+# the wheels carried in .whl/ (../shared/tools/gpu-wheels.sh fetches them).
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
