@@ -266,7 +266,7 @@ def calibrate_device(out: Path, device: str = "cuda", budget_s: float = 60.0,
                         "the GPU machine, or calibrate this CPU with --device cpu")
     started = time.perf_counter()
     name, mem_gib = device_description(device)
-    base = base_profile(name, mem_gib) if torch.device(device).type == "cuda" else None
+    base = base_profile(name, mem_gib)
     clock = Clock(device)
     shapes = [(model, *shape) for model in sizes.models
               for shape in layer_gemm_shapes(model, sizes.tokens)]
