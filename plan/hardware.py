@@ -26,7 +26,8 @@ into achievable rates, the same for every row of every table the planner is chec
 
 The `cpu` profile is measured on this machine by `tessera plan --calibrate`, which writes a JSON
 file (`load_hardware("cpu", calibration=path)`); a JSON file with every `Hardware` field can also
-stand in for any GPU (`load_hardware("my-gpu.json")`).
+stand in for any GPU (`load_hardware("my-gpu.json")`), such as the one `tessera plan --calibrate
+--device cuda` measures (`plan.calibrate_gpu`).
 """
 
 from __future__ import annotations
