@@ -302,8 +302,9 @@ def calibrate_device(out: Path, device: str = "cuda", budget_s: float = 60.0,
                    "error": t if isinstance(t, str) else None}
             attention.append(row)
             b, a, s, d = shape
-            what = (f"{row['tflops']:.4g} TFLOP/s (planner's count; the causal kernel does half)"
-                    if row["tflops"] else
+            of_peak = f", {row['tflops'] / peak:.1%} of {peak:.4g}" if row["tflops"] and peak else ""
+            what = (f"{row['tflops']:.4g} TFLOP/s (planner's count, the causal kernel doing half"
+                    f"{of_peak})" if row["tflops"] else
                     f"unavailable ({t})" if isinstance(t, str) else "skipped (budget spent)")
             say(f"  attention causal b{b} h{a} s{s} d{d}, forward + backward, {backend}: {what}")
 
