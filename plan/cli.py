@@ -31,7 +31,8 @@ as is.
 On this machine: --gpu cpu plans for CPU ranks from a calibration of this machine \
 (--calibrate, about 15 s; done on first use), and --measure runs the planned candidates for \
 a few real steps on --nproc-per-node local ranks and prints the measured ranking beside the \
-predicted one."""
+predicted one. On a GPU machine, --calibrate --device cuda measures the GPU (GEMM and \
+attention rates at training shapes, HBM bandwidth) and writes a profile for --gpu PATH.json."""
 
 EPILOG = """\
 examples:
@@ -44,6 +45,8 @@ examples:
       --output run.yaml && tessera pretrain --config run.yaml --data corpus
   tessera plan --serve --model nemotron4-15b --gpus 8 --gpu h100-80gb --precision fp8
   tessera plan --calibrate
+  tessera plan --calibrate --device cuda --calibration-file h100.json && \
+      tessera plan --model llama-1b --gpus 8 --gpu h100.json --global-batch 256 --seq-len 2048
   tessera plan --measure --nproc-per-node 4 --gpu cpu --model llama-tiny --global-batch 16 \\
       --seq-len 64
 
@@ -102,14 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GPU model, cpu for this machine's calibrated CPU ranks, or a JSON "
                          "hardware profile for another card (every field of "
                          "tessera.plan.Hardware: name, peak_tflops, memory_gib, memory_gbps, "
-                         "intra_node_gbps, inter_node_gbps, ...)")
+                         "intra_node_gbps, inter_node_gbps, ...), such as --calibrate --device cuda "
+                         "writes")
     cluster.add_argument("--gpus-per-node", type=positive_int, metavar="N", default=None,
                          help="GPUs per node; tensor parallelism stays within one (default: 8; "
                          "with --gpu cpu all ranks are on this node)")
     cluster.add_argument("--calibration-file", metavar="PATH", default=None,
                          help="where --calibrate writes and --gpu cpu reads the CPU calibration "
                          "(default: $TESSERA_CACHE/plan-cpu.json, else "
-                         "~/.cache/tessera/plan-cpu.json)")
+                         "~/.cache/tessera/plan-cpu.json); with --calibrate --device cuda, "
+                         "the GPU profile to write (default: plan-gpu.json there)")
     fix = p.add_argument_group("fix a dimension (default: searched)")
     for flag, help_ in (("--tp", "tensor-parallel size"), ("--pp", "pipeline-parallel size"),
                         ("--virtual-stages", "model chunks per pipeline rank (interleaved 1F1B)"),
@@ -151,7 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     local = p.add_argument_group("this machine")
     local.add_argument("--calibrate", action="store_true",
                        help="measure this machine's GEMM and gloo all-reduce speed and memory "
-                       "for --gpu cpu, save it to --calibration-file and exit")
+                       "for --gpu cpu, save it to --calibration-file and exit; with --device "
+                       "cuda measure this GPU instead (see --device)")
+    local.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="what --calibrate measures: cpu (default) this CPU, for --gpu cpu; "
+                       "cuda this machine's GPU (bf16 GEMMs and SDPA attention at llama "
+                       "training shapes, HBM bandwidth; under 60 s), written as a profile "
+                       "that --gpu PATH.json reads. Never chosen for you: a CUDA machine "
+                       "still calibrates its CPU unless told --device cuda")
     local.add_argument("--measure", action="store_true",
                        help="also run the top candidates for a few steps on --nproc-per-node "
                        "local ranks and rank them by measured step time")

@@ -1,5 +1,6 @@
 """The modes of `tessera plan` once its arguments parse: plan training (and optionally measure
-the candidates and write the best as a run config), plan serving, or calibrate this CPU.
+the candidates and write the best as a run config), plan serving, or calibrate this CPU or
+this GPU.
 
 Each mode raises `PlanError` / `ConfigError` (both ValueErrors) for bad input; the CLI prints
 them and exits 2.
@@ -23,13 +24,30 @@ def run(args: argparse.Namespace) -> int:
 
     check_flags(args)
     if args.calibrate:
-        from tessera.plan.calibrate import calibrate
-
-        calibrate(_calibration_path(args))
-        return 0
+        return _calibrate(args)
     if args.serve:
         return _serve(args)
     return _train(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """`--calibrate`: this CPU for `--gpu cpu`, or with `--device cuda` this GPU as a
+    profile for `--gpu PATH.json`."""
+    if args.device == "cuda":
+        from tessera.plan.calibrate_gpu import calibrate_device, default_gpu_profile_path
+
+        path = Path(args.calibration_file) if args.calibration_file else None
+        calibrate_device(path or default_gpu_profile_path(), "cuda")
+        return 0
+    from tessera.plan.calibrate import calibrate
+
+    calibrate(_calibration_path(args))
+    import torch
+
+    if args.device is None and torch.cuda.is_available():
+        print("tessera plan: this calibrated the CPU (for --gpu cpu); to measure this "
+              "machine's GPU add --device cuda", file=sys.stderr)
+    return 0
 
 
 def _calibration_path(args: argparse.Namespace) -> Path:

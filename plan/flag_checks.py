@@ -34,9 +34,12 @@ def check_flags(args: argparse.Namespace) -> None:
         clash = [f for f, on in (("--serve", args.serve), ("--measure", args.measure),
                                  ("--output", args.output)) if on]
         if clash:
-            raise PlanError(f"--calibrate only measures this CPU and exits; run it alone, then "
-                            f"plan with {' '.join(clash)}")
+            raise PlanError(f"--calibrate only measures this machine and exits; run it alone, "
+                            f"then plan with {' '.join(clash)}")
         return
+    if args.device is not None:
+        raise PlanError(f"--device {args.device} chooses what --calibrate measures: add "
+                        "--calibrate, or drop --device (planning runs on no device)")
     if args.serve:
         wrong = _given(args, TRAINING_ONLY)
         if wrong:

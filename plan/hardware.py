@@ -26,7 +26,8 @@ into achievable rates, the same for every row of every table the planner is chec
 
 The `cpu` profile is measured on this machine by `tessera plan --calibrate`, which writes a JSON
 file (`load_hardware("cpu", calibration=path)`); a JSON file with every `Hardware` field can also
-stand in for any GPU (`load_hardware("my-gpu.json")`).
+stand in for any GPU (`load_hardware("my-gpu.json")`), such as the one `tessera plan --calibrate
+--device cuda` measures (`plan.calibrate_gpu`).
 """
 
 from __future__ import annotations
@@ -140,26 +141,20 @@ def load_hardware(name: str, calibration: Path | None = None) -> Hardware:
       default `default_calibration()`) with at least `gemm_tflops`, `allreduce_gbps` (gloo
       all-reduce bus bandwidth) and `memory_gib`; optional `memory_gbps`,
       `layer_overhead_us`, `microbatch_overhead_us`, `loss_ns_per_logit` (0 when absent);
-    - a path ending in `.json`: a full profile, every `Hardware` field by name.
+    - a path ending in `.json`: a full profile, every `Hardware` field by name (defaults
+      may be left out), and optionally a `measured` block recording how it was measured
+      (`tessera plan --calibrate --device cuda` writes one; the planner does not read it).
 
-    Raises `PlanError` for an unknown name (listing the known ones) or a missing or incomplete
-    calibration (saying to run `tessera plan --calibrate`).
+    Raises `PlanError` for an unknown name (listing the known ones), a missing or incomplete
+    calibration (saying to run `tessera plan --calibrate`), or a profile file with an
+    unknown, missing or non-numeric field (naming it).
     """
     if name in PROFILES:
         return PROFILES[name]
     if name == "cpu":
         return _cpu_profile(Path(calibration) if calibration else default_calibration())
     if name.endswith(".json"):
-        data = _read_json(Path(name), what="hardware profile")
-        known = {f.name for f in dataclasses.fields(Hardware)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{name}: unknown hardware fields {unknown}; known: {sorted(known)}")
-        try:
-            return Hardware(**data)
-        except TypeError as exc:
-            raise PlanError(f"{name}: {exc}; a profile needs every field without a default "
-                            f"({[f.name for f in dataclasses.fields(Hardware)][:6]})") from exc
+        return _json_profile(Path(name))
     raise PlanError(f"unknown hardware {name!r}; choose one of {sorted(PROFILES) + ['cpu']} "
                     "(cpu after `tessera plan --calibrate`), or pass a profile .json file")
 
@@ -174,6 +169,54 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PlanError(f"{what} {path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+# Fields of a JSON profile that may be 0 (fixed costs, a shape rule switched off); every other
+# number divides something and must be positive.
+_MAY_BE_ZERO = {"gemm_half_size", "framework_overhead_gib", "link_latency_us",
+                "layer_overhead_us", "microbatch_overhead_us", "loss_ns_per_logit"}
+
+
+def _json_profile(path: Path) -> Hardware:
+    """A `Hardware` from a profile file (see `load_hardware`), every field checked by name."""
+    data = _read_json(path, what="hardware profile")
+    data.pop("measured", None)  # how the numbers were measured: for people
+    fields = {f.name: f for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise PlanError(f"hardware profile {path}: unknown hardware fields {unknown}; known: "
+                        f"{sorted(fields)}")
+    missing = [n for n, f in fields.items() if n not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise PlanError(f"hardware profile {path} lacks {', '.join(missing)}: every field "
+                        f"without a default is required ({', '.join(_REQUIRED_HELP)})")
+    if not isinstance(data["name"], str) or not data["name"]:
+        raise PlanError(f"hardware profile {path}: name must be a non-empty string")
+    peaks = data["peak_tflops"]
+    if (not isinstance(peaks, dict) or not peaks
+            or not all(_number(v) and v > 0 for v in peaks.values())):
+        raise PlanError(f"hardware profile {path}: peak_tflops must map precisions to positive "
+                        f'TFLOP/s, e.g. {{"bf16": 989.5}}; got {peaks!r}')
+    for key, value in data.items():
+        if key in ("name", "notes", "peak_tflops"):
+            continue
+        floor = 0 if key in _MAY_BE_ZERO else None
+        if not _number(value) or (value < 0 if floor == 0 else value <= 0):
+            raise PlanError(f"hardware profile {path}: {key} must be a "
+                            f"{'non-negative' if floor == 0 else 'positive'} number, "
+                            f"got {value!r}")
+    if not isinstance(data.get("notes", ""), str):
+        raise PlanError(f"hardware profile {path}: notes must be a string")
+    return Hardware(**data)
+
+
+_REQUIRED_HELP = ("name", "peak_tflops {precision: TFLOP/s}", "memory_gib",
+                  "memory_gbps (HBM GB/s)", "intra_node_gbps", "inter_node_gbps")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _cpu_profile(path: Path) -> Hardware:

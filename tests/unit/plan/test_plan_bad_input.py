@@ -87,7 +87,7 @@ def test_fixed_dimensions_at_fault_only_together_are_named_together(capsys):
      "for planning training, not --serve"),
     ([*SERVE, "--seq-len", "2048"], "for serving use --seq-len -> --context"),
     ([*SERVE, "--output", "run.yaml"], "--output is for planning training, not --serve"),
-    (["--calibrate", "--serve"], "--calibrate only measures this CPU and exits; run it alone"),
+    (["--calibrate", "--serve"], "--calibrate only measures this machine and exits; run it alone"),
     ([*JOB, "--nproc-per-node", "4"], "--nproc-per-node 4 sets the local ranks of --measure; "
      "add --measure, or give the cluster with --gpus"),
 ], ids=["layers-selective", "layers-none", "layers-negative", "layers-too-many", "layers-past-stage",
