@@ -95,8 +95,18 @@ def hf_step(args, config: ModelConfig, precision: str, compile_: bool, ids, labe
 
 
 def predicted(args, precision: str) -> dict:
-    """`tessera plan`'s step time and memory for this run on this GPU (empty off a known GPU)."""
-    gpu = args.plan_gpu
+    """`tessera plan`'s step time and memory for this run on this GPU's built-in profile, and
+    its step time on the measured profile when `--plan-gpu-measured` names one that exists."""
+    out = _prediction(args, precision, args.plan_gpu, "plan")
+    measured = args.plan_gpu_measured
+    if measured and Path(measured).is_file():
+        out.update({k: v for k, v in _prediction(args, precision, measured,
+                                                   "plan (measured profile)").items()
+                    if "memory" not in k})
+    return out
+
+
+def _prediction(args, precision: str, gpu: str | None, label: str) -> dict:
     if gpu is None or not args.preset:
         return {}
     cmd = [sys.executable, "-m", "tessera", "plan", "--model", args.preset, "--gpus", "1",
@@ -109,7 +119,8 @@ def predicted(args, precision: str) -> dict:
     except (subprocess.SubprocessError, KeyError, IndexError, ValueError) as exc:
         print(f"(no plan prediction: {exc})", flush=True)
         return {}
-    return {"plan step ms": best["step_time_s"] * 1e3, "plan memory GiB": best["memory_gib"]}
+    return {f"{label} step ms": best["step_time_s"] * 1e3,
+            f"{label} memory GiB": best["memory_gib"]}
 
 
 def profile(step, args, path: Path) -> None:
@@ -244,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan-gpu", default=None,
                         help="tessera plan's --gpu profile to predict step time and memory "
                              "(default on CUDA: h200 or h100-80gb by the card's name)")
+    parser.add_argument("--plan-gpu-measured", default=None,
+                        help="also predict the step on this measured profile (PATH.json)")
     parser.add_argument("--gemm-n", type=int, default=None, help="size of the peak-GEMM probe")
     parser.add_argument("--profile-out", default=None,
                         help="profile two steps of the first compiled Tessera case into this file")

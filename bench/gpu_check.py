@@ -55,20 +55,22 @@ def stages(args) -> list[Stage]:
     py = [str(HERE / "bench_train.py")]
     cuda = args.device.startswith("cuda")
     out = args.out
+    profile = str(Path(out) / "gpu-profile.json")  # calibrate writes it, train predicts with it
     if cuda and not args.tiny:
         train = py + ["--device", args.device, "--preset", "llama-1b", "--seq", "2048",
                       "--batch", "4", "--steps", "5", "--warmup", "2",
-                      "--profile-out", str(Path(out) / "train-profile.txt")]
-        calibrate = ["-m", "tessera", "plan", "--calibrate", "--device", args.device,
-                     "--calibration-file", str(Path(out) / "gpu-profile.json")]
+                      "--profile-out", str(Path(out) / "train-profile.txt"),
+                      "--plan-gpu-measured", profile]
+        calibrate = ["-m", "tessera.plan.calibrate_gpu", "--device", args.device,
+                     "--out", profile]
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--preset",
                   "llama-1b", "--prompt", "128", "--new", "128"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "30"]
     else:
         train = py + ["--device", args.device, "--tiny", "--no-compile"]
-        calibrate = ["-m", "tessera", "plan", "--calibrate", "--device", args.device,
-                     "--calibration-file", str(Path(out) / "gpu-profile.json")]
+        calibrate = ["-m", "tessera.plan.calibrate_gpu", "--device", args.device, "--quick",
+                     "--out", profile]
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--tiny"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "3"]
@@ -88,7 +90,7 @@ def stages(args) -> list[Stage]:
     scale = (args.budget_s / total) if args.budget_s else 1.0
     for s in plan:
         s.budget_s = round(s.budget_s * scale, 1)
-        if s.name in ("train", "decode", "fp8") and "--budget-s" not in s.argv:
+        if s.name in ("train", "decode", "fp8", "calibrate") and "--budget-s" not in s.argv:
             # The bench stops starting new rows a little before the hard limit.
             s.argv += ["--budget-s", str(max(s.budget_s - 15, s.budget_s * 0.7))]
     return [s for s in plan if not args.stages or s.name in args.stages]
@@ -131,6 +133,26 @@ def run_stage(stage: Stage, log) -> None:
     reader.join(timeout=5)
     stage.seconds = time.monotonic() - tic
     stage.log_tail = tail[-12:]
+
+
+def profile_rows(path: Path) -> list[dict]:
+    """The calibration's measurements (`plan.calibrate_gpu`'s profile) as report rows."""
+    if not path.is_file():
+        return []
+    profile = json.loads(path.read_text())
+    measured = profile.get("measured", {})
+    rows = [{"bench": "calibrate", "what": f"GEMM {g['model']} {g['layer']}",
+             "shape": f"{g['m']}x{g['n']}x{g['k']}", "TFLOP/s": g["tflops"]}
+            for g in measured.get("gemm", [])]
+    rows += [{"bench": "calibrate", "what": f"attention {a['backend']}",
+              "shape": "x".join(map(str, a["shape"])), "TFLOP/s": a["tflops"],
+              "error": (a.get("error") or "")[:80]} for a in measured.get("attention", [])]
+    rows.append({"bench": "calibrate", "what": "profile",
+                 "shape": f"{measured.get('memory_copy_gbps', 0):.0f} GB/s copy",
+                 "TFLOP/s": profile.get("peak_tflops"),
+                 "error": f"gemm_efficiency {profile.get('gemm_efficiency')}, "
+                          f"attention_efficiency {profile.get('attention_efficiency')}"})
+    return rows
 
 
 def environment(device: str) -> dict:
@@ -244,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         for stage in plan:
             print(f"== {stage.name}: {stage.purpose} (budget {stage.budget_s:.0f} s)", flush=True)
             run_stage(stage, log)
+            if stage.name == "calibrate":
+                stage.rows += profile_rows(out / "gpu-profile.json")
             print(f"== {stage.name}: {stage.status} in {stage.seconds:.1f} s, "
                   f"{len(stage.rows)} rows", flush=True)
     env_rows = next((s.rows for s in plan if s.name == "env"), [])
