@@ -89,7 +89,7 @@ def stages(args) -> list[Stage]:
     total = sum(s.budget_s for s in plan)
     scale = (args.budget_s / total) if args.budget_s else 1.0
     for s in plan:
-        s.budget_s = round(s.budget_s * scale, 1)
+        s.budget_s = round(args.stage_budget.get(s.name, s.budget_s * scale), 1)
         if s.name in ("train", "decode", "fp8", "calibrate") and "--budget-s" not in s.argv:
             # The bench stops starting new rows a little before the hard limit.
             s.argv += ["--budget-s", str(max(s.budget_s - 15, s.budget_s * 0.7))]
@@ -250,11 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="seconds-sized models (CPU check)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="scale the stage budgets to sum to this (default: 420 s)")
+    parser.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=SECONDS",
+                        help="one stage's budget, e.g. train=200 (after --budget-s scaling)")
     parser.add_argument("--stages", nargs="+", default=None,
                         choices=["env", "tests", "calibrate", "train", "decode", "fp8", "smoke"])
     parser.add_argument("--out", default=str(HERE / "results"), help="report folder")
     parser.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        args.stage_budget = {k: float(v) for k, v in
+                             (item.split("=", 1) for item in args.stage_budget)}
+    except ValueError:
+        parser.error(f"--stage-budget takes STAGE=SECONDS, got {args.stage_budget}")
     if args.print_env:  # the env stage's child: one row
         print("ROW env " + json.dumps(environment(args.device), default=str), flush=True)
         return 0
