@@ -222,6 +222,7 @@ def run(args) -> list[dict]:
                "build s": built}
         if args.device.startswith("cuda"):
             row["peak memory GiB"] = torch.cuda.max_memory_allocated() / 2**30
+            row["peak reserved GiB"] = torch.cuda.max_memory_reserved() / 2**30
             if side == "tessera":
                 row.update(predicted(args, precision))
         rows.add(row)
