@@ -4,14 +4,14 @@ counted on the CPU with `tests.host_syncs`, which counts every call that would w
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+import torch
 
 from tessera.core import ModelConfig, build_model
 from tessera.serving.engine import LLMEngine
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tests.host_syncs import HostSyncs
+from tests.serving_helper import run_decode_steps
 
 GREEDY = [dict(temperature=0), dict(temperature=0, logprobs=2)]
 SAMPLED = [dict(temperature=0), dict(temperature=0.9, seed=7),
@@ -20,40 +20,34 @@ SAMPLED = [dict(temperature=0), dict(temperature=0.9, seed=7),
            dict(temperature=0, repetition_penalty=1.3, presence_penalty=0.4)]
 
 
-def _decode_step_syncs(settings: list[dict], new: int = 12) -> list[int]:
-    """Host syncs of every decode-only step of a paged, prefix-caching engine serving one
-    request per entry of `settings` (two of them share a prompt prefix)."""
-    model = build_model(ModelConfig.from_name("llama-tiny", init_std=0.1), seed=0).eval()
+def decode_requests(settings: list[dict], new: int = 12) -> list[GenerationRequest]:
+    """One request per entry of `settings`, prompts of mixed lengths; the last one shares the
+    first one's prompt prefix (a prefix-cache hit)."""
     prompts = [[5 + (i * 7 + j) % 400 for j in range(9 + 3 * i)] for i in range(len(settings))]
-    prompts[-1] = prompts[0] + [11, 12]  # shares prompt 0's first block
-    counts: list[int] = []
+    prompts[-1] = prompts[0] + [11, 12]
+    return [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=new, ignore_eos=True, **s))
+            for i, (p, s) in enumerate(zip(prompts, settings))]
 
-    async def main() -> None:
-        with LLMEngine(model, max_batch=8, background=False) as engine:
-            assert engine.blocks is not None and engine.blocks.prefix_caching
-            streams = [engine.generate(GenerationRequest(
-                f"r{i}", p, SamplingParams(max_tokens=new, ignore_eos=True, **s)))
-                for i, (p, s) in enumerate(zip(prompts, settings))]
-            scheduler = engine.scheduler
-            while engine.core.has_requests:
-                decode_only = scheduler.num_waiting == 0 and all(
-                    s.cached == len(s.tokens) - 1 for s in scheduler.running)
-                if not decode_only:
-                    engine.core.step()
-                    continue
-                with HostSyncs() as syncs:
-                    engine.core.step()
-                counts.append(syncs.total)
-            for stream in streams:
-                async for _ in stream:
-                    pass
 
-    asyncio.run(main())
-    assert len(counts) >= new - 2, counts  # the test measured the decode steps it meant to
-    return counts
+def tiny_engine(device: str = "cpu", dtype: torch.dtype = torch.float32) -> LLMEngine:
+    """A paged, prefix-caching engine of a tiny Llama, stepped by the caller."""
+    model = build_model(ModelConfig.from_name("llama-tiny", init_std=0.1), seed=0)
+    engine = LLMEngine(model.to(device=device, dtype=dtype).eval(), max_batch=8,
+                       background=False)
+    assert engine.blocks is not None and engine.blocks.prefix_caching
+    return engine
 
 
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_decode_step_syncs_with_the_host_at_most_once(settings):
-    counts = _decode_step_syncs(settings)
+    counts: list[int] = []
+
+    def counted(step) -> None:
+        with HostSyncs() as syncs:
+            step()
+        counts.append(syncs.total)
+
+    with tiny_engine() as engine:
+        steps = run_decode_steps(engine, decode_requests(settings), counted)
+    assert steps >= 10, steps  # the test measured the decode steps it meant to
     assert max(counts) <= 1, counts
