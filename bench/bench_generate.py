@@ -1,18 +1,24 @@
 """Generation: Tessera's engine against Hugging Face `generate` (KV cache) on the same model.
 
-Rows: single-stream decode tokens/s and time to first token; then aggregate throughput with
-continuous batching at 1, 4, 16 and 64 concurrent requests against HF `generate` with a static
-batch of the same size. Each Tessera row comes twice: the engine as it runs by default (eager),
-and with its decode step compiled (`--compile`, `serving/engine/compiled.py`). HF's own compiled path
-(static cache, compiled forward) is measured too, as the peer of the compiled decode step.
-Greedy, fixed output length (EOS ignored), same weights (the Tessera
-checkpoint is exported to Hugging Face format in the same run). The engine's step loop runs on
-the main thread, as `tessera serve` runs it, and HF `generate` runs there too: a torch team on a
-second thread would slow both sides (see `serving.engine.bridge`).
+Rows, each printed as it is measured (`ROW generate... {json}`), cheapest first so that a short
+`--budget-s` still gives the headline: single-stream decode tokens/s and time to first token;
+the same request again (KV lengths the kernels have seen); continuous batching at the
+`--concurrency` levels (16 first) against HF `generate` with a static batch of the same size.
+Then, opt-in or last: weight-only int8 (CPU), the engine's compiled decode step (`--compile`,
+`serving/engine/compiled.py`) and HF's own compiled path (`--hf-compile`, static cache). On CUDA
+each row also gives the fraction of the HBM bound (tok/s if each token read every weight once
+at the measured copy bandwidth).
+
+Greedy, fixed output length (EOS ignored), same weights (the Tessera checkpoint is built on the
+device in its dtype and exported to Hugging Face format in the same run). The engine's step loop
+runs on the main thread, as `tessera serve` runs it, and HF `generate` runs there too: a torch
+team on a second thread would slow both sides (see `serving.engine.bridge`).
 
 Targets on the 2-core CPU: single-stream decode >= 2x HF; 16 concurrent >= 5x HF single-stream.
 
     python bench/bench_generate.py [--hidden 512 --layers 8 --prompt 64 --new 64]
+    python bench/bench_generate.py --device cuda --preset llama-1b --prompt 128 --new 128 \\
+        --budget-s 90
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ import asyncio
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows, best_time, device_time  # noqa: E402
 
 from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
 from tessera.serving.engine import LLMEngine, run_beside  # noqa: E402
@@ -37,15 +44,21 @@ from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E40
 def _config(args) -> ModelConfig:
     if args.preset:
         return ModelConfig.from_name(args.preset, max_position_embeddings=args.prompt + args.new + 8)
-    return ModelConfig.from_name("llama-tiny", vocab_size=8000, hidden_size=args.hidden,
-                                 num_layers=args.layers, num_heads=args.hidden // 64,
+    return ModelConfig.from_name("llama-tiny", vocab_size=args.vocab, hidden_size=args.hidden,
+                                 num_layers=args.layers, num_heads=max(1, args.hidden // 64),
                                  num_kv_heads=max(1, args.hidden // 256),
                                  ffn_hidden_size=args.hidden * 3,
                                  max_position_embeddings=args.prompt + args.new + 8)
 
 
-async def _engine_run(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, float]:
-    """Wall seconds for all prompts together, and the mean time to first token."""
+def _timed(fn: Callable[[], object], device: str) -> float:
+    """Seconds of one call of `fn`: CUDA events on a GPU (`device_time`), else the wall clock."""
+    return device_time(fn, steps=1, warmup=0, device=device)
+
+
+async def _engine_run(engine: LLMEngine, prompts: list[list[int]], new: int,
+                      ttft: list[float]) -> None:
+    """All prompts together; appends the mean time to first token to `ttft`."""
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     first: list[float] = []
     tic = time.perf_counter()
@@ -58,31 +71,38 @@ async def _engine_run(engine: LLMEngine, prompts: list[list[int]], new: int) -> 
                 seen = True
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return time.perf_counter() - tic, sum(first) / len(first)
+    ttft.append(sum(first) / len(first))
 
 
-def _hf_run(model, prompts: list[list[int]], new: int) -> tuple[float, float]:
+def _ours(engine: LLMEngine, prompts: list[list[int]], new: int, device: str
+          ) -> tuple[float, float]:
+    """Seconds to generate `new` tokens for every prompt at once, and the mean TTFT."""
+    ttft: list[float] = []
+    seconds = _timed(lambda: run_beside(engine, lambda: _engine_run(engine, prompts, new, ttft)),
+                     device)
+    return seconds, ttft[-1]
+
+
+def _hf(model, prompts: list[list[int]], new: int, device: str) -> tuple[float, float]:
+    """HF `generate` of `new` tokens for the prompts as one static batch: seconds, and TTFT."""
     ids = torch.tensor(prompts, device=model.device)
-    tic = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                   min_new_tokens=1, pad_token_id=0)
-    ttft = time.perf_counter() - tic
-    tic = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                   min_new_tokens=new, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - tic, ttft
+
+    def generate(n: int) -> None:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    ttft = _timed(lambda: generate(1), device)
+    return _timed(lambda: generate(new), device), ttft
 
 
 def hbm_bandwidth() -> float:
     """Measured device memory bandwidth in bytes/s (a large copy reads and writes each byte)."""
-    from _common import best_time
-
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     return 2 * a.numel() / best_time(lambda: b.copy_(a), repeats=5)
 
 
-def _hf_compiled(model, prompt: list[int], new: int) -> float | None:
+def _hf_compiled(model, prompt: list[int], new: int, device: str) -> float | None:
     """HF `generate` on its own compiled path (static cache, `torch.compile` of the forward),
     warmed up; decode tok/s, or None when it does not compile here."""
     from transformers import CompileConfig
@@ -92,9 +112,9 @@ def _hf_compiled(model, prompt: list[int], new: int) -> float | None:
     # transformers compiles on CUDA only unless told otherwise (a private switch, as of 5.x).
     model.generation_config.compile_config._compile_all_devices = True
     try:
-        _hf_run(model, [prompt], new)  # compiles; the static cache's length is fixed by `new`
-        _hf_run(model, [prompt], new)
-        seconds, _ = _hf_run(model, [prompt], new)
+        _hf(model, [prompt], new, device)  # compiles; the static cache's length is fixed by `new`
+        _hf(model, [prompt], new, device)
+        seconds, _ = _hf(model, [prompt], new, device)
         return new / seconds
     except Exception as exc:  # a peer that cannot compile here is reported, not fatal
         print(f"HF compiled generate failed: {exc}", file=sys.stderr)
@@ -104,19 +124,28 @@ def _hf_compiled(model, prompt: list[int], new: int) -> float | None:
         model.generation_config.compile_config = None
 
 
-def run(args) -> list[dict]:
+def run(args, rows: Rows) -> None:
     from transformers import AutoModelForCausalLM
 
     from tessera.converters.hf_io import export_hf
 
+    budget = Budget(args.budget_s)
     torch.manual_seed(0)
     config = _config(args)
-    work = Path(tempfile.mkdtemp(prefix="tessera-bench-gen-"))
-    ckpt = save_checkpoint(work / "ckpt", build_model(config, seed=0))
-    export_hf(ckpt, work / "hf")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    work = Path(tempfile.mkdtemp(prefix="tessera-bench-gen-"))
+    model = build_model(config, device=args.device, dtype=dtype, seed=0, backend="torch")
+    ckpt = save_checkpoint(work / "ckpt", model)
+    del model
+    export_hf(ckpt, work / "hf")
     hf = AutoModelForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa",
-                                              dtype=dtype).to(args.device).eval()
+                                              dtype=dtype, device_map=args.device).eval()
+    cuda = args.device.startswith("cuda")
+    # tok/s if every token read each weight once (a batch of n shares one read: n x this).
+    bound = None
+    if cuda:
+        weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+        bound = hbm_bandwidth() / weight_bytes
 
     def engine(**kwargs) -> LLMEngine:
         return LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
@@ -124,97 +153,140 @@ def run(args) -> list[dict]:
                                          max_step_tokens=max(args.concurrency) * args.prompt,
                                          background=False, **kwargs)
 
-    engines = {"": engine()}
-    if args.compile:
-        tic = time.perf_counter()
-        try:
-            engines[", compiled decode"] = engine(compile_decode=True)
-            print(f"compiled the decode step in {time.perf_counter() - tic:.0f} s",
-                  file=sys.stderr)
-        except Exception as exc:  # never run on CUDA yet: report it, measure the rest
-            print(f"compiled decode step failed on {args.device}: {exc!r}", file=sys.stderr)
     gen = torch.Generator().manual_seed(1)
 
     def prompts(n: int) -> list[list[int]]:
         return torch.randint(3, config.vocab_size, (n, args.prompt), generator=gen).tolist()
 
-    rows = []
+    def add(row: dict, tok_s: float, steps_per_s: float | None = None) -> None:
+        if bound is not None:
+            row["fraction of bandwidth bound"] = (steps_per_s or tok_s) / bound
+        rows.add(row)
+
+    eager = engine()
+    single = prompts(1)
     with torch.inference_mode():
-        single = prompts(1)
-        _hf_run(hf, single, 4)  # warm-up
-        t_hf, ttft_hf = _hf_run(hf, single, args.new)
-        hf_single = args.new / t_hf
-        for label, eng in engines.items():
-            run_beside(eng, lambda e=eng: _engine_run(e, single, 4))  # warm-up
-            t_ours, ttft_ours = run_beside(eng, lambda e=eng: _engine_run(e, single, args.new))
-            row = {"case": f"single stream{label}", "tessera tok/s": args.new / t_ours,
-                   "HF tok/s": hf_single, "ratio": t_hf / t_ours,
-                   "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf}
-            if args.device == "cuda":
-                weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-                bound = hbm_bandwidth() / weight_bytes  # tok/s if a token reads every weight once
-                row["fraction of bandwidth bound"] = args.new / t_ours / bound
-            rows.append(row)
-        if len(engines) > 1 and args.hf_compile:
-            # Both compiled: HF's own compiled generate against Tessera's compiled decode.
-            hf_fast = _hf_compiled(hf, single[0], args.new)
-            if hf_fast is not None:
-                ours = rows[-1]["tessera tok/s"]
-                rows.append({"case": "single stream, both compiled (HF: static cache)",
-                             "tessera tok/s": ours, "HF tok/s": hf_fast,
-                             "ratio": ours / hf_fast})
-        if args.device == "cpu" and args.int8:
-            # Weight-only int8 (core/quantize.py) against the same HF model: fewer weight bytes
-            # per token, so a different precision; the logit error is reported beside it.
-            quantized = LLMEngine.from_checkpoint(ckpt, max_batch=1, dtype=torch.bfloat16,
-                                                  quantize_with="int8", background=False)
-            run_beside(quantized, lambda: _engine_run(quantized, single, 4))
-            t_q, ttft_q = run_beside(quantized, lambda: _engine_run(quantized, single, args.new))
-            ids = torch.tensor(single)
-            reference = engines[""].executor.runner.stages[0](ids).float()
-            error = (quantized.executor.runner.stages[0](ids).float() - reference).norm() \
-                / reference.norm()
-            rows.append({"case": f"single stream, Tessera int8 weights vs HF {args.dtype}",
-                         "tessera tok/s": args.new / t_q, "HF tok/s": hf_single,
-                         "ratio": t_hf / t_q, "tessera TTFT s": ttft_q, "HF TTFT s": ttft_hf,
-                         "int8 logit error": float(error)})
-            quantized.shutdown()
-        for n in args.concurrency:
+        _hf(hf, single, 4, args.device)  # warm-up
+        run_beside(eager, lambda: _engine_run(eager, single, 4, []))
+        t_hf, ttft_hf = _hf(hf, single, args.new, args.device)
+        hf_single, t_hf_single = args.new / t_hf, t_hf
+        t_ours, ttft_ours = _ours(eager, single, args.new, args.device)
+        add({"case": "single stream", "tessera tok/s": args.new / t_ours, "HF tok/s": hf_single,
+             "ratio": t_hf / t_ours, "tessera TTFT s": ttft_ours, "HF TTFT s": ttft_hf},
+            args.new / t_ours)
+        if not budget.spent():
+            # The same request again: every KV length was seen (kernel plans, allocations).
+            t_hf2, _ = _hf(hf, single, args.new, args.device)
+            t_ours2, _ = _ours(eager, single, args.new, args.device)
+            add({"case": "single stream, same request again (lengths seen)",
+                 "tessera tok/s": args.new / t_ours2, "HF tok/s": args.new / t_hf2,
+                 "ratio": t_hf2 / t_ours2}, args.new / t_ours2)
+        for n in sorted(args.concurrency, key=lambda n: (n != 16, n)):
+            if budget.spent():
+                break
             batch = prompts(n)
-            t_hf, _ = _hf_run(hf, batch, args.new)
-            for label, eng in engines.items():
-                t_ours, _ = run_beside(eng, lambda e=eng, b=batch: _engine_run(e, b, args.new))
-                rows.append({"case": f"{n} concurrent{label} (HF: static batch {n})",
-                             "tessera tok/s": n * args.new / t_ours,
-                             "HF tok/s": n * args.new / t_hf, "ratio": t_hf / t_ours,
-                             "vs HF single stream": n * args.new / t_ours / hf_single})
-    for eng in engines.values():
-        eng.shutdown()
-    return rows
+            t_hf, _ = _hf(hf, batch, args.new, args.device)
+            t_ours, _ = _ours(eager, batch, args.new, args.device)
+            add({"case": f"{n} concurrent (HF: static batch {n})",
+                 "tessera tok/s": n * args.new / t_ours, "HF tok/s": n * args.new / t_hf,
+                 "ratio": t_hf / t_ours, "vs HF single stream": n * args.new / t_ours / hf_single},
+                n * args.new / t_ours, args.new / t_ours)
+        if args.int8 and not cuda and not budget.spent():
+            _int8_row(args, ckpt, single, eager, t_hf_single, ttft_hf, rows)
+        compiled_single = None
+        if args.compile and not budget.spent():
+            compiled_single = _compiled_rows(args, engine, single, batch_of=prompts,
+                                             hf_single=hf_single, add=add, budget=budget)
+        if args.hf_compile and compiled_single is not None and not budget.spent():
+            hf_fast = _hf_compiled(hf, single[0], args.new, args.device)
+            if hf_fast is not None:
+                add({"case": "single stream, both compiled (HF: static cache)",
+                     "tessera tok/s": compiled_single, "HF tok/s": hf_fast,
+                     "ratio": compiled_single / hf_fast}, compiled_single)
+    eager.shutdown()
+    if budget.spent():
+        print(f"budget of {args.budget_s} s spent: later rows skipped", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _int8_row(args, ckpt: Path, single: list[list[int]], eager: LLMEngine, t_hf: float,
+              ttft_hf: float, rows: Rows) -> None:
+    """Weight-only int8 (core/quantize.py) against the same HF model: fewer weight bytes per
+    token, so a different precision; the logit error is reported beside it."""
+    quantized = LLMEngine.from_checkpoint(ckpt, max_batch=1, dtype=torch.bfloat16,
+                                          quantize_with="int8", background=False)
+    run_beside(quantized, lambda: _engine_run(quantized, single, 4, []))
+    t_q, ttft_q = _ours(quantized, single, args.new, args.device)
+    ids = torch.tensor(single)
+    reference = eager.executor.runner.stages[0](ids).float()
+    error = (quantized.executor.runner.stages[0](ids).float() - reference).norm() \
+        / reference.norm()
+    rows.add({"case": f"single stream, Tessera int8 weights vs HF {args.dtype}",
+              "tessera tok/s": args.new / t_q, "HF tok/s": args.new / t_hf,
+              "ratio": t_hf / t_q, "tessera TTFT s": ttft_q, "HF TTFT s": ttft_hf,
+              "int8 logit error": float(error)})
+    quantized.shutdown()
+
+
+def _compiled_rows(args, engine: Callable[..., LLMEngine], single: list[list[int]],
+                   batch_of: Callable[[int], list[list[int]]], hf_single: float,
+                   add: Callable[..., None], budget: Budget) -> float | None:
+    """The engine with its compiled decode step: single stream, then each concurrency level;
+    returns its single-stream tok/s (None when it does not compile here)."""
+    tic = time.perf_counter()
+    try:
+        compiled = engine(compile_decode=True)
+    except Exception as exc:  # reported, the rest is measured
+        print(f"compiled decode step failed on {args.device}: {exc!r}", file=sys.stderr)
+        return None
+    print(f"compiled the decode step in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
+    run_beside(compiled, lambda: _engine_run(compiled, single, 4, []))
+    t_ours, ttft = _ours(compiled, single, args.new, args.device)
+    add({"case": "single stream, compiled decode", "tessera tok/s": args.new / t_ours,
+         "HF tok/s": hf_single, "ratio": args.new / t_ours / hf_single, "tessera TTFT s": ttft},
+        args.new / t_ours)
+    for n in sorted(args.concurrency, key=lambda n: (n != 16, n)):
+        if budget.spent():
+            break
+        t_n, _ = _ours(compiled, batch_of(n), args.new, args.device)
+        add({"case": f"{n} concurrent, compiled decode", "tessera tok/s": n * args.new / t_n,
+             "vs HF single stream": n * args.new / t_n / hf_single},
+            n * args.new / t_n, args.new / t_n)
+    compiled.shutdown()
+    return args.new / t_ours
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--preset", default=None, help="a model preset instead of the sizes")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new rows after this many seconds (rows measured "
+                             "so far are reported)")
     parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure weight-only int8 decoding (CPU)")
+                        help="also measure weight-only int8 decoding (CPU; after the eager rows)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="also measure the engine with its compiled decode step")
+                        help="also measure the engine with its compiled decode step (last)")
     parser.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure HF's compiled generate (static cache), as a peer of "
-                             "the compiled decode step")
+                             "the compiled decode step (last)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="weights of both models (default: fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--name", default=None, help="results name (default from device, dtype)")
     args = parser.parse_args(argv)
-    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     name = "generate" if args.device == "cpu" else f"generate-{args.device}"
-    record(run(args), name if args.dtype == "fp32" or args.device == "cuda" else f"{name}-bf16")
+    if args.dtype != "fp32" and not cuda:
+        name += "-bf16"
+    rows = Rows(args.name or name)
+    run(args, rows)
+    return rows.finish()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ class KVCache:
         self.num_slots, self.max_seq = num_slots, max_seq
         self._pass: tuple[int, int | None, torch.Tensor] | None = None
 
-    def begin(self, positions: torch.Tensor, slots: torch.Tensor, views: bool = True) -> None:
+    def begin(self, positions: torch.Tensor, slots: torch.Tensor, views: bool = True,
+              length: int | None = None) -> None:
         """Plan the forward pass that writes `positions (B, T)` of `slots (B,)`.
 
         Every layer's `update` in that pass uses the plan: the prefix length to read, the first
@@ -34,8 +35,10 @@ class KVCache:
         step (`serving.engine.compiled`).
         `views=False` always gathers: then the pass does not depend on which slots it reads
         (a compiled graph would be specialized to the first slot's number otherwise).
+        `length`: the largest position + 1 when the caller knows it on the host (else read).
         """
-        length = int(positions.max()) + 1
+        if length is None:
+            length = int(positions.max()) + 1
         if length > self.max_seq:
             raise ValueError(f"position {length - 1} exceeds the cache length {self.max_seq}")
         first: int | None = int(slots[0]) if views else None

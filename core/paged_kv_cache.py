@@ -57,17 +57,21 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for d in (self.keys, self.values)
                    for t in d.values())
 
-    def begin(self, positions: torch.Tensor, tables: torch.Tensor, views: bool = True) -> None:
+    def begin(self, positions: torch.Tensor, tables: torch.Tensor, views: bool = True,
+              length: int | None = None) -> None:
         """Plan the forward pass that writes `positions (B, T)` of the rows with block
         `tables (B, W)`: where each new token goes, which blocks each row reads, the mask.
 
         Runs once per pass and stage (`GPTModel.forward` calls it), so every layer reuses it.
-        `views` is accepted for the slot cache's signature; a paged pass always gathers.
+        `length` is the largest position + 1 when the caller knows it on the host; without it
+        it is read from `positions` (a device sync on a GPU). `views` is accepted for the slot
+        cache's signature; a paged pass always gathers.
         """
         if tables.ndim != 2:
             raise ValueError(f"a paged cache takes block tables (B, W), got shape "
                              f"{tuple(tables.shape)}")
-        length = int(positions.max()) + 1
+        if length is None:
+            length = int(positions.max()) + 1
         if length > self.max_seq:
             raise ValueError(f"position {length - 1} exceeds the cache length {self.max_seq}")
         width = -(-length // self.block_size)

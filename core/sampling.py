@@ -28,6 +28,9 @@ class RowSettings:
     repetition_penalty: torch.Tensor | None = None  # float; 1 = off
     presence_penalty: torch.Tensor | None = None  # float; 0 = off
     frequency_penalty: torch.Tensor | None = None  # float; 0 = off
+    # Whether every row is greedy, when the caller knows it on the host; None reads it from
+    # `temperature` (a device sync on a GPU).
+    all_greedy: bool | None = None
 
 
 def apply_penalties(logits: torch.Tensor, settings: RowSettings, seen: torch.Tensor | None = None,
@@ -64,29 +67,36 @@ def choose_tokens(logits: torch.Tensor, settings: RowSettings, uniforms: torch.T
         logits = logits.masked_fill(banned, float("-inf"))
     greedy = settings.temperature <= 0
     out = logits.argmax(dim=-1)
-    if bool(greedy.all()):
+    all_greedy = settings.all_greedy
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if all_greedy:
         return out
     if uniforms is None:
         raise ValueError("sampled rows (temperature > 0) need uniforms")
-    rows = (~greedy).nonzero().squeeze(-1)
-    x = logits[rows] / settings.temperature[rows].unsqueeze(-1).float()
+    # Every row goes through the sampling arithmetic (rows never interact, so a sampled row's
+    # token is what it would be alone) and greedy rows keep their argmax: no host read of which
+    # rows sample.
+    temperature = torch.where(greedy, torch.ones_like(settings.temperature),
+                              settings.temperature)
+    x = logits / temperature.unsqueeze(-1).float()
     ordered, order = x.sort(dim=-1, descending=True)
     vocab = x.shape[-1]
-    k = settings.top_k[rows]
+    k = settings.top_k
     k = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
     kth = ordered.gather(-1, (k - 1).unsqueeze(-1))
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # ties with the k-th stay in
     probs = ordered.softmax(dim=-1)
     # Nucleus: drop a token once the mass before it exceeds top_p (the crossing token stays).
     before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(before > settings.top_p[rows].unsqueeze(-1), 0.0)
+    probs = probs.masked_fill(before > settings.top_p.unsqueeze(-1), 0.0)
     cdf = probs.cumsum(dim=-1)
-    target = uniforms[rows].to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    target = uniforms.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # Kept tokens form a prefix of the sorted order; never step past the last of them.
     index = torch.minimum(index, (probs > 0).sum(dim=-1) - 1).clamp(min=0)
-    out[rows] = order.gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    return out
+    sampled = order.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return torch.where(greedy, out, sampled)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

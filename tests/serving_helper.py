@@ -12,7 +12,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,3 +109,29 @@ def running_server(app, **config) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def run_decode_steps(engine, requests: list[GenerationRequest],
+                     decode_step: Callable[[Callable[[], None]], None]) -> int:
+    """Serve `requests` on `engine` (built with `background=False`) step by step in this thread,
+    running every step in which all requests decode (no prefill, none waiting) through
+    `decode_step(step)`, which must call `step()` once; returns how many such steps ran."""
+    n = 0
+
+    async def main() -> None:
+        nonlocal n
+        streams = [engine.generate(r) for r in requests]
+        scheduler = engine.scheduler
+        while engine.core.has_requests:
+            if scheduler.num_waiting == 0 and all(
+                    s.cached == len(s.tokens) - 1 for s in scheduler.running):
+                decode_step(engine.core.step)
+                n += 1
+            else:
+                engine.core.step()
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    return n

@@ -88,8 +88,10 @@ class OutputProcessor:
         seqs = [s for s, _ in rows]
         logits = torch.stack([row for _, row in rows])
         uniforms = uniforms_from([s.generator for s in seqs])
+        lps: list[TokenLogprob | None] | None = None
         try:
-            tokens = self.sampler.choose(seqs, logits, uniforms, choose_tokens).tolist()
+            chosen = self.sampler.choose(seqs, logits, uniforms, choose_tokens)
+            tokens, lps = self.sampler.read_back(seqs, logits, chosen)  # the step's one read
         except Exception:
             tokens = []
             for i, seq in enumerate(seqs):  # find the request at fault; the others go on
@@ -100,7 +102,8 @@ class OutputProcessor:
                     log.exception("sampling failed for request %s", seq.request.request_id)
                     tokens.append(None)
                     self.finish(seq, "error", f"sampling failed: {exc}")
-        lps = self.sampler.sampled_logprobs(seqs, logits, tokens)
+        if lps is None:
+            lps = self.sampler.sampled_logprobs(seqs, logits, tokens)
         now = time.monotonic()
         for seq, token, lp in zip(seqs, tokens, lps):
             if token is None or seq.finished:

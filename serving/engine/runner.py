@@ -41,6 +41,7 @@ from tessera.serving.engine.compiled import CompiledDecode
 from tessera.serving.engine.executor import StopServing
 from tessera.serving.engine.kv_config import KVCacheConfig, resolve_num_blocks
 from tessera.serving.engine.scheduler import StepPlan
+from tessera.serving.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from tessera.serving.engine.request import EngineRequest
@@ -50,7 +51,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepBatch:
-    """One forward pass of a step. Rows are requests; padding is at the end of short rows."""
+    """One forward pass of a step. Rows are requests; padding is at the end of short rows.
+
+    Every tensor is long. `length` is the largest position + 1 when known on the host (the
+    runner knows it; a batch received from another rank leaves it None and the cache reads it).
+    """
 
     ids: torch.Tensor  # (B, T) long
     positions: torch.Tensor  # (B, T) long, absolute positions in each request's sequence
@@ -60,11 +65,23 @@ class StepBatch:
     # Per-request LoRA: (B,) long, each row's adapter slot (serving.engine.adapters), -1 for none;
     # None when no row of the batch uses an adapter.
     adapters: torch.Tensor | None = None
+    length: int | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ids, self.positions, self.slots, self.tasks, self.keep] + (
+            [self.adapters] if self.adapters is not None else [])
 
     def to(self, device: torch.device | str) -> StepBatch:
-        adapters = self.adapters.to(device) if self.adapters is not None else None
-        return StepBatch(*(t.to(device) for t in (self.ids, self.positions, self.slots,
-                                                   self.tasks, self.keep)), adapters)
+        """The batch on `device` in one copy: its tensors packed into one, copied through pinned
+        memory without waiting on a GPU (`serving.engine.transfer`), and split there."""
+        device = torch.device(device)
+        parts = self.tensors()
+        if all(t.device == device for t in parts):
+            return self
+        flat = to_device(torch.cat([t.reshape(-1) for t in parts]), device)
+        moved = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in parts]), parts)]
+        adapters = moved[5] if self.adapters is not None else None
+        return StepBatch(*moved[:5], adapters, self.length)
 
 
 def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
@@ -173,7 +190,8 @@ class ModelRunner:
             self.hook.set_rows(batch.tasks)
         if self.adapters is not None:
             self.adapters.rows.set(batch.adapters)
-        kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots)
+        kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots,
+                      kv_length=batch.length)
         if self.decode is not None and batch.ids.shape[1] == 1:
             out = self.decode(batch.ids, batch.positions, self.cache, batch.slots)
         elif len(self.stages) == 1 and self.groups.pp_size == 1:
@@ -227,15 +245,17 @@ class ModelRunner:
         speculative rows `(request, row)`, whose every position's logits follow in order."""
         B, T = len(group), max(n for _, n in group)
         ids = torch.full((B, T), pad_id, dtype=torch.long)
-        positions = torch.empty((B, T), dtype=torch.long)
+        # Positions are worked out in Python: the pass's length is then known without reading
+        # a tensor. Padding continues the positions (clipped to the cache): it writes keys
+        # nobody attends to, past the row's real tokens, which later tokens overwrite.
+        last = self.max_seq - 1
+        position_rows = [[min(seq.cached + j, last) for j in range(T)] for seq, _ in group]
+        length = max(row[-1] for row in position_rows) + 1
         keep: list[int] = []
         wanted: list[tuple[EngineRequest, int | None]] = []
         drafted: list[tuple[EngineRequest, int]] = []
         for r, (seq, n) in enumerate(group):
             start = seq.cached
-            # Padding continues the positions (clipped to the cache): it writes keys nobody
-            # attends to, past the row's real tokens, which later tokens overwrite.
-            positions[r] = torch.arange(start, start + T).clamp(max=self.max_seq - 1)
             if seq.draft:  # the last token, then the drafts (n = 1 + len(draft))
                 ids[r, :n] = torch.tensor(seq.tokens[start:] + seq.draft)
                 drafted.append((seq, r))
@@ -250,10 +270,11 @@ class ModelRunner:
                 wanted.append((seq, None))
         for seq, r in drafted:
             keep.extend(r * T + j for j in range(len(seq.draft) + 1))
-        rows = kv_rows([s for s, _ in group], int(positions.max()) + 1)
+        rows = kv_rows([s for s, _ in group], length)
         adapters = None
         if any(s.adapter >= 0 for s, _ in group):
             adapters = torch.tensor([s.adapter for s, _ in group], dtype=torch.long)
-        batch = StepBatch(ids, positions, rows, torch.tensor([s.task for s, _ in group]),
-                          torch.tensor(keep, dtype=torch.long), adapters)
+        batch = StepBatch(ids, torch.tensor(position_rows, dtype=torch.long), rows,
+                          torch.tensor([s.task for s, _ in group], dtype=torch.long),
+                          torch.tensor(keep, dtype=torch.long), adapters, length)
         return batch, wanted, drafted

@@ -15,33 +15,53 @@ from typing import Any
 import torch
 
 from tessera.core.sampling import RowSettings, apply_penalties, choose_tokens, token_logprobs
+from tessera.serving.engine.transfer import to_device
 from tessera.serving.types import TokenLogprob
 
 Chooser = Callable[..., torch.Tensor]  # core.sampling.choose_tokens' signature
 
 
 class Sampler:
+    """Samples batches of requests. Each batch's settings live on the device, built once when
+    the batch's requests change (a request joins or leaves) and reused by every step between."""
+
     def __init__(self, vocab_size: int, eos_id: int | None, device: torch.device | str = "cpu"):
         self.vocab_size, self.eos_id, self.device = vocab_size, eos_id, torch.device(device)
+        self._batch: tuple[Any, ...] = ()  # the requests `_settings` was built for, in order
+        self._settings: RowSettings | None = None
+
+    def settings(self, seqs: Sequence[Any], device: torch.device) -> RowSettings:
+        """The rows' `RowSettings` on `device`: reused while the same requests come in the same
+        order, else built with one copy to the device."""
+        same = (self._settings is not None and len(seqs) == len(self._batch)
+                and self._settings.temperature.device == device
+                and all(a is b for a, b in zip(seqs, self._batch)))
+        if same:
+            assert self._settings is not None
+            return self._settings
+        params = [s.params for s in seqs]
+        table = to_device(torch.tensor(
+            [[p.temperature for p in params], [max(p.top_k, 0) for p in params],
+             [p.top_p for p in params], [p.repetition_penalty for p in params],
+             [p.presence_penalty for p in params], [p.frequency_penalty for p in params]],
+            dtype=torch.float64), device)
+        temperature, top_k, top_p, repetition, presence, frequency = table.unbind(0)
+        self._batch = tuple(seqs)
+        self._settings = RowSettings(
+            temperature.float(), top_k.long(), top_p.float(), repetition.float(),
+            presence.float(), frequency.float(),
+            all_greedy=all(p.temperature <= 0 for p in params))
+        return self._settings
 
     def choose(self, seqs: Sequence[Any], logits: torch.Tensor, uniforms: torch.Tensor,
                choose: Chooser = choose_tokens) -> torch.Tensor:
-        """Next token ids `(B,)` for the rows `logits (B, V)` of `seqs`.
+        """Next token ids `(B,)` for the rows `logits (B, V)` of `seqs`, on the logits' device;
+        reads nothing back to the host.
 
         `choose` is the token chooser (the engine passes its own reference, so a test can
         inject a failure)."""
         device, vocab = logits.device, logits.shape[-1]
-        params = [s.params for s in seqs]
-
-        def column(values, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        settings = RowSettings(column([p.temperature for p in params]),
-                               column([max(p.top_k, 0) for p in params], torch.long),
-                               column([p.top_p for p in params]),
-                               column([p.repetition_penalty for p in params]),
-                               column([p.presence_penalty for p in params]),
-                               column([p.frequency_penalty for p in params]))
+        settings = self.settings(seqs, device)
         seen = counts = banned = None
         if any(s.seen is not None for s in seqs):
             seen = torch.stack([s.seen if s.seen is not None else
@@ -55,13 +75,36 @@ class Sampler:
                 if self.eos_id is not None and not s.params.ignore_eos:
                     ban.add(self.eos_id)
                 if ban:
-                    if banned is None:
-                        banned = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+                    if banned is None:  # built on the host, copied once
+                        banned = torch.zeros(len(seqs), vocab, dtype=torch.bool)
                     banned[i, sorted(ban)] = True
         logits = logits.float()
         if seen is not None or counts is not None:
             logits = apply_penalties(logits, settings, seen, counts)
-        return choose(logits, settings, uniforms.to(device), banned)
+        return choose(logits, settings, to_device(uniforms, device),
+                      None if banned is None else to_device(banned, device))
+
+    def read_back(self, seqs: Sequence[Any], logits: torch.Tensor, chosen: torch.Tensor
+                  ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The host's copy of a batch's tokens `chosen (B,)` (device), with the logprobs of the
+        rows that asked for them (`sampled_logprobs`), in one device-to-host transfer."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return chosen.tolist(), [None] * len(seqs)
+        # Every row's logprobs, so no row index goes to the device; float64 holds the ids
+        # exactly.
+        top = max(seqs[i].params.logprobs for i in rows)
+        lp, values, ids = token_logprobs(logits, chosen, top)
+        packed = torch.cat([chosen.unsqueeze(-1).double(), lp.unsqueeze(-1).double(),
+                            values.double(), ids.double()], dim=-1).tolist()
+        tokens = [int(row[0]) for row in packed]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        for i in rows:
+            k, row = seqs[i].params.logprobs, packed[i]
+            out[i] = TokenLogprob(tokens[i], row[1],
+                                  {int(t): v for t, v in zip(row[2 + top:2 + top + k],
+                                                             row[2:2 + k])})
+        return tokens, out
 
     def sampled_logprobs(self, seqs: Sequence[Any], logits: torch.Tensor,
                          tokens: list[int | None]) -> list[TokenLogprob | None]:

@@ -286,7 +286,8 @@ class GPTModel(nn.Module):
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, local_logits: bool = False,
                 document_ids: torch.Tensor | None = None,
-                sequence: SegmentedContext | None = None) -> torch.Tensor:
+                sequence: SegmentedContext | None = None,
+                kv_length: int | None = None) -> torch.Tensor:
         sp = self.layout.sequence_parallel and cache is None
         seq, embedded = None, None
         if sequence is not None:  # dynamic cp: `x`, `labels` are this rank's tokens already
@@ -321,7 +322,7 @@ class GPTModel(nn.Module):
         if cache is not None:
             if positions is None or slots is None:
                 raise ValueError("a KV cache needs the positions and slots of the new tokens")
-            cache.begin(positions, slots)
+            cache.begin(positions, slots, length=kv_length)
         return self.forward_hidden(h, labels, positions=positions, cache=cache, slots=slots,
                                    local_logits=local_logits, seq=seq)
 
