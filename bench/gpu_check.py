@@ -71,7 +71,9 @@ def stages(args) -> list[Stage]:
         train = py + ["--device", args.device, "--tiny", "--no-compile"]
         calibrate = ["-m", "tessera.plan.calibrate_gpu", "--device", args.device, "--quick",
                      "--out", profile]
-        decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--tiny"]
+        decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--hidden", "64",
+                  "--layers", "2", "--vocab", "256", "--prompt", "8", "--new", "8",
+                  "--concurrency", "2", "--no-int8", "--no-compile", "--no-hf-compile"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "3"]
     tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
