@@ -185,6 +185,7 @@ def _run_candidate(config_file: str, spec: dict[str, Any]
             tic, cpu_tic = time.perf_counter(), time.process_time()
             tokens, labels = local_batch(train_ds, step, data, job.groups, job.device)
             train_step(job, step, tokens, labels)
+            _wait_for_device(device)  # train_step returns with its kernels queued, not run
             _barrier()  # the step ends when the slowest rank's does
             times.append(time.perf_counter() - tic)
             cpu.append(time.process_time() - cpu_tic)
@@ -244,6 +245,13 @@ def _barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+
+
+def _wait_for_device(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _reset_peak_memory(device: Any) -> None:

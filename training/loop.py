@@ -4,17 +4,20 @@ Per step: each data-parallel rank takes its slice of the global batch (samples a
 step, so resuming only needs the step), runs forward/backward (micro-batch accumulation, or the
 pipeline schedule when pp > 1), gradients are synced (sequence-parallel norms, tied embedding
 copies, data-parallel average), clipped by the global norm, and AdamW steps. Losses are the mean
-over the global batch on every rank. SIGTERM / Ctrl-C finish the current step, save, and exit.
+over the global batch on every rank.
+
+A step does not wait for the device: its loss and gradient norm stay device tensors until the
+next logging step (every `log_interval` steps, an evaluation or a save), which reads the window's
+in one copy, checks them, and reports every step of it. SIGTERM / Ctrl-C finish the current step
+(under torch.distributed: the steps up to the next logging step), save, and exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import signal
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +43,7 @@ from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import kv_replicas
 from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
-from tessera.training.metrics import MetricsLogger, resolve_peak
+from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
 from tessera.training.moe_step import begin_moe_step, end_moe_step
 from tessera.training.objectives import CAUSAL_LM, Objective, check_objective, objective_for
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
@@ -173,7 +176,10 @@ def local_rows(dataset, step: int, data: DataPlan, groups: ParallelGroups,
     per_dp = data.per_dp_batch
     start = step * data.global_batch + groups.dp_rank * per_dp
     items = [dataset[i] for i in range(start, start + per_dp)]
-    return {k: torch.stack([it[k] for it in items]).to(device) for k in items[0]}
+    rows = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    if device.type == "cuda":  # from pinned memory the copy is queued, not waited for
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in rows.items()}
+    return {k: v.to(device) for k, v in rows.items()}
 
 
 @contextlib.contextmanager
@@ -241,7 +247,13 @@ def _chunk_rows(extra: dict[str, torch.Tensor] | None, n: int) -> list[dict[str,
 
 def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
                extra: dict[str, torch.Tensor] | None = None) -> dict:
-    """One optimizer step; returns the metrics of the step."""
+    """One optimizer step; returns the metrics of the step.
+
+    `loss` and `grad_norm` are 0-d float32 tensors on the job's device, so a dense step never
+    waits for the device: read them at logging steps (`metrics.StepWindow` reads a whole
+    window's at once). `lr` is a float; a Mixture-of-Experts model's router metrics are
+    floats read after a collective, so an MoE step does wait. Under fp16 the GradScaler's
+    inf check (`scaler.step`) reads a device flag each step."""
     lr = learning_rate(step, job.plan.optimizer)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
@@ -257,7 +269,7 @@ def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
         job.scaler.update()
     else:
         job.optimizer.step()
-    return {"loss": float(loss), "lr": lr, "grad_norm": grad_norm, **end_moe_step(job)}
+    return {"loss": loss.detach(), "lr": lr, "grad_norm": grad_norm, **end_moe_step(job)}
 
 
 @torch.no_grad()
@@ -298,7 +310,7 @@ def _eval_batch(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
 
 
 class _StopFlag:
-    """SIGTERM / SIGINT set a flag; the loop saves and exits after the current step."""
+    """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step that asks."""
 
     def __init__(self) -> None:
         self.raised = False
@@ -358,30 +370,37 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     losses: list[float] = []
     step, stopped = start, 0
     tokenizer = data.tokenizer or None
+    window = StepWindow()  # the steps since the last logging step, read there at once
     with _StopFlag() as stop:
         while step < run.steps:
-            tic = time.perf_counter()
             tokens, labels, extra = job.objective.split_batch(
                 local_rows(train_ds, step, data, job.groups, job.device))
-            metrics = train_step(job, step, tokens, labels, extra)
+            window.add(step + 1, train_step(job, step, tokens, labels, extra))
             step += 1
-            elapsed = time.perf_counter() - tic
-            tokens_per_s = data.global_batch * data.seq_len / elapsed
+            evaluate = bool(loop.eval_interval and step % loop.eval_interval == 0
+                            and step < run.steps)
+            save_due = step == run.steps or bool(loop.save_interval
+                                                 and step % loop.save_interval == 0)
+            boundary = log.due(step) or evaluate or save_due
+            # The stop flag is a collective under torch.distributed: every rank asks at the
+            # same steps, the window's ends; alone it costs nothing and is asked every step.
+            if boundary or not dist.is_initialized():
+                stopped = stop.agreed(job.device)
+            if not (boundary or stopped):
+                continue
+            rows, elapsed = window.resolve()
+            losses.extend(checked_losses(rows, step))
+            tokens_per_s = len(rows) * data.global_batch * data.seq_len / elapsed
             tflops = flops * tokens_per_s / plan.layout.world_size / 1e12
-            metrics.update(step=step, tokens_per_s=tokens_per_s, tflops=tflops,
+            for row in rows:  # the window's mean rate on each of its steps
+                row.update(tokens_per_s=tokens_per_s, tflops=tflops,
                            mfu=tflops / peak if peak else float("nan"),
                            memory_gb=memory_gb(job.device))
-            losses.append(metrics["loss"])
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"loss became {metrics['loss']} at step {step}; lower "
-                                         "--lr or use --precision fp32")
-            if loop.eval_interval and step % loop.eval_interval == 0 and step < run.steps:
-                metrics["valid_loss"] = evaluate_loss(job, valid_ds, loop.eval_batches)
-            log.step(metrics)
-            stopped = stop.agreed(job.device)
-            save_now = step == run.steps or stopped or (
-                loop.save_interval and step % loop.save_interval == 0)
-            if save_now:
+            if evaluate:
+                rows[-1]["valid_loss"] = evaluate_loss(job, valid_ds, loop.eval_batches)
+            for row in rows:
+                log.step(row)
+            if save_due or stopped:
                 path = save_training_checkpoint(
                     loop.output, job.stages, job.optimizer, step=step,
                     consumed_samples=step * data.global_batch, config=dict(plan.record),
@@ -389,6 +408,7 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 log.saved(path, step)
             if stopped:
                 break
+            window.restart()
     valid = evaluate_loss(job, valid_ds, loop.eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
                          checkpoint=latest_checkpoint(loop.output), peak_tflops=peak,

@@ -105,6 +105,54 @@ def resolve_peak(spec: str | float, device: torch.device, dtype: torch.dtype | N
     return None, f"no known peak for {device.type}"
 
 
+class StepWindow:
+    """The steps since the last logging step, their metrics kept as the steps returned them.
+
+    A training step returns its loss and gradient norm as device tensors (`loop.train_step`);
+    reading one makes the host wait for the device. The window keeps them and `resolve` reads
+    the whole window's in one device-to-host copy, so a run waits for its device once per
+    logging step rather than once or twice per step. It also times the window: the wall time
+    from `restart` to `resolve`, which, taken after that one wait, covers the window's device
+    work too (per-step host timings would only time the kernel launches).
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, Any]]] = []
+        self.tic = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start timing the next window (after a logging step's evaluation and saving)."""
+        self.tic = time.perf_counter()
+
+    def add(self, step: int, metrics: dict[str, Any]) -> None:
+        """Keep step `step`'s metrics (tensors stay on their device, unread)."""
+        self.rows.append((step, metrics))
+
+    def resolve(self) -> tuple[list[dict[str, Any]], float]:
+        """Every kept step's metrics with its tensors as floats, oldest first, each with its
+        `step`, and the seconds since `restart`; the window is then empty."""
+        tensors = [v.float() for _, m in self.rows for v in m.values()
+                   if isinstance(v, torch.Tensor)]
+        values = iter(torch.stack(tensors).tolist() if tensors else [])  # the one wait
+        elapsed = time.perf_counter() - self.tic
+        rows = [{**{k: next(values) if isinstance(v, torch.Tensor) else v for k, v in m.items()},
+                 "step": step} for step, m in self.rows]
+        self.rows = []
+        return rows, elapsed
+
+
+def checked_losses(rows: list[dict[str, Any]], step: int) -> list[float]:
+    """The losses of a resolved window ending at `step`; a non-finite one is an error naming
+    the first step it appeared at."""
+    losses = [row["loss"] for row in rows]
+    for row in rows:
+        if not math.isfinite(row["loss"]):
+            raise FloatingPointError(
+                f"loss became {row['loss']} at step {row['step']} (found at step {step}, "
+                "where the losses are read); lower --lr or use --precision fp32")
+    return losses
+
+
 class MetricsLogger:
     """Progress, JSONL metrics, optional TensorBoard and the final summary of one run."""
 
@@ -137,6 +185,11 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
+    def due(self, step: int) -> bool:
+        """Whether `step` prints a metrics line: every `log_interval` steps and the first step
+        of the run. The same on every rank (the logger of a non-zero rank is disabled)."""
+        return step % self.cfg.log_interval == 0 or step == self.initial + 1
+
     def step(self, m: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -148,7 +201,7 @@ class MetricsLogger:
                     self.tb.add_scalar(f"train/{key}", value, step)
         if self.bar is not None:
             self.bar.update(1, loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}")
-        if step % self.cfg.log_interval == 0 or "valid_loss" in m or step == self.initial + 1:
+        if self.due(step) or "valid_loss" in m:
             line = (f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
                     f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_s']:,.0f} tok/s | "
                     f"{m['tflops']:.3f} TFLOP/s | MFU {_percent(m['mfu'])} | "

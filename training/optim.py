@@ -125,8 +125,9 @@ def global_grad_norm(models: list[nn.Module]) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_gradients(models: list[nn.Module], max_norm: float) -> float:
-    """Scale every gradient so the global norm is at most `max_norm`; return the norm before."""
+def clip_gradients(models: list[nn.Module], max_norm: float) -> torch.Tensor:
+    """Scale every gradient so the global norm is at most `max_norm`; return the norm before,
+    a 0-d float32 tensor on the gradients' device (reading it waits for the device)."""
     norm = global_grad_norm(models)
     if max_norm > 0:
         params = [p for model in models for p in model.parameters() if p.grad is not None]
@@ -137,4 +138,4 @@ def clip_gradients(models: list[nn.Module], max_norm: float) -> float:
             params = [p for p in params if not isinstance(p.grad, DTensor)]
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return float(norm)
+    return norm

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ from tessera.core.prompts import VirtualPrompts, attach_prompts
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb, plan_for_world
 from tessera.training.loop import train_step as pretrain_step
-from tessera.training.metrics import MetricsLogger, resolve_peak
+from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
 from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.training.state import restore_fp8_state
@@ -306,30 +305,34 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     flops = model_flops_per_token(plan.model, t.seq_len) * 2 / 3
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
+    window = StepWindow()  # the steps since the last logging step, read there at once
     for step in range(start, run.steps):
-        tic = time.perf_counter()
         tokens, labels = train_batch(t, inputs.train, step)
-        metrics = pretrain_step(t.job, step, tokens, labels)
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"loss became {metrics['loss']} at step {step + 1}; lower "
-                                     "--lr or use --precision fp32")
-        tokens_per_s = plan.data.global_batch * t.seq_len / (time.perf_counter() - tic)
+        window.add(step + 1, pretrain_step(t.job, step, tokens, labels))
+        done = step + 1 == run.steps
+        evaluate_now = bool(inputs.valid and loop.eval_interval
+                            and (step + 1) % loop.eval_interval == 0 and not done)
+        save_due = done or bool(loop.save_interval and (step + 1) % loop.save_interval == 0)
+        if not (log.due(step + 1) or evaluate_now or save_due):
+            continue
+        rows, elapsed = window.resolve()
+        losses.extend(checked_losses(rows, step + 1))
+        tokens_per_s = len(rows) * plan.data.global_batch * t.seq_len / elapsed
         tflops = flops * tokens_per_s / world / 1e12
-        metrics.update(step=step + 1, tokens_per_s=tokens_per_s, tflops=tflops,
+        for row in rows:  # the window's mean rate on each of its steps
+            row.update(tokens_per_s=tokens_per_s, tflops=tflops,
                        mfu=tflops / peak if peak else float("nan"),
                        memory_gb=memory_gb(t.job.device))
-        losses.append(metrics["loss"])
-        done = step + 1 == run.steps
         results = None
-        if inputs.valid and loop.eval_interval and (step + 1) % loop.eval_interval == 0 \
-                and not done:
+        if evaluate_now:
             results = evaluate(t, inputs.valid, loop.eval_batches)
-            metrics.update({f"valid_{k}": v for k, v in mean_metrics(results).items()})
-        log.step(metrics)
+            rows[-1].update({f"valid_{k}": v for k, v in mean_metrics(results).items()})
+        for row in rows:
+            log.step(row)
         if results:
             log.write("  valid exact match: " + ", ".join(
                 f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
-        if done or (loop.save_interval and (step + 1) % loop.save_interval == 0):
+        if save_due:
             fp8_state = _gathered_fp8_state(t)  # collective: every rank, every save
             if t.lora is not None:  # collective: rank 0 writes the gathered factors
                 path = save_lora_checkpoint(out, t.job.stages, t.job.optimizer, step=step + 1,
@@ -346,6 +349,7 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
                     log.saved(path, step + 1)
             if dist.is_initialized():
                 dist.barrier()
+        window.restart()
     return losses
 
 
