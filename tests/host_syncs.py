@@ -28,24 +28,35 @@ _WRAPPED = ("tolist", "cpu", "numpy")  # host reads that a CPU tensor serves wit
 
 
 class HostSyncs(TorchDispatchMode):
-    """`with HostSyncs() as syncs: ...`, then `syncs.total` and `syncs.calls` (name -> count)."""
+    """`with HostSyncs() as syncs: ...`, then `syncs.total` and `syncs.calls` (name -> count).
+    Set `syncs.label` (e.g. to a step number) to tag what is counted from then on;
+    `syncs.count_for(label)` counts one label's calls, `syncs.events` lists (label, name)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter[str] = Counter()
+        self.events: list[tuple[object, str]] = []
+        self.label: object = None
         self._depth = 0  # a wrapped `.tolist()` dispatches reads of its own: count it once
 
     @property
     def total(self) -> int:
         return sum(self.calls.values())
 
+    def count_for(self, label: object) -> int:
+        return sum(1 for seen, _ in self.events if seen == label)
+
+    def _count(self, name: str) -> None:
+        self.calls[name] += 1
+        self.events.append((self.label, name))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self._depth == 0:
             if func in _SCALAR_READS:
-                self.calls[str(func.overloadpacket.__name__)] += 1
+                self._count(str(func.overloadpacket.__name__))
             elif func in _COPIES and _to_host(func, args, kwargs):
-                self.calls["copy to host"] += 1
+                self._count("copy to host")
         return func(*args, **kwargs)
 
     def __enter__(self) -> HostSyncs:
@@ -63,7 +74,7 @@ class HostSyncs(TorchDispatchMode):
     def _counting(self, name, method):
         def wrapper(tensor, *args, **kwargs):
             if self._depth == 0:
-                self.calls[name] += 1
+                self._count(name)
             self._depth += 1
             try:
                 return method(tensor, *args, **kwargs)

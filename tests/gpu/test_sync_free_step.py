@@ -11,8 +11,8 @@ from tessera.training.config import load_config
 from tessera.training.loop import local_rows, plan_for_world, setup, train_step
 from tessera.training.metrics import StepWindow
 from tessera.training.objectives import objective_for
+from tests.host_syncs import count_host_syncs
 from tests.pretrain_helper import pretrain_argv
-from tests.sync_helper import count_syncs
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -37,9 +37,9 @@ def test_training_steps_do_not_sync(tiny, tmp_path, precision):
             window.add(s + 1, step(s))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    with count_syncs() as syncs:
+    with count_host_syncs() as syncs:
         rows, _ = window.resolve()
-    assert syncs.count == 1, syncs.calls  # the window's one copy to the host
+    assert syncs.total == 1, syncs.calls  # the window's one copy to the host
     assert [r["step"] for r in rows] == [2, 3, 4]
     assert all(isinstance(r["loss"], float) and r["loss"] > 0 and r["grad_norm"] > 0
                for r in rows)

@@ -1,7 +1,7 @@
 """A training step does not wait for the device: losses and gradient norms are read at logging
 steps only, a whole window at once (`metrics.StepWindow`), and every step is still reported.
 
-The waits are counted on the CPU with `tests.sync_helper` (the calls that block on CUDA);
+The waits are counted on the CPU with `tests.host_syncs` (the calls that block on CUDA);
 tests/gpu/test_sync_free_step.py runs the steps under CUDA's own sync detector.
 """
 
@@ -15,8 +15,8 @@ import torch
 from tessera.training import loop as loop_module
 from tessera.training.config import load_config
 from tessera.training.metrics import StepWindow, checked_losses
+from tests.host_syncs import count_host_syncs
 from tests.pretrain_helper import pretrain_argv, read_losses
-from tests.sync_helper import count_syncs
 
 STEPS, LOG_INTERVAL = 6, 3
 
@@ -37,7 +37,7 @@ def test_only_logging_steps_read_the_device(tiny, tmp_path, monkeypatch):
         return real_step(job, step, *args, **kwargs)
 
     monkeypatch.setattr(loop_module, "train_step", labelled_step)
-    with count_syncs() as syncs:
+    with count_host_syncs() as syncs:
         summary = loop_module.pretrain(cfg)
     per_step = {s: syncs.count_for(s) for s in range(1, STEPS + 1)}
     # Steps 1 (the first) and 3 print a line; 6 also saves and evaluates, so it is left out.
@@ -68,9 +68,9 @@ def test_the_window_reads_its_tensors_in_order_once():
     for step in (1, 2):
         window.add(step, {"loss": torch.tensor(float(step)), "lr": 0.1 * step,
                           "grad_norm": torch.tensor(10.0 * step)})
-    with count_syncs() as syncs:
+    with count_host_syncs() as syncs:
         rows, elapsed = window.resolve()
-    assert syncs.count == 0  # CPU tensors: `tolist` reads memory (one copy on a device)
+    assert syncs.total == 1, syncs.events  # the one read of the window (a copy on a device)
     assert rows == [{"loss": 1.0, "lr": 0.1, "grad_norm": 10.0, "step": 1},
                     {"loss": 2.0, "lr": 0.2, "grad_norm": 20.0, "step": 2}]
     assert elapsed >= 0 and window.resolve()[0] == []
