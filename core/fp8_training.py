@@ -183,6 +183,7 @@ class Fp8Training:
     def __init__(self, recipe: Fp8Recipe, layers: dict[str, nn.Module],
                  fallback: list[tuple[str, tuple[int, int]]], groups: Any):
         self.recipe, self.layers, self.fallback, self.groups = recipe, layers, fallback, groups
+        self._top: torch.Tensor | None = None
 
     def describe(self) -> str:
         text = f"{self.recipe.describe()}; {len(self.layers)} block linear(s) in FP8"
@@ -208,6 +209,16 @@ class Fp8Training:
                              fp8_group=self.groups.tp_group if self.groups else None):
             yield
 
+    def _maxima(self, device: torch.device) -> torch.Tensor:
+        """The FP8 maxima of input, weight and gradient `(3,)` on `device`, made once, by fills
+        (a tensor from a Python list would be a host-to-device copy, a stream sync, per step)."""
+        top = self._top
+        if top is None or top.device != device:
+            top = torch.full((3,), fp8_max(self.recipe.forward_dtype), device=device)
+            top[GRAD].fill_(fp8_max(self.recipe.backward_dtype))
+            self._top = top
+        return top
+
     @torch.no_grad()
     def step_end(self) -> None:
         """After a step's backward: fold the recorded amaxes into the history and set the next
@@ -221,15 +232,14 @@ class Fp8Training:
             if group is not None:
                 dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)
         r = self.recipe
-        top = torch.tensor([fp8_max(r.forward_dtype)] * 2 + [fp8_max(r.backward_dtype)])
+        top = self._maxima(current.device)
         for layer, now in zip(layers, current):
             history = layer.fp8_amax_history
             history[0] = now
             amax = history.amax(dim=0) if r.amax_compute_algo == "max" else history[0]
-            layer.fp8_scale.copy_(scale_from_amax(amax, top.to(amax.device), r.margin,
-                                                  previous=layer.fp8_scale))
+            layer.fp8_scale.copy_(scale_from_amax(amax, top, r.margin, previous=layer.fp8_scale))
             history.copy_(history.roll(1, dims=0))
-            history[0] = 0.0
+            history[0].fill_(0.0)  # a fill: `= 0.0` would build a tensor from host data
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's FP8 state by global layer name: amax history and scales (emulated
