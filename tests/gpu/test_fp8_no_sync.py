@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tessera.core import fused
 from tessera.core.fp8 import to_fp8_
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import enable_fp8_training
@@ -27,8 +28,9 @@ def sync_is_an_error() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("kernels", ["off", "on"])  # eager, or the compiled quantization
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_fp8_inference_linear_never_syncs(per_channel):
+def test_fp8_inference_linear_never_syncs(per_channel, kernels):
     dev = torch.device("cuda")
     need = (9, 0) if per_channel else (8, 9)
     if torch.cuda.get_device_capability(dev) < need:
@@ -36,11 +38,15 @@ def test_fp8_inference_linear_never_syncs(per_channel):
     layer = to_fp8_(plain_linear(torch.nn.Linear(256, 512, device=dev, dtype=torch.bfloat16)),
                     per_channel)
     x = torch.randn(4, 64, 256, device=dev, dtype=torch.bfloat16)
-    with torch.no_grad():
-        layer(x)
-        with sync_is_an_error():
-            for _ in range(3):
-                y = layer(x)
+    fused.set_mode(kernels)
+    try:
+        with torch.no_grad():
+            layer(x)
+            with sync_is_an_error():
+                for _ in range(3):
+                    y = layer(x)
+    finally:
+        fused.set_mode(None)
     assert torch.isfinite(y).all()
 
 
