@@ -44,13 +44,14 @@ def quantize_activation_eager(x: torch.Tensor, rowwise: bool
 
 
 def compiled_quantize_activation() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The compiled `quantize_activation_eager` (built on first use; dynamic in `M`)."""
+    """The compiled `quantize_activation_eager`, built on first use. Dynamic shapes from the
+    start: a model's linears take inputs of two widths (hidden, ffn), and M varies."""
     global _compiled
     if _compiled is None:
         from tessera.core.compile_cache import key_compile_cache_by_isa
 
         key_compile_cache_by_isa()
-        _compiled = torch.compile(quantize_activation_eager, dynamic=None)
+        _compiled = torch.compile(quantize_activation_eager, dynamic=True)
     return _compiled
 
 
