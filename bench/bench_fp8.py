@@ -10,7 +10,13 @@ Shapes: each block linear of the model as it runs it (fused QKV, attention outpu
 gate/up with N = 2 x ffn, down) at M tokens. Meaningful on FP8 GPUs (Hopper: H100/H200); on CPU
 `_scaled_mm` is a slow reference kernel, so the CPU rows use a small model.
 
+`--train`: one training step (forward, backward, AdamW) of a model with its block linears in FP8
+(`enable_fp8_training`, tensorwise current scaling, torchao when it imports, else Tessera's own
+path, which on FP8 GPUs runs `torch._scaled_mm`) against the same model in bf16 autocast, from
+the same initial weights on the same batch: step time, speedup and the loss curves' distance.
+
     python bench/bench_fp8.py [--device cuda] [--budget-s 60] [--tiny] [--models llama-1b,...]
+    python bench/bench_fp8.py --train [--device cuda] [--tiny]
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import Budget, Rows, device_time  # noqa: E402
 
-from tessera.core.config import PRESETS  # noqa: E402
+from tessera.core import ModelConfig, build_model  # noqa: E402
+from tessera.core.config import PRESETS, ConfigError  # noqa: E402
 from tessera.core.fp8 import quantize, scaled_mm_linear, weight_scale_inv  # noqa: E402
 from tessera.core.fp8_activation import (  # noqa: E402
     compiled_quantize_activation,
     quantize_activation_eager,
 )
+from tessera.core.fp8_recipe import Fp8Recipe, resolve_fp8_recipe  # noqa: E402
+from tessera.core.fp8_training import enable_fp8_training  # noqa: E402
+from tessera.training.config import TrainConfig  # noqa: E402
+from tessera.training.optim import build_optimizer  # noqa: E402
 
 Quantizer = Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
 
@@ -118,6 +129,64 @@ def run(args) -> list[dict]:
     return rows.finish()
 
 
+def train_recipe(args) -> Fp8Recipe:
+    """`--fp8-backend` as given; by default the backend `auto` picks, else Tessera's own."""
+    try:
+        return resolve_fp8_recipe(args.device, args.fp8_backend or "auto", "tensorwise")
+    except ConfigError:
+        if args.fp8_backend:
+            raise
+        return resolve_fp8_recipe(args.device, "emulated", "tensorwise")
+
+
+def time_training(args, recipe: Fp8Recipe | None) -> tuple[float, list[float]]:
+    """Seconds per step and the loss of every step, bf16 autocast, FP8 block linears if
+    `recipe`; every call starts from the same weights and batch."""
+    torch.manual_seed(0)
+    config = ModelConfig.from_name(args.models[0], max_position_embeddings=args.seq)
+    model = build_model(config, device=args.device).train()
+    fp8 = enable_fp8_training([model], recipe) if recipe else None
+    optimizer = build_optimizer([model], TrainConfig(lr=args.lr))
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=args.device)
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
+            if fp8:
+                with fp8.autocast():
+                    loss = model(ids, ids)
+            else:
+                loss = model(ids, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fp8:
+            fp8.step_end()
+        losses.append(loss.detach())
+
+    seconds = device_time(step, steps=args.steps - 2, warmup=2, device=args.device)
+    return seconds, [loss.item() for loss in losses]
+
+
+def run_train(args) -> list[dict]:
+    rows = Rows("fp8_train")
+    recipe = train_recipe(args)
+    t_bf16, bf16 = time_training(args, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    t_fp8, fp8 = time_training(args, recipe)
+    diff = [abs(a - b) / b for a, b in zip(fp8, bf16)]
+    rows.add({"model": args.models[0], "batch x seq": f"{args.batch}x{args.seq}",
+              "fp8": f"{recipe.backend} {recipe.recipe}", "steps": args.steps,
+              "bf16 step ms": t_bf16 * 1e3, "fp8 step ms": t_fp8 * 1e3,
+              "fp8 step speedup": t_bf16 / t_fp8,
+              "tokens/s bf16": args.batch * args.seq / t_bf16,
+              "tokens/s fp8": args.batch * args.seq / t_fp8,
+              "loss first": bf16[0], "loss last bf16": bf16[-1], "loss last fp8": fp8[-1],
+              "max loss relative diff": max(diff)})
+    return rows.finish()
+
+
 def _list(kind: Callable[[str], object]) -> Callable[[str], list]:
     return lambda text: [kind(part) for part in text.split(",") if part]
 
@@ -138,8 +207,30 @@ def main(argv: list[str] | None = None) -> None:
                         help="stop starting new shapes after this many seconds")
     parser.add_argument("--tiny", action="store_true",
                         help="a quick run: small model, small M (CPU tests)")
+    parser.add_argument("--train", action="store_true",
+                        help="time an FP8 training step against bf16 instead (see above)")
+    parser.add_argument("--batch", type=int, default=None, help="--train: sequences per step")
+    parser.add_argument("--seq", type=int, default=None, help="--train: tokens per sequence")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="--train: steps per side, the first 2 untimed")
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="--train: AdamW learning rate (no warm-up: keep it small)")
+    parser.add_argument("--fp8-backend", choices=("torchao", "te", "emulated"), default=None,
+                        help="--train: FP8 backend (default: auto's pick, else emulated)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    if args.train:
+        model = "llama-1b" if cuda and not args.tiny else "llama-demo"
+        big = cuda and not args.tiny
+        defaults = {"models": [model], "batch": 4 if big else 2, "seq": 2048 if big else 64,
+                    "steps": 50 if big else 4}
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        if args.steps < 3:
+            parser.error(f"--steps must be >= 3 (2 warm-up steps and 1 timed), got {args.steps}")
+        run_train(args)
+        return
     if args.tiny:
         defaults = {"models": ["llama-demo"], "tokens": [16], "scales": ["channel"], "reps": 3}
     elif cuda:
