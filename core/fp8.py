@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.core.fp8_activation import quantize_activation
 from tessera.core.parallel.layers import ParallelLinear, quantizable_linears
 from tessera.core.parallel.weight_format import Dense, WeightFormat
 
@@ -62,9 +63,11 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype | torch.Tensor, margi
 
     `dtype` is an FP8 dtype, or a tensor of fp8 maxima broadcasting against `amax`.
     """
-    top = torch.as_tensor(fp8_max(dtype) if isinstance(dtype, torch.dtype) else dtype,
-                          dtype=torch.float32, device=amax.device)
     amax = amax.float()
+    # A fill on amax's device, not a tensor from a Python number: that would be a host-to-device
+    # copy, which waits for the stream, on every call.
+    top = (torch.full_like(amax, fp8_max(dtype)) if isinstance(dtype, torch.dtype)
+           else dtype.to(device=amax.device, dtype=torch.float32))
     fallback = torch.ones_like(amax) if previous is None else previous.float()
     ok = torch.isfinite(amax) & (amax > 0)
     return torch.where(ok, top / amax.clamp(min=1e-30) / 2.0 ** margin, fallback)
@@ -111,21 +114,48 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() / scale.float()).to(dtype)
 
 
-def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x @ (q / scale)^T` with `torch._scaled_mm`: `x (..., in)` is quantized on the fly.
+def weight_scale_inv(scale: torch.Tensor, out_features: int, rowwise: bool) -> torch.Tensor:
+    """The `scale_b` `torch._scaled_mm` takes for a weight `(q, scale)`: `1 / scale` as `(1, out)`
+    (rowwise) or `()` (tensorwise). Made once per weight (`Fp8` caches it on the layer)."""
+    inv = scale.float().reciprocal()
+    return inv.reshape(1, -1).expand(1, out_features).contiguous() if rowwise else inv
+
+
+def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     scale_inv: torch.Tensor | None = None, fast_accum: bool = True
+                     ) -> torch.Tensor:
+    """`x @ (q / scale)^T` with `torch._scaled_mm`: `x (..., in)` is quantized on the fly
+    (`core.fp8_activation`: one compiled pass on CUDA, no host sync).
 
     On CUDA, per-tensor weight scales pair with a per-tensor input scale and per-channel ones
     with per-row input scales (the rowwise mode, which returns bf16). On CPU the rowwise mode
     is always used: torch's CPU kernel for tensorwise scales is hundreds of times slower.
+    `scale_inv`: `weight_scale_inv(scale, ...)` when the caller keeps it (else made here).
+    `fast_accum`: Hopper's faster FP8 accumulation, which forward products can afford.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     rowwise = scale.dim() > 0 or not x.is_cuda
-    xq, x_scale = quantize(x.reshape(-1, k), per_channel=rowwise)  # x_scale: () or (M, 1)
-    w_scale = scale.reshape(1, -1).expand(1, q.shape[0]) if rowwise else scale  # () or (1, out)
+    xq, x_scale_inv = quantize_activation(x.reshape(-1, k), rowwise)  # () or (M, 1)
+    if scale_inv is None:
+        scale_inv = weight_scale_inv(scale, q.shape[0], rowwise)
     out_dtype = torch.bfloat16 if rowwise and x.is_cuda else x.dtype
-    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
-                         out_dtype=out_dtype)
+    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale_inv, scale_b=scale_inv,
+                         out_dtype=out_dtype, use_fast_accum=fast_accum)
     return y.to(x.dtype).reshape(*lead, q.shape[0])
+
+
+def _cached_scale_inv(layer: nn.Module, rowwise: bool) -> torch.Tensor:
+    """`weight_scale_inv` of `layer.scale`, kept on the layer until the scale changes (a load
+    writes it in place, which bumps its version; `.to()` gives it new storage)."""
+    scale = layer.scale
+    if torch.compiler.is_compiling():
+        return weight_scale_inv(scale, layer.weight.shape[0], rowwise)
+    key = (scale.data_ptr(), scale._version, scale.device, rowwise)
+    cached = getattr(layer, "_fp8_scale_inv", None)
+    if cached is None or cached[0] != key:
+        cached = (key, weight_scale_inv(scale, layer.weight.shape[0], rowwise))
+        layer._fp8_scale_inv = cached
+    return cached[1]
 
 
 def _fp8_tensor_cores(device: torch.device, rowwise: bool) -> bool:
@@ -159,7 +189,8 @@ class Fp8(WeightFormat):
             use = (_fp8_tensor_cores(x.device, scale.dim() > 0)
                    and x.shape[-1] % 16 == 0 and q.shape[0] % 16 == 0)
         if use:
-            y = scaled_mm_linear(x, q, scale)
+            rowwise = scale.dim() > 0 or not x.is_cuda
+            y = scaled_mm_linear(x, q, scale, _cached_scale_inv(layer, rowwise))
             return y if bias is None else y + bias
         return F.linear(x, dequantize(q, scale, x.dtype), bias)
 
@@ -180,6 +211,7 @@ def to_fp8_(layer: ParallelLinear, per_channel: bool = False,
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.tp_group)
     q, scale = quantize(layer.weight, per_channel, amax)
     layer.set_format(Fp8(use_scaled_mm), q, scale)
+    _cached_scale_inv(layer, rowwise=per_channel or not q.is_cuda)  # made once, at load
     return layer
 
 

@@ -12,9 +12,10 @@ it, that is an error naming the layers.
 The emulated backend (a weight format, `EmulatedFp8`): in the forward the input and the weight
 are quantized to e4m3 with per-tensor scales `s = fp8_max / amax / 2**margin`
 (`q = clamp(x * s, -max, max).to(float8)`, saturating), and the product of the FP8 values is
-taken in fp32 and divided by both scales, which is what `torch._scaled_mm` computes; in the
-backward the output gradient is quantized likewise (e5m2 in the `hybrid` format) and multiplied
-by the saved FP8 input and weight. Scales come from
+taken in fp32 and divided by both scales, which is what `torch._scaled_mm` computes (on GPUs
+with FP8 tensor cores it is `_scaled_mm`, fast accumulation in the forward only, so there the
+"emulation" runs real FP8 GEMMs); in the backward the output gradient is quantized likewise
+(e5m2 in the `hybrid` format) and multiplied by the saved FP8 input and weight. Scales come from
 - `delayed`: the layer's amax history (TE's `DelayedScaling`): each step records the amaxes it
   sees, `step_end` reduces them (max over tensor- and data-parallel ranks, one all-reduce per
   group for all layers), takes the max over the last `amax_history_len` steps (or the most
@@ -51,10 +52,26 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def fp8_matmul(qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor,
-               scale_b: torch.Tensor) -> torch.Tensor:
-    """`(qa / scale_a) @ (qb / scale_b)` in fp32 for FP8 `qa (M, K)`, `qb (K, N)`: the exact
-    FP8 products accumulated in fp32, scaled once at the end (`torch._scaled_mm`'s result)."""
+               scale_b: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+    """`(qa / scale_a) @ (qb / scale_b)` in fp32 for FP8 `qa (M, K)`, `qb (K, N)` and per-tensor
+    scales: the exact FP8 products accumulated in fp32, scaled once at the end.
+
+    On GPUs with FP8 tensor cores (`fp8_gemm_fits`) it is `torch._scaled_mm` itself (with
+    Hopper's fast accumulation when `fast_accum`); elsewhere the same sum in fp32 matmuls.
+    """
+    if fp8_gemm_fits(qa, qb):
+        return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(),
+                                scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(),
+                                out_dtype=torch.float32, use_fast_accum=fast_accum)
     return (qa.float() @ qb.float()) / (scale_a * scale_b)
+
+
+def fp8_gemm_fits(qa: torch.Tensor, qb: torch.Tensor) -> bool:
+    """Whether `torch._scaled_mm` runs `qa @ qb` on this GPU's FP8 tensor cores (compute
+    capability 8.9+, every dimension a multiple of 16, not both operands e5m2)."""
+    return (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= (8, 9)
+            and all(d % GEMM_MULTIPLE == 0 for d in (*qa.shape, qb.shape[1]))
+            and not qa.dtype == qb.dtype == torch.float8_e5m2)
 
 
 class _Run:
@@ -88,7 +105,7 @@ class _EmulatedFp8Linear(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             sx, sw = run.scale(INPUT, x2, fwd), run.scale(WEIGHT, weight, fwd)
             qx, qw = quantize_fp8(x2, sx, fwd), quantize_fp8(weight, sw, fwd)
-            y = fp8_matmul(qx, sx, qw.t(), sw)
+            y = fp8_matmul(qx, sx, qw.t(), sw, fast_accum=True)  # forward only
         ctx.save_for_backward(qx, qw, sx, sw)
         ctx.run, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = run, x.shape, x.dtype, weight.dtype
         return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -183,6 +200,7 @@ class Fp8Training:
     def __init__(self, recipe: Fp8Recipe, layers: dict[str, nn.Module],
                  fallback: list[tuple[str, tuple[int, int]]], groups: Any):
         self.recipe, self.layers, self.fallback, self.groups = recipe, layers, fallback, groups
+        self._top: torch.Tensor | None = None
 
     def describe(self) -> str:
         text = f"{self.recipe.describe()}; {len(self.layers)} block linear(s) in FP8"
@@ -208,6 +226,16 @@ class Fp8Training:
                              fp8_group=self.groups.tp_group if self.groups else None):
             yield
 
+    def _maxima(self, device: torch.device) -> torch.Tensor:
+        """The FP8 maxima of input, weight and gradient `(3,)` on `device`, made once, by fills
+        (a tensor from a Python list would be a host-to-device copy, a stream sync, per step)."""
+        top = self._top
+        if top is None or top.device != device:
+            top = torch.full((3,), fp8_max(self.recipe.forward_dtype), device=device)
+            top[GRAD].fill_(fp8_max(self.recipe.backward_dtype))
+            self._top = top
+        return top
+
     @torch.no_grad()
     def step_end(self) -> None:
         """After a step's backward: fold the recorded amaxes into the history and set the next
@@ -221,15 +249,14 @@ class Fp8Training:
             if group is not None:
                 dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)
         r = self.recipe
-        top = torch.tensor([fp8_max(r.forward_dtype)] * 2 + [fp8_max(r.backward_dtype)])
+        top = self._maxima(current.device)
         for layer, now in zip(layers, current):
             history = layer.fp8_amax_history
             history[0] = now
             amax = history.amax(dim=0) if r.amax_compute_algo == "max" else history[0]
-            layer.fp8_scale.copy_(scale_from_amax(amax, top.to(amax.device), r.margin,
-                                                  previous=layer.fp8_scale))
+            layer.fp8_scale.copy_(scale_from_amax(amax, top, r.margin, previous=layer.fp8_scale))
             history.copy_(history.roll(1, dims=0))
-            history[0] = 0.0
+            history[0].fill_(0.0)  # a fill: `= 0.0` would build a tensor from host data
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's FP8 state by global layer name: amax history and scales (emulated

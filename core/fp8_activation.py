@@ -1,0 +1,77 @@
+"""On-the-fly e4m3 quantization of a linear layer's input, in one pass and with no host sync.
+
+`quantize_activation(x, rowwise)` returns `(q, scale_inv)` for a 2-D `x (M, K)`: the amax (of
+each row, or of the whole tensor), the scale `448 / amax` (1 where the amax is 0 or not
+finite), the saturating cast `clamp(x * scale, -448, 448).to(float8_e4m3fn)` and the
+reciprocal `1 / scale` that `torch._scaled_mm` multiplies the product by. The values are those
+of `core.fp8.quantize` on the same tensor, bit for bit.
+
+On CUDA the formula runs TorchInductor-compiled (one Triton kernel for row scales, a reduction
+and a cast for a tensor scale) instead of five eager passes over the activation, under the
+`TESSERA_FUSED_KERNELS` switch of `core.fused` (`off` runs eager; a failed compile falls back
+to eager once, with a warning, unless the mode is `on`). Every constant is a Python number, so
+no tensor is built from host data and nothing waits for the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from tessera.core import fused
+
+log = logging.getLogger(__name__)
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+_TINY = 1e-30  # amax floor, so the division below never sees 0 (those rows take scale 1)
+
+_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_failed = False
+
+
+def quantize_activation_eager(x: torch.Tensor, rowwise: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q, scale_inv)`: `q (M, K)` e4m3, `scale_inv` fp32 of shape `(M, 1)` (rowwise) or `()`."""
+    amax = (x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()).float()
+    ok = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(ok, torch.full_like(amax, E4M3_MAX) / amax.clamp(min=_TINY),
+                        torch.ones_like(amax))
+    q = (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale.reciprocal()
+
+
+def compiled_quantize_activation() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The compiled `quantize_activation_eager`, built on first use. Dynamic shapes from the
+    start: a model's linears take inputs of two widths (hidden, ffn), and M varies."""
+    global _compiled
+    if _compiled is None:
+        from tessera.core.compile_cache import key_compile_cache_by_isa
+
+        key_compile_cache_by_isa()
+        _compiled = torch.compile(quantize_activation_eager, dynamic=True)
+    return _compiled
+
+
+def _wanted(x: torch.Tensor) -> bool:
+    return (x.is_cuda and fused.mode() != "off" and not _failed
+            and not torch.compiler.is_compiling())
+
+
+def quantize_activation(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation_eager`, compiled on CUDA (see the module docstring)."""
+    global _failed
+    if not _wanted(x):
+        return quantize_activation_eager(x, rowwise)
+    try:
+        return compiled_quantize_activation()(x, rowwise)
+    except Exception as error:  # compile failures surface on the first call
+        if fused.mode() == "on":
+            raise
+        _failed = True
+        log.warning("fused FP8 quantization disabled, running eager: compiling it failed "
+                    "(%s: %s). Set TESSERA_FUSED_KERNELS=off to skip the attempt.",
+                    type(error).__name__, str(error).splitlines()[0][:200])
+        return quantize_activation_eager(x, rowwise)
