@@ -66,6 +66,7 @@ def stages(args) -> list[Stage]:
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--preset",
                   "llama-1b", "--prompt", "128", "--new", "128"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device]
+        fp8_train = [str(HERE / "bench_fp8.py"), "--device", args.device, "--train"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "30"]
     else:
         train = py + ["--device", args.device, "--tiny", "--no-compile"]
@@ -75,24 +76,26 @@ def stages(args) -> list[Stage]:
                   "--layers", "2", "--vocab", "256", "--prompt", "8", "--new", "8",
                   "--concurrency", "2", "--no-int8", "--no-compile", "--no-hf-compile"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]
+        fp8_train = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny", "--train"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "3"]
     tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
     # Seconds on one H100 with cold compile caches; the sum is the 7-minute default.
     plan = [
         Stage("env", [str(HERE / "gpu_check.py"), "--print-env", "--device", args.device], 15,
               "card, driver, versions, optional kernel libraries"),
-        Stage("tests", tests, 45, "pytest tests/gpu"),
-        Stage("calibrate", calibrate, 45, "GEMM / attention / HBM rates for tessera plan"),
-        Stage("train", train, 130, "llama-1b 4x2048 training step vs HF"),
-        Stage("decode", decode, 80, "llama-1b decode vs HF"),
+        Stage("tests", tests, 50, "pytest tests/gpu"),
+        Stage("calibrate", calibrate, 40, "GEMM / attention / HBM rates for tessera plan"),
+        Stage("train", train, 120, "llama-1b 4x2048 training step vs HF"),
+        Stage("decode", decode, 60, "llama-1b decode vs HF"),
         Stage("fp8", fp8, 45, "FP8 GEMM vs bf16"),
-        Stage("smoke", smoke, 60, "tessera pretrain + tessera serve"),
+        Stage("fp8-train", fp8_train, 45, "FP8 training step vs bf16"),
+        Stage("smoke", smoke, 45, "tessera pretrain + tessera serve"),
     ]
     total = sum(s.budget_s for s in plan)
     scale = (args.budget_s / total) if args.budget_s else 1.0
     for s in plan:
         s.budget_s = round(args.stage_budget.get(s.name, s.budget_s * scale), 1)
-        if s.name in ("train", "decode", "fp8", "calibrate") and "--budget-s" not in s.argv:
+        if s.name in ("train", "decode", "fp8", "fp8-train", "calibrate"):
             # The bench stops starting new rows a little before the hard limit.
             s.argv += ["--budget-s", str(max(s.budget_s - 15, s.budget_s * 0.7))]
     return [s for s in plan if not args.stages or s.name in args.stages]
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=SECONDS",
                         help="one stage's budget, e.g. train=200 (after --budget-s scaling)")
     parser.add_argument("--stages", nargs="+", default=None,
-                        choices=["env", "tests", "calibrate", "train", "decode", "fp8", "smoke"])
+                        choices=["env", "tests", "calibrate", "train", "decode", "fp8",
+                                 "fp8-train", "smoke"])
     parser.add_argument("--out", default=str(HERE / "results"), help="report folder")
     parser.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
