@@ -63,8 +63,11 @@ def mode() -> str:
 
 
 def _wanted(x: torch.Tensor) -> bool:
-    return (torch.is_grad_enabled() and x.requires_grad and mode() != "off" and not _failed
-            and not torch.compiler.is_compiling())
+    # `is_compiling()` first: traced inside a compiled region (a compiled block), the formula
+    # is inlined, and reading `_mode` / `_failed` there would guard the region on them (first
+    # read sets `_mode`, so the region's second call would fail its guard and recompile).
+    return (not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad
+            and mode() != "off" and not _failed)
 
 
 def fusable(fn: F_) -> F_:
