@@ -83,7 +83,8 @@ def test_compiled_blocks_compute_what_eager_ones_do():
     compile_blocks(compiled, backend="eager")
     assert torch.equal(_train_step(compiled, "llama-tiny"), _train_step(eager, "llama-tiny"))
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+        # The traced backward may sum a tensor's gradient contributions in another order.
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
 def test_stacks_of_each_family_are_found():
