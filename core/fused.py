@@ -13,7 +13,9 @@ compiled kernels while autograd is recording (training and tuning steps); infere
 eager, because decode shapes change every step and its time goes to the weights, not to these
 passes. `auto` falls back to eager, with one warning, when compilation fails (no C++ compiler,
 an unsupported platform); `on` raises instead. Shapes may vary between calls: after the first
-shape change a function is recompiled once with dynamic shapes.
+shape change a function is recompiled once with dynamic shapes. A function is compiled once per
+set of input dtypes, with autocast on or off (it runs with autocast off, which changes none of
+these formulas), and is traced inline, not compiled apart, inside a compiled block.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ def mode() -> str:
 
 
 def _wanted(x: torch.Tensor) -> bool:
-    return (torch.is_grad_enabled() and x.requires_grad and mode() != "off" and not _failed
-            and not torch.compiler.is_compiling())
+    # `is_compiling()` first: traced inside a compiled region (a compiled block), the formula
+    # is inlined, and reading `_mode` / `_failed` there would guard the region on them (first
+    # read sets `_mode`, so the region's second call would fail its guard and recompile).
+    return (not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad
+            and mode() != "off" and not _failed)
 
 
 def fusable(fn: F_) -> F_:
@@ -86,7 +91,14 @@ def fusable(fn: F_) -> F_:
             if compiled is None:
                 key_compile_cache_by_isa()
                 compiled = torch.compile(fn, dynamic=None)
-            return compiled(x, *args, **kwargs)
+            device = x.device.type
+            if not torch.is_autocast_enabled(device):
+                return compiled(x, *args, **kwargs)
+            # A compiled function is guarded on the autocast state, and none of these formulas
+            # has an op autocast would cast (each upcasts itself where it needs fp32): called
+            # with autocast off, a mixed-precision step reuses the graphs of its input dtypes.
+            with torch.autocast(device, enabled=False):
+                return compiled(x, *args, **kwargs)
         except Exception as error:  # compile failures surface on the first call
             if mode() == "on":
                 raise

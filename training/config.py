@@ -86,8 +86,9 @@ class TrainConfig:
     fp8_amax_compute_algo: str = opt("max", "delayed scaling: max (over the history) | "
                                             "most_recent")
     device: str = opt("auto", "auto | cpu | cuda")
-    compile: bool = opt(False, "torch.compile each model chunk (costs 10-30 s once; on this "
-                               "project's CPU bench bf16 steps ran ~1.4x faster)")
+    compile: bool = opt(False, "torch.compile each transformer block (one compiled graph "
+                               "shared by every layer, so compiling costs the same at any "
+                               "depth); the embedding and head stay eager")
     peak_tflops: str = opt("auto", "peak TFLOP/s per device that MFU is reported against: a "
                                    "number, auto (the datasheet peak of a known CUDA GPU; else "
                                    "MFU is n/a) or measure (a matmul timed at start-up)")

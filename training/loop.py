@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.core.compile_cache import key_compile_cache_by_isa
 from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.flops import model_flops_per_token
 from tessera.core.fp8_training import Fp8Training, enable_fp8_training
@@ -41,6 +40,7 @@ from tessera.core.parallel.launch import init_distributed
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import kv_replicas
+from tessera.core.regional_compile import compile_blocks
 from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
 from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
@@ -145,9 +145,8 @@ def setup(plan: RunPlan, device: torch.device) -> Job:
     groups, stages = build_rank_model(plan, device)
     for m in stages:
         m.train()
-        if plan.run.compile:
-            key_compile_cache_by_isa()
-            m.compile()  # in place: parameter names (checkpoints, optimizer) stay the same
+        if plan.run.compile:  # in place: parameter names (checkpoints, optimizer) stay the same
+            compile_blocks(m)
     eod_id = None
     if plan.data.isolate_documents:
         from tessera.core.tokenizer import load_tokenizer

@@ -44,6 +44,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             return False
     elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
+    elif x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # the op's shape function (what torch.compile traces with) takes only bf16
     size = x.element_size()
     dims = {x.shape[-1]} | {d for w in weights for d in w.shape[1:]}
     # An activation halves the gated w1 output: its half must be aligned too.
@@ -105,6 +107,15 @@ class GroupedExperts(nn.Module):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             h = activate(grouped_linear(xs, w1, offsets), self.activation)
             return grouped_linear(h, w2, offsets)
-        sizes = counts.tolist()
-        h = activate(looped_linear(xs, w1, sizes), self.activation)
-        return looped_linear(h, w2, sizes)
+        return looped_experts(xs, w1, w2, counts, self.activation)
+
+
+# Eager even inside a compiled block: the loop's shapes are the token counts per expert, which
+# change every step, so a traced loop would be recompiled for each new set of counts.
+@torch.compiler.disable
+def looped_experts(xs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                   activation: str) -> torch.Tensor:
+    """The experts' MLPs over `xs` by the per-expert loop (`counts` rows per expert)."""
+    sizes = counts.tolist()
+    h = activate(looped_linear(xs, w1, sizes), activation)
+    return looped_linear(h, w2, sizes)

@@ -71,6 +71,22 @@ def _frames_compiled(fn) -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_autocast_reuses_the_graph_compiled_for_the_same_input_dtypes(name):
+    """A mixed-precision step (autocast on) compiles nothing new for inputs of dtypes already
+    compiled, and computes what the eager formula computes under autocast."""
+    torch._dynamo.reset()
+    inputs, compiled, eager = CASES[name](8, torch.float32)
+    assert _frames_compiled(lambda: _run(compiled, inputs)) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _frames_compiled(lambda: _run(compiled, inputs)) == 0
+        out_c, grads_c = _run(compiled, inputs)
+        out_e, grads_e = _run(eager, inputs)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_only_while_autograd_records():
     x = torch.randn(4, 2, 16, requires_grad=True)
     w = torch.randn(16)

@@ -322,12 +322,22 @@ def test_sigkill_while_saving_leaves_a_resumable_checkpoint(tiny, run30, tmp_pat
     assert not leftovers
 
 
-def test_compiled_training_follows_the_eager_losses(tiny, run8, tmp_path):
-    """`--compile` keeps parameter names (checkpoints load) and the loss curve (fusion may
-    reorder float sums, so equal to 1e-4 relative, not bitwise)."""
+def test_compiled_training_follows_the_eager_losses(tiny, run8, tmp_path, monkeypatch):
+    """`--compile` compiles each block (regional compilation), keeps parameter names
+    (checkpoints load) and the loss curve (fusion may reorder float sums, so equal to 1e-4
+    relative, not bitwise)."""
+    compiled_blocks = []
+
+    def compile_blocks(model):
+        compiled_blocks.extend(real_compile_blocks(model))
+        return compiled_blocks
+
+    real_compile_blocks = loop_module.compile_blocks
+    monkeypatch.setattr(loop_module, "compile_blocks", compile_blocks)
     run = tmp_path / "compiled"
     cfg, _ = load_config(pretrain_argv(tiny, run, "--compile", "--steps", "8"))
     pretrain(cfg)
+    assert compiled_blocks == [f"layers.{i}" for i in range(4)]
     eager, compiled = read_losses(run8), read_losses(run)
     for step in range(1, 5):
         assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
