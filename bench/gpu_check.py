@@ -220,6 +220,36 @@ def targets(done: list[Stage]) -> list[dict]:
             err = head["peak memory GiB"] / head["plan memory GiB"] - 1
             add("peak memory vs tessera plan", f"{head['peak memory GiB']:.1f} vs "
                 f"{head['plan memory GiB']:.1f} GiB ({err:+.0%})", "within 15%", abs(err) <= 0.15)
+    decode = {r.get("case"): r for r in by.get("decode", [])}
+    single = decode.get("single stream", {})
+    if single.get("fraction of bandwidth bound") is not None:
+        frac = single["fraction of bandwidth bound"]
+        add("decode batch 1, fraction of HBM bound", round(frac, 3), ">= 0.50 (floor 0.30)",
+            frac >= 0.30)
+    batch16 = decode.get("16 concurrent (HF: static batch 16)", {})
+    if batch16.get("tessera tok/s"):
+        add("decode 16 concurrent, tok/s", round(batch16["tessera tok/s"]), ">= 8000",
+            batch16["tessera tok/s"] >= 8000)
+    seen = decode.get("single stream, same request again (lengths seen)", {})
+    if single.get("tessera tok/s") and seen.get("tessera tok/s"):
+        ratio = seen["tessera tok/s"] / single["tessera tok/s"]
+        add("decode new-length / seen-length step time", round(ratio, 2), "<= 1.1", ratio <= 1.1)
+    gemm = [r for r in by.get("fp8", []) if r.get("M") == 8192 and "gemm x bf16" in r]
+    if gemm:
+        worst = min(gemm, key=lambda r: r["gemm x bf16"])
+        add("FP8 GEMM only x bf16, worst layer at M 8192", round(worst["gemm x bf16"], 2),
+            ">= 1.4", worst["gemm x bf16"] >= 1.4)
+        for layer, floor in (("gate/up", 1.2), ("down", 0.95)):
+            at = [r["fp8 speedup"] for r in gemm if r.get("layer") == layer]
+            if at:
+                add(f"FP8 fused quantize+GEMM x bf16, {layer}", round(min(at), 2),
+                    f">= {floor}", min(at) >= floor)
+    for r in by.get("fp8-train", []):
+        if r.get("fp8 step speedup"):
+            add("FP8 training step x bf16", round(r["fp8 step speedup"], 2), ">= 1.15",
+                r["fp8 step speedup"] >= 1.15)
+            add("FP8 loss vs bf16 (max relative diff)", round(r["max loss relative diff"], 4),
+                "<= 0.01", r["max loss relative diff"] <= 0.01)
     return out
 
 
