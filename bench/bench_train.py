@@ -190,7 +190,8 @@ def run(args) -> list[dict]:
              f"V{config.vocab_size} b{args.batch}x{args.seq}")
     dev = torch.device(args.device)
     datasheet, _ = resolve_peak("auto", dev, torch.bfloat16)
-    gemm_peak = {}
+    gemm_peak: dict[torch.dtype, float] = {}
+    predictions: dict[str, dict] = {}
     for side, case, precision, compile_ in cases(args):
         if budget.spent():
             print(f"budget spent: skipped {side} {case}", flush=True)
@@ -224,7 +225,9 @@ def run(args) -> list[dict]:
             row["peak memory GiB"] = torch.cuda.max_memory_allocated() / 2**30
             row["peak reserved GiB"] = torch.cuda.max_memory_reserved() / 2**30
             if side == "tessera":
-                row.update(predicted(args, precision))
+                if precision not in predictions:
+                    predictions[precision] = predicted(args, precision)
+                row.update(predictions[precision])
         rows.add(row)
         if args.profile_out and side == "tessera" and compile_ and not budget.spent():
             profile(step, args, Path(args.profile_out))
