@@ -91,6 +91,7 @@ def stages(args) -> list[Stage]:
         Stage("fp8-train", fp8_train, 45, "FP8 training step vs bf16"),
         Stage("smoke", smoke, 45, "tessera pretrain + tessera serve"),
     ]
+    plan = [s for s in plan if not args.stages or s.name in args.stages]
     total = sum(s.budget_s for s in plan)
     scale = (args.budget_s / total) if args.budget_s else 1.0
     for s in plan:
@@ -98,7 +99,7 @@ def stages(args) -> list[Stage]:
         if s.name in ("train", "decode", "fp8", "fp8-train", "calibrate"):
             # The bench stops starting new rows a little before the hard limit.
             s.argv += ["--budget-s", str(max(s.budget_s - 15, s.budget_s * 0.7))]
-    return [s for s in plan if not args.stages or s.name in args.stages]
+    return plan
 
 
 def run_stage(stage: Stage, log) -> None:
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="seconds-sized models (CPU check)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="scale the stage budgets to sum to this (default: 420 s)")
+                        help="scale the chosen stages' budgets to sum to this (default: 420 s "
+                             "for all stages)")
     parser.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=SECONDS",
                         help="one stage's budget, e.g. train=200 (after --budget-s scaling)")
     parser.add_argument("--stages", nargs="+", default=None,
