@@ -78,7 +78,8 @@ def stages(args) -> list[Stage]:
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]
         fp8_train = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny", "--train"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "3"]
-    tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
+    tests = ["-m", "pytest", "-q", "-rfE", "--tb=line", "-p", "no:cacheprovider",
+             str(ROOT / "tests" / "gpu")]
     # Seconds on one H100 with cold compile caches; the sum is the 7-minute default.
     plan = [
         Stage("env", [str(HERE / "gpu_check.py"), "--print-env", "--device", args.device], 15,
@@ -138,7 +139,7 @@ def run_stage(stage: Stage, log) -> None:
         stage.status = f"out of time at {stage.budget_s:.0f} s"
     reader.join(timeout=5)
     stage.seconds = time.monotonic() - tic
-    stage.log_tail = tail[-12:]
+    stage.log_tail = tail[-30:]
 
 
 def profile_rows(path: Path) -> list[dict]:
