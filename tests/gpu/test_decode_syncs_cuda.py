@@ -14,6 +14,12 @@ from tests.unit.serving.engine.test_decode_syncs import GREEDY, SAMPLED, decode_
 WARM_UP = 2  # decode steps left uncounted: first-use allocations (pinned buffers, seen masks)
 
 
+# Measured on an H200 (torch 2.11+cu130, 2026-11-27): greedy [2, 1, 1, ...] after the warm-up,
+# sampled 2 on every step. The CPU counter (tests/unit/serving/engine/test_decode_syncs.py) sees 1:
+# the other wait is one it cannot see, most likely a copy from pageable host memory to the GPU.
+# strict: the test fails as soon as the second wait is gone, so this mark is removed then.
+@pytest.mark.xfail(strict=True, reason="a second host wait per decode step on CUDA, not yet "
+                                       "found (measured on an H200, see above)")
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_cuda_decode_step_synchronises_at_most_once(settings):
     counts: list[int] = []

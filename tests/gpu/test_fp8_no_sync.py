@@ -53,6 +53,9 @@ def test_fp8_inference_linear_never_syncs(per_channel, kernels):
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_emulated_fp8_training_step_never_syncs(recipe):
     layer = ColumnParallelLinear(256, 512, True, None).cuda()
+    with torch.no_grad():  # the layer leaves its weights to the model's initializer
+        layer.weight.normal_(0.0, 0.02)
+        layer.bias.zero_()
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
     holder.layers["0"].attention = torch.nn.Module()
