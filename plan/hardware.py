@@ -121,15 +121,24 @@ PROFILES: dict[str, Hardware] = {
     # NVIDIA H100 datasheet (SXM5): BF16 1,979 and FP8 3,958 TFLOPS with sparsity, so 989.5 and
     # 1,979 dense; HBM3 80 GB at 3.35 TB/s (nvidia-smi: 81559 MiB = 79.6 GiB); NVLink 4
     # 900 GB/s (450 one way). DGX H100: 8 ConnectX-7 400 Gb/s, one per GPU = 50 GB/s.
+    # Measured rates (bench/results/gpu_check-NVIDIA-H200-*.md, `tessera plan --calibrate
+    # --device cuda`): the GEMM and attention efficiencies are the H200's, whose SMs and clocks
+    # are the H100's (bf16 GEMMs of llama-1b and llama2-7b layers at 8,192 tokens: 689-808
+    # TFLOP/s, fitted 0.7533; cuDNN attention forward + backward 510-530 TFLOP/s counted as the
+    # planner counts, 0.5255); HBM 2.96 TB/s measured by copy on an H100 80GB HBM3 (the first
+    # GPU run, ../shared/notes/gpu-first-contact.md).
     "h100-80gb": Hardware("h100-80gb", {"bf16": 989.5, "fp8": 1979.0, "fp32": 66.9},
-                          memory_gib=79.6, memory_gbps=3350.0, intra_node_gbps=450.0,
-                          inter_node_gbps=50.0, gemm_efficiency=0.75,
-                          notes="H100 SXM5 datasheet; DGX H100 networking"),
+                          memory_gib=79.6, memory_gbps=2960.0, intra_node_gbps=450.0,
+                          inter_node_gbps=50.0, gemm_efficiency=0.7533,
+                          attention_efficiency=0.5255,
+                          notes="H100 SXM5 datasheet peaks, links; rates measured"),
     # NVIDIA H200 datasheet (SXM): the H100's compute, HBM3e 141 GB at 4.8 TB/s (nvidia-smi:
-    # 143771 MiB = 140.4 GiB), NVLink 900 GB/s; DGX H200 networking as DGX H100.
+    # 143771 MiB = 140.4 GiB), NVLink 900 GB/s; DGX H200 networking as DGX H100. Rates measured
+    # on an H200 (2026-11-27, torch 2.11+cu130): as above, and HBM 4,194 GB/s by a 1 GiB copy.
     "h200": Hardware("h200", {"bf16": 989.5, "fp8": 1979.0, "fp32": 66.9}, memory_gib=140.4,
-                     memory_gbps=4800.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
-                     attention_efficiency=0.5, notes="H200 SXM datasheet; DGX H200 networking"),
+                     memory_gbps=4194.0, intra_node_gbps=450.0, inter_node_gbps=50.0,
+                     gemm_efficiency=0.7533, attention_efficiency=0.5255,
+                     notes="H200 SXM datasheet peaks, links; rates measured"),
 }
 
 

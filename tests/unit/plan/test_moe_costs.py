@@ -8,6 +8,8 @@ v0.9 (`moe_utils.permute` / `unpermute`), and figures worked by hand from them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,7 +20,11 @@ from tessera.plan import TrainingJob, evaluate, load_hardware
 from tessera.plan import estimate as E
 from tessera.plan import formulas as F
 
-H100 = load_hardware("h100-80gb")
+# The datasheet H100 this file's hand arithmetic was done on (3.35 TB/s, GEMMs at 0.75 of peak,
+# attention at 0.6), not the built-in profile's measured rates, so the goldens stay checkable by
+# hand; the published-run comparison below uses the built-in profile, as users get it.
+H100 = dataclasses.replace(load_hardware("h100-80gb"), memory_gbps=3350.0, gemm_efficiency=0.75,
+                           attention_efficiency=0.6)
 
 # Megatron-LM's MoE README (core_v0.9.0, megatron/core/transformer/moe/README.md): "Mixtral
 # 8X7B bf16 training ... 438 TFLOPS as of MCore v0.8", raised to "468 TFLOPS as of MCore v0.9"
@@ -184,7 +190,9 @@ def test_published_mixtral_layout_step_increase_by_hand():
 def test_published_mixtral_mfu_bounded():
     """Megatron-LM's published Mixtral 8x7B run, 468 TFLOP/s = 47.3% MFU, against the
     planner for exactly that layout. The planner over-predicts: 52.99% MFU before the MoE
-    costs above (step 2.591 s), 52.34% with them (2.623 s), +10.7% over the published figure.
+    costs above (step 2.591 s), 52.34% with them (2.623 s) on the datasheet H100, and 51.48%
+    (2.667 s) on the built-in profile with the rates measured on an H200 (GEMMs at 0.7533 of
+    peak, attention 0.5255, HBM 2.96 TB/s): +8.9% over the published figure.
     What it still lacks is not found and not fitted: load imbalance between the ep ranks
     (dropless routing waits for the most loaded expert; no published max/mean load for this
     setting), the dispatcher's host synchronisation for the all-to-all splits and the many
@@ -195,8 +203,10 @@ def test_published_mixtral_mfu_bounded():
     (`--no-overlap-p2p-communication` turns that off; `arguments.py`); hidden, the step would
     be ~2.31 s and the MFU ~59.5%, so the MoE gap is larger than the ~10% shown here. Bounded
     so that it cannot grow unnoticed, nor shrink without this note being revisited."""
-    c = evaluate(_mixtral_job(), PUBLISHED)
-    assert c.mfu == pytest.approx(0.5227, abs=5e-4)
+    job = TrainingJob(ModelConfig.from_name("mixtral-8x7b"), 64, load_hardware("h100-80gb"), 256,
+                      4096)
+    c = evaluate(job, PUBLISHED)
+    assert c.mfu == pytest.approx(0.5148, abs=5e-4)
     over = c.mfu / PUBLISHED_MFU - 1
     assert 0.08 < over < 0.13, over
 
