@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.core import fused
+from tessera.core.attention_backends import cached_attention_backends
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
 from tessera.core.models.registry import family as model_family
@@ -135,6 +136,9 @@ class Attention(nn.Module):
             k, v, mask = cache.update(self.layer, k, v, positions, slots)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             y = recompute(self._core, q, k, v, mask, seq)
+        elif cache is not None:  # a new key length every step (core.attention_backends)
+            with cached_attention_backends():
+                y = self._core(q, k, v, mask, seq)
         else:
             y = self._core(q, k, v, mask, seq)
         y = y.permute(2, 0, 1, 3).reshape(T, B, self.n_heads * hd)
