@@ -224,6 +224,10 @@ def run(args) -> list[dict]:
         if args.device.startswith("cuda"):
             row["peak memory GiB"] = torch.cuda.max_memory_allocated() / 2**30
             row["peak reserved GiB"] = torch.cuda.max_memory_reserved() / 2**30
+            # What nvidia-smi shows (the allocator's cache, CUDA context, cuBLAS workspaces):
+            # the figure `tessera plan`'s memory per GPU predicts, overhead included.
+            free, total = torch.cuda.mem_get_info()
+            row["device used GiB"] = (total - free) / 2**30
             if side == "tessera":
                 if precision not in predictions:
                     predictions[precision] = predicted(args, precision)
