@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import resource
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -77,6 +78,14 @@ class Budget:
 
     def spent(self) -> bool:
         return self.left() <= 0
+
+    def skips(self, what: str) -> bool:
+        """Whether the budget is spent; if so, says on stderr that `what` is not measured."""
+        if not self.spent():
+            return False
+        print(f"budget of {self.seconds:g} s spent: {what} not measured", file=sys.stderr,
+              flush=True)
+        return True
 
 
 class Rows:

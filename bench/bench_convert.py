@@ -2,9 +2,10 @@
 against the checkpoint's size and a plain file copy of it, measured in the same run.
 
 Each conversion runs in a fresh subprocess so its peak RSS is its own. Targets on the 2-core CPU:
-peak RSS under 25% of the checkpoint size; throughput at least half of the file copy's.
+peak RSS under 25% of the checkpoint size; throughput at least half of the file copy's. Each row
+is printed as it is measured; `--budget-s` stops starting conversions once spent.
 
-    python bench/bench_convert.py [--size-gb 1.0] [--workdir /tmp/tessera-bench-convert]
+    python bench/bench_convert.py [--size-gb 1.0] [--workdir /tmp/tessera-bench-convert] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows  # noqa: E402
 
 # Peak RSS from VmHWM, which belongs to this address space: getrusage's ru_maxrss survives
 # fork + exec, so a child of a large parent would report the parent's peak.
@@ -80,22 +81,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tessera-bench-convert"))
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no conversion starts once it is spent")
     args = parser.parse_args(argv)
+    budget, rows = Budget(args.budget_s), Rows("convert")
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = args.workdir / "src"
     size = make_checkpoint(src, args.size_gb)
+    rows.add({"conversion": f"checkpoint: {size / 1e9:.2f} GB fp32"})
     copy_s = plain_copy(src, args.workdir / "copy")
-    rows = [{"conversion": "plain file copy (read + write + fsync)", "GB/s": size / copy_s / 1e9,
-             "peak RSS / checkpoint": "-", "vs copy (target >= 0.5)": 1.0}]
+    rows.add({"conversion": "plain file copy (read + write + fsync)", "GB/s": size / copy_s / 1e9,
+              "peak RSS / checkpoint": "-", "vs copy (target >= 0.5)": 1.0})
     for tp, pp in ((2, 2), (1, 1), (4, 1)):
+        if budget.skips(f"tp1 -> tp{tp} x pp{pp} and later conversions"):
+            break
         result = convert(src, args.workdir / f"tp{tp}pp{pp}", tp, pp)
         rss = result["peak_rss"] - result["baseline_rss"]
-        rows.append({"conversion": f"tp1 -> tp{tp} x pp{pp}",
-                     "GB/s": size / result["seconds"] / 1e9,
-                     "peak RSS / checkpoint": f"{rss / size:.1%} (target < 25%)",
-                     "vs copy (target >= 0.5)": copy_s / result["seconds"]})
-    rows.insert(0, {"conversion": f"checkpoint: {size / 1e9:.2f} GB fp32"})
-    record(rows, "convert")
+        rows.add({"conversion": f"tp1 -> tp{tp} x pp{pp}",
+                  "GB/s": size / result["seconds"] / 1e9,
+                  "peak RSS / checkpoint": f"{rss / size:.1%} (target < 25%)",
+                  "vs copy (target >= 0.5)": copy_s / result["seconds"]})
+    rows.finish()
 
 
 if __name__ == "__main__":

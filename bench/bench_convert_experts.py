@@ -5,9 +5,10 @@ A random fp32 MoE checkpoint (8 experts per layer, banks of `--bank-mb` MiB each
 that for w2) is converted ep1 -> ep4 (dp 4), ep4 -> ep2 x etp2, ep2 x etp2 -> ep1, each in a
 fresh subprocess so its peak RSS (VmHWM above the interpreter with torch imported) is its own.
 Expert banks stream expert by expert in row chunks of `CHUNK_BYTES` (32 MiB), so the peak
-should stay a few chunks whatever the bank size.
+should stay a few chunks whatever the bank size. Each row is printed as it is measured;
+`--budget-s` stops starting conversions once spent.
 
-    python bench/bench_convert_experts.py [--bank-mb 512] [--layers 2] [--workdir DIR]
+    python bench/bench_convert_experts.py [--bank-mb 512] [--layers 2] [--workdir DIR] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows  # noqa: E402
 from bench_convert import plain_copy  # noqa: E402
 
 _CHILD = r"""
@@ -64,26 +65,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bank-mb", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tessera-bench-convert-moe"))
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no conversion starts once it is spent")
     args = parser.parse_args(argv)
+    budget, rows = Budget(args.budget_s), Rows("convert_experts")
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = args.workdir / "ep1"
     size, bank = make_checkpoint(src, args.bank_mb, args.layers)
+    rows.add({"conversion": f"checkpoint: {size / 1e9:.2f} GB fp32, w1 bank {bank / 2**20:.0f} "
+                            f"MiB"})
     copy_s = plain_copy(src, args.workdir / "copy")
-    rows = [{"conversion": f"checkpoint: {size / 1e9:.2f} GB fp32, w1 bank {bank / 2**20:.0f} "
-                           f"MiB"},
-            {"conversion": "plain file copy (read + write + fsync)", "GB/s": size / copy_s / 1e9}]
+    rows.add({"conversion": "plain file copy (read + write + fsync)", "GB/s": size / copy_s / 1e9})
     hops = [("ep1 -> ep4 (dp 4)", src, "ep4", {"ep": 4, "dp": 4}),
             ("ep4 -> ep2 x etp2", args.workdir / "ep4", "ep2etp2", {"ep": 2, "etp": 2}),
             ("ep2 x etp2 -> ep1", args.workdir / "ep2etp2", "back", {"ep": 1})]
     for name, source, out, kwargs in hops:
+        # Each hop reads the one before, so a skipped hop skips the rest.
+        if budget.skips(f"{name} and later hops"):
+            break
         tic = time.perf_counter()
         result = convert(source, args.workdir / out, **kwargs)
         rss = result["peak_rss"] - result["baseline_rss"]
-        rows.append({"conversion": name, "GB/s": size / result["seconds"] / 1e9,
-                     "peak RSS MiB": rss / 2**20, "peak RSS / w1 bank": f"{rss / bank:.1%}",
-                     "vs copy": copy_s / result["seconds"],
-                     "wall s": time.perf_counter() - tic})
-    record(rows, "convert_experts")
+        rows.add({"conversion": name, "GB/s": size / result["seconds"] / 1e9,
+                  "peak RSS MiB": rss / 2**20, "peak RSS / w1 bank": f"{rss / bank:.1%}",
+                  "vs copy": copy_s / result["seconds"],
+                  "wall s": time.perf_counter() - tic})
+    rows.finish()
 
 
 if __name__ == "__main__":

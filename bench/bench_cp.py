@@ -26,6 +26,8 @@ over their concatenation, as fixed cp runs its chunks: the gain without the per-
 kernel (placement, communication, and a rank's whole documents paired only with each other
 rather than its chunks with the whole row).
 
+Each row is printed as it is measured; `--budget-s` stops starting cp sizes once spent.
+
     python bench/bench_cp.py [--seq 4096 --layers 2 --hidden 256 --steps 2 --part all]
 """
 
@@ -45,7 +47,7 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.config import Layout, TrainSchedule  # noqa: E402
@@ -183,23 +185,22 @@ def _dynamic_body(rank: int, world_size: int, args) -> dict[str, list[float]]:
     return out
 
 
-def measure_dynamic(args, isa: str) -> list[dict]:
+def measure_dynamic(args, isa: str, rows: Rows, budget: Budget) -> None:
     """One row per cp size: fixed and dynamic step times (slowest rank per micro-batch,
     summed over the micro-batches) and their ratio."""
-    rows = []
-    for cp in args.dynamic_cp:
+    for i, cp in enumerate(args.dynamic_cp):
+        if i and budget.skips(f"dynamic cp {cp} and later sizes"):
+            break
         per_rank = run_ranks(_dynamic_body, cp, args, timeout=900)
         fixed, dynamic, masked = (
             sum(max(r[mode][b] for r in per_rank) for b in range(args.batches)) for mode in MODES)
-        rows.append({"cp": cp, "cp_comm": args.comm, "seq": args.seq,
-                     "doc lengths": f"log-uniform {args.doc_min}..{args.doc_max}",
-                     "micro-batches": args.batches, "CPU ISA": isa,
-                     "fixed s": fixed, "dynamic s": dynamic,
-                     "speed-up (fixed / dynamic)": fixed / dynamic,
-                     "dynamic, masked whole docs s": masked,
-                     "speed-up (fixed / masked)": fixed / masked})
-        print(rows[-1], flush=True)
-    return rows
+        rows.add({"cp": cp, "cp_comm": args.comm, "seq": args.seq,
+                  "doc lengths": f"log-uniform {args.doc_min}..{args.doc_max}",
+                  "micro-batches": args.batches, "CPU ISA": isa,
+                  "fixed s": fixed, "dynamic s": dynamic,
+                  "speed-up (fixed / dynamic)": fixed / dynamic,
+                  "dynamic, masked whole docs s": masked,
+                  "speed-up (fixed / masked)": fixed / masked})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,31 +216,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=3, help="dynamic: micro-batches")
     parser.add_argument("--dynamic-cp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--comm", default="allgather", help="dynamic: cp_comm of both runs")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no cp size starts once it is spent")
     args = parser.parse_args(argv)
+    budget = Budget(args.budget_s)
     os.environ.setdefault("TESSERA_FUSED_KERNELS", "off")  # no per-rank compiles
     isa = torch.backends.cpu.get_cpu_capability()
     # The machine may be shared: its load at the start says how far to trust the times.
     print(f"load average (1, 5, 15 min) at start: {os.getloadavg()}", flush=True)
     if args.part in ("all", "dynamic"):
-        record(measure_dynamic(args, isa), "cp_dynamic")
-    if args.part == "dynamic":
+        rows = Rows("cp_dynamic")
+        measure_dynamic(args, isa, rows, budget)
+        rows.finish()
+    if args.part == "dynamic" or (args.part == "all" and budget.skips("the fixed cp part")):
         return
+    rows = Rows("cp")
     base = measure(1, ["allgather"], args)["allgather"]  # cp 1: no communication
-    rows = [{"cp": 1, "cp_comm": "-", "seq": args.seq, "CPU ISA": isa,
-             "activations MiB/rank": base["saved"] / MIB, "ideal MiB (cp1/cp)": base["saved"] / MIB,
-             "x ideal (mem)": 1.0, "step s": base["time"], "ideal s (cp1/cp)": base["time"],
-             "x ideal (time)": 1.0}]
-    print(rows[-1], flush=True)
+    rows.add({"cp": 1, "cp_comm": "-", "seq": args.seq, "CPU ISA": isa,
+              "activations MiB/rank": base["saved"] / MIB,
+              "ideal MiB (cp1/cp)": base["saved"] / MIB, "x ideal (mem)": 1.0,
+              "step s": base["time"], "ideal s (cp1/cp)": base["time"], "x ideal (time)": 1.0})
     for cp in (2, 4):
+        if budget.skips(f"cp {cp} and later sizes"):
+            break
         for comm, r in measure(cp, ["allgather", "ring"], args).items():
             ideal_mem, ideal_time = base["saved"] / cp, base["time"] / cp
-            rows.append({"cp": cp, "cp_comm": comm, "seq": args.seq, "CPU ISA": isa,
-                         "activations MiB/rank": r["saved"] / MIB,
-                         "ideal MiB (cp1/cp)": ideal_mem / MIB,
-                         "x ideal (mem)": r["saved"] / ideal_mem, "step s": r["time"],
-                         "ideal s (cp1/cp)": ideal_time, "x ideal (time)": r["time"] / ideal_time})
-            print(rows[-1], flush=True)
-    record(rows, "cp")
+            rows.add({"cp": cp, "cp_comm": comm, "seq": args.seq, "CPU ISA": isa,
+                      "activations MiB/rank": r["saved"] / MIB,
+                      "ideal MiB (cp1/cp)": ideal_mem / MIB,
+                      "x ideal (mem)": r["saved"] / ideal_mem, "step s": r["time"],
+                      "ideal s (cp1/cp)": ideal_time, "x ideal (time)": r["time"] / ideal_time})
+    rows.finish()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ bf16, block FP8 and per-tensor FP8 (dynamic, and static after calibration on a s
 imported back (dequantized exactly as transformers and vLLM do), and its perplexity measured on
 held-out text. Activations are quantized and dequantized the way the FP8 kernels do it: block FP8
 per token and 1 x block group (dynamic), per tensor over each batch (dynamic) or with the
-calibrated input scale (static, saturating); the products then run in fp32.
+calibrated input scale (static, saturating); the products then run in fp32. Each row is printed
+as it is measured; `--budget-s` stops starting formats once spent (bf16, the reference, always
+runs).
 
     python bench/bench_fp8_export.py [--steps 300] [--checkpoint CKPT --heldout FILE --calibration FILE]
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows  # noqa: E402
 
 from tessera.converters.calibrate import calibrate_input_amax  # noqa: E402
 from tessera.converters.cli import main as convert  # noqa: E402
@@ -100,7 +102,8 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int) -> float:
     return math.exp(torch.stack(losses).mean().item())
 
 
-def run(args) -> list[dict]:
+def run(args, rows: Rows) -> None:
+    budget = Budget(args.budget_s)
     work = Path(tempfile.mkdtemp(prefix="bench-fp8-export-"))
     ckpt = Path(args.checkpoint) if args.checkpoint else train(work, args.steps, args.seq,
                                                                  args.batch)
@@ -116,8 +119,10 @@ def run(args) -> list[dict]:
                 "fp8 tensor, dynamic": ("tensor", ["--fp8", "tensor"]),
                 "fp8 tensor, static": ("static", ["--fp8", "tensor", "--calibration-data",
                                                   str(calibration)])}
-    rows, base = [], None
+    base = None
     for label, (mode, flags) in variants.items():
+        if base is not None and budget.skips(f"{label} and later formats"):
+            break
         hf, back = work / f"hf-{label}", work / f"back-{label}"
         assert convert(["--to", "hf", "--input", str(ckpt), "--output", str(hf), "--dtype",
                         "bf16", *flags, *(["--fp8-block", str(args.block)] if mode == "block"
@@ -131,10 +136,8 @@ def run(args) -> list[dict]:
         ppl = perplexity(model, ids, seq)
         base = base or ppl
         size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
-        rows.append({"format": label, "perplexity": ppl, "vs bf16": ppl / base - 1,
-                     "weights MB": size / 1e6, "held-out tokens": len(ids)})
-        print(rows[-1])
-    return rows
+        rows.add({"format": label, "perplexity": ppl, "vs bf16": ppl / base - 1,
+                  "weights MB": size / 1e6, "held-out tokens": len(ids)})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,8 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens at most")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget (training included): no format starts once spent")
     args = parser.parse_args(argv)
-    record(run(args), "fp8_export")
+    rows = Rows("fp8_export")
+    run(args, rows)
+    rows.finish()
 
 
 if __name__ == "__main__":

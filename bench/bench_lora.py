@@ -7,7 +7,8 @@ fused layer Tessera's adapter has one A for the fused outputs (as PEFT has on a 
 so it holds fewer A parameters than PEFT's separate q/k/v (gate/up) adapters of the same rank.
 
 Each variant runs in its own subprocess, so its peak RSS is its own. One step = forward,
-backward and an AdamW update of the adapter only (the base is frozen in both).
+backward and an AdamW update of the adapter only (the base is frozen in both). Each row is
+printed as it is measured; `--budget-s` stops starting target sets once spent.
 
     python bench/bench_lora.py [--hidden 512 --layers 8 --seq 128 --batch 8 --rank 16]
 """
@@ -23,7 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import answer_only_batch, best_time, peak_rss_mb, record, run_child  # noqa: E402
+from _common import (  # noqa: E402
+    Budget,
+    Rows,
+    answer_only_batch,
+    best_time,
+    peak_rss_mb,
+    run_child,
+)
 
 HF_TARGETS = {"attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
               "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -88,10 +96,11 @@ def _run(which: str, path: Path, targets: str, args) -> dict:
     return run_child(__file__, which, str(path), targets, json.dumps(vars(args)))
 
 
-def run(args) -> list[dict]:
+def run(args, rows: Rows) -> None:
     from tessera.converters.hf_io import export_hf
     from tessera.core import ModelConfig, build_model, save_checkpoint
 
+    budget = Budget(args.budget_s)
     config = ModelConfig.from_name("llama-tiny", vocab_size=8000, hidden_size=args.hidden,
                                    num_layers=args.layers, num_heads=args.hidden // 64,
                                    num_kv_heads=args.hidden // 64, ffn_hidden_size=args.hidden * 3,
@@ -99,18 +108,18 @@ def run(args) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-lora-"))
     ckpt = save_checkpoint(work / "ckpt", build_model(config, seed=0))
     export_hf(ckpt, work / "hf")
-    rows = []
     for targets in ("attention", "all"):
+        if targets != "attention" and budget.skips(f"targets {targets}"):
+            break
         ours = _run("tessera", ckpt, targets, args)
         theirs = _run("peft", work / "hf", targets, args)
-        rows.append({"targets": targets, "rank": args.rank,
-                     "tessera step s": ours["seconds"], "peft step s": theirs["seconds"],
-                     "speed ratio": theirs["seconds"] / ours["seconds"],
-                     "tessera peak RSS MB": ours["peak_rss_mb"],
-                     "peft peak RSS MB": theirs["peak_rss_mb"],
-                     "tessera adapter params": ours["params"],
-                     "peft adapter params": theirs["params"]})
-    return rows
+        rows.add({"targets": targets, "rank": args.rank,
+                  "tessera step s": ours["seconds"], "peft step s": theirs["seconds"],
+                  "speed ratio": theirs["seconds"] / ours["seconds"],
+                  "tessera peak RSS MB": ours["peak_rss_mb"],
+                  "peft peak RSS MB": theirs["peak_rss_mb"],
+                  "tessera adapter params": ours["params"],
+                  "peft adapter params": theirs["params"]})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,8 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no further targets start once it is spent")
     args = parser.parse_args(argv)
-    record(run(args), "lora")
+    rows = Rows("lora")
+    run(args, rows)
+    rows.finish()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
 """The batched LoRA product of `core.lora_batched`: loop over the batch's adapters (what the hook
 does) against gathering every row's factors and two `bmm`s, on this host's CPU.
 
-    python bench/bench_lora_batched.py [--threads N]
+    python bench/bench_lora_batched.py [--threads N] [--budget-s S]
 
-Prints the CPU's ISA beside the figures (`core.cpu_isa`).
+Prints the CPU's ISA beside the figures (`core.cpu_isa`), and each row as it is measured;
+`--budget-s` stops starting shapes once spent.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from tessera.core.cpu_isa import cpu_isa
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import Budget, Rows  # noqa: E402
+
+from tessera.core.cpu_isa import cpu_isa  # noqa: E402
 
 
 def loop(x, a, b, slots):
@@ -42,23 +48,30 @@ def timed(fn, *args, reps=50):
     return (time.perf_counter() - t) / reps * 1e6
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget: no shape starts once it is spent")
+    args = p.parse_args(argv)
+    budget, rows = Budget(args.budget_s), Rows("lora_batched")
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_isa()}, threads {args.threads}")
-    print(f"{'hidden':>6} {'T':>4} {'B':>3} {'adapters':>8} {'loop us':>9} {'gather+bmm us':>14}")
     g = torch.Generator().manual_seed(0)
-    for hidden, T, B, n in [(256, 1, 8, 2), (256, 1, 32, 4), (1024, 1, 16, 4), (1024, 1, 64, 4),
-                            (1024, 64, 4, 2), (2048, 1, 32, 4), (2048, 128, 2, 2)]:
+    for i, (hidden, T, B, n) in enumerate([(256, 1, 8, 2), (256, 1, 32, 4), (1024, 1, 16, 4),
+                                           (1024, 1, 64, 4), (1024, 64, 4, 2), (2048, 1, 32, 4),
+                                           (2048, 128, 2, 2)]):
+        if i and budget.skips(f"hidden {hidden} T {T} B {B} and later shapes"):
+            break
         a = torch.randn(4, 16, hidden, generator=g)
         b = torch.randn(4, 3 * hidden, 16, generator=g)
         x = torch.randn(T, B, hidden, generator=g)
         slots = torch.arange(B) % (n + 1) - 1  # some rows without an adapter
         assert torch.allclose(loop(x, a, b, slots), gather_bmm(x, a, b, slots), atol=1e-3)
-        print(f"{hidden:>6} {T:>4} {B:>3} {n:>8} {timed(loop, x, a, b, slots):>9.0f} "
-              f"{timed(gather_bmm, x, a, b, slots):>14.0f}")
+        rows.add({"hidden": hidden, "T": T, "B": B, "adapters": n,
+                  "loop us": timed(loop, x, a, b, slots),
+                  "gather+bmm us": timed(gather_bmm, x, a, b, slots)})
+    return rows.finish()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ ddp keeps 4N + 4N + 8N on every rank; zero1 divides the optimizer state by dp (4
 fsdp divides all three (16N/dp), plus what it gathers for a layer's forward and backward, which
 is freed again and so shows only in the peak RSS. The RSS also holds torch itself (~300 MiB).
 
+Each row is printed as it is measured; `--budget-s` stops starting runs once spent.
+
     python bench/bench_memory.py [--layers 4 --hidden 512 --vocab 8192]
 """
 
@@ -24,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import peak_rss_mb, record  # noqa: E402
+from _common import Budget, Rows, peak_rss_mb  # noqa: E402
 
 from tessera.core import Layout, ModelConfig, TrainSchedule, build_model  # noqa: E402
 from tessera.core.parallel.data_parallel import (  # noqa: E402
@@ -89,18 +91,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no run starts once it is spent")
     args = parser.parse_args(argv)
+    budget, rows = Budget(args.budget_s), Rows("bench_memory")
     os.environ.setdefault("TESSERA_FUSED_KERNELS", "off")
     isa = torch.backends.cpu.get_cpu_capability()
-    rows = []
     for dp in (2, 4):
         for flavour in ("ddp", "zero1", "fsdp"):
+            if rows.rows and budget.skips(f"{flavour} at dp {dp}"):
+                continue
             r = measure(flavour, dp, args)
             n4 = 4 * r["n"]  # 4N bytes (a DTensor's numel is the whole parameter's)
             theory = {"ddp": (n4, n4, 2 * n4), "zero1": (n4, n4, 2 * n4 / dp),
                       "fsdp": (n4 / dp, n4 / dp, 2 * n4 / dp)}[flavour]
             held = r["params"] + r["grads"] + r["optimizer"]
-            rows.append({
+            rows.add({
                 "dp": dp, "flavour": flavour, "CPU ISA (torch kernels)": isa,
                 "params MiB": r["params"] / MIB, "grads MiB": r["grads"] / MIB,
                 "optimizer MiB": r["optimizer"] / MIB,
@@ -109,8 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 "theory total MiB": sum(theory) / MIB,
                 "peak RSS MiB (rank 0)": r["rss"],
             })
-            print(rows[-1], flush=True)
-    record(rows, "bench_memory")
+    rows.finish()
 
 
 if __name__ == "__main__":

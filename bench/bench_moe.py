@@ -13,6 +13,8 @@ compares different arithmetic. The pure-bf16 row compares like with like. Rows:
 - `hf`: transformers' Mixtral (its own per-hit-expert loop over fused expert weights).
 A second table times the expert block alone (forward + backward of 8 experts on the token
 copies of one layer), grouped vs loop. The CPU's instruction set is printed with the figures.
+Each precision's (dtype's) rows are printed once measured; `--budget-s` stops starting
+precisions, dtypes and the second table once spent.
 
     python bench/bench_moe.py [--layers 2 --hidden 256 --ffn 512 --experts 8 --seq 128 --batch 4]
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import best_time, record  # noqa: E402
+from _common import Budget, Rows, best_time  # noqa: E402
 
 from tessera.converters.hf_mapping import config_to_hf  # noqa: E402
 from tessera.core import ModelConfig, build_model  # noqa: E402
@@ -76,15 +78,16 @@ def _set_grouped(model, grouped: bool) -> None:
             m.experts.use_grouped_mm = grouped
 
 
-def run_training(args) -> list[dict]:
+def run_training(args, rows: Rows, budget: Budget, isa: str) -> None:
     config = _config(args)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(0))
     tokens = args.batch * args.seq
-    rows = []
     for precision, autocast, dtype in (("fp32", None, torch.float32),
                                        ("bf16 autocast", torch.bfloat16, torch.float32),
                                        ("bf16 weights", None, torch.bfloat16)):
+        if rows.rows and budget.skips(f"training in {precision}"):
+            break
         times = {}
         model = build_model(config, seed=0, dtype=dtype).train()
         for grouped in (True, False):
@@ -94,18 +97,18 @@ def run_training(args) -> list[dict]:
         times["hf"] = best_time(_step_fn(_hf_model(config).to(dtype), ids, autocast, hf=True),
                                 repeats=args.steps)
         for name, t in times.items():
-            rows.append({"precision": precision, "side": name, "tokens/s": tokens / t,
-                         "vs hf": times["hf"] / t})
-    return rows
+            rows.add({"precision": precision, "side": name, "tokens/s": tokens / t,
+                      "vs hf": times["hf"] / t, "isa": isa})
 
 
-def run_experts(args) -> list[dict]:
-    rows = []
+def run_experts(args, rows: Rows, budget: Budget, isa: str) -> None:
     n = args.batch * args.seq * args.top_k
     counts = torch.bincount(torch.randint(0, args.experts, (n,),
                                           generator=torch.Generator().manual_seed(1)),
                             minlength=args.experts)
     for dtype in (torch.float32, torch.bfloat16):
+        if rows.rows and budget.skips(f"the expert block in {dtype}"):
+            break
         experts = GroupedExperts(args.experts, args.hidden, args.ffn, "swiglu").to(dtype)
         with torch.no_grad():
             for p in experts.parameters():
@@ -119,23 +122,31 @@ def run_experts(args) -> list[dict]:
                 experts(xs, counts).square().mean().backward()
 
             times[grouped] = best_time(fwd_bwd, repeats=args.steps)
-        rows.append({"dtype": str(dtype).removeprefix("torch."), "copies": n,
-                     "grouped ms": times[True] * 1e3, "loop ms": times[False] * 1e3,
-                     "loop / grouped": times[False] / times[True]})
-    return rows
+        rows.add({"dtype": str(dtype).removeprefix("torch."), "copies": n,
+                  "grouped ms": times[True] * 1e3, "loop ms": times[False] * 1e3,
+                  "loop / grouped": times[False] / times[True], "isa": isa})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("layers", 2), ("hidden", 256), ("ffn", 512), ("experts", 8),
                           ("top-k", 2), ("seq", 128), ("batch", 4), ("vocab", 4096),
                           ("steps", 3)):
         p.add_argument(f"--{flag}", type=int, default=default)
-    args = p.parse_args()
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget: nothing further starts once it is spent")
+    args = p.parse_args(argv)
+    budget = Budget(args.budget_s)
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"CPU ISA: {isa}; torch threads: {torch.get_num_threads()}", flush=True)
-    record([{**r, "isa": isa} for r in run_training(args)], "moe_train")
-    record([{**r, "isa": isa} for r in run_experts(args)], "moe_experts")
+    rows = Rows("moe_train")
+    run_training(args, rows, budget, isa)
+    rows.finish()
+    if budget.skips("the expert-block table"):
+        return
+    rows = Rows("moe_experts")
+    run_experts(args, rows, budget, isa)
+    rows.finish()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ For pipelines, the measured bubble is `1 - ideal / measured`, where ideal is the
 step time divided by the pipeline size (perfect split, no communication); the theoretical bubble
 of 1F1B-like schedules is `(p - 1) / (m + p - 1)` of the step, and interleaving over v chunks
 divides the idle time by v. On CPU the measured value also carries gloo's communication time.
+Each row is printed as it is measured; `--budget-s` stops starting layouts once spent.
 
     python bench/bench_parallel.py [--layers 8 --hidden 256 --seq 128 --batch 16 --steps 3]
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.parallel.pipeline import split_layout_and_schedule  # noqa: E402
@@ -106,10 +107,13 @@ def theoretical_bubble(pp: int, m: int, v: int) -> float:
     return idle / (m + idle)
 
 
-def run(args) -> list[dict]:
+def run(args, rows: Rows) -> None:
+    budget = Budget(args.budget_s)
     base = single_step_time(args)
-    rows = [{"layout": "1 process (1 thread)", "step s": base, "vs 1 process": 1.0}]
+    rows.add({"layout": "1 process (1 thread)", "step s": base, "vs 1 process": 1.0})
     for label, kwargs in LAYOUTS:
+        if budget.skips(f"{label} and later layouts"):
+            break
         par, _ = split_layout_and_schedule(dict(micro_batches=args.micro_batches, **kwargs))
         seconds = max(run_ranks(_rank_body, par.world_size, args, kwargs, timeout=600))
         row = {"layout": label, "step s": seconds, "vs 1 process": base / seconds}
@@ -117,11 +121,10 @@ def run(args) -> list[dict]:
             row["bubble measured"] = max(0.0, 1 - base / par.pp / seconds)
             row["bubble theory"] = theoretical_bubble(par.pp, args.micro_batches,
                                                       par.virtual_stages)
-        rows.append(row)
-    return rows
+        rows.add(row)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
@@ -129,8 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no layout starts once it is spent")
     args = parser.parse_args(argv)
-    record(run(args), "parallel")
+    rows = Rows("parallel")
+    run(args, rows)
+    return rows.finish()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ beside it, as `tessera serve` runs them), random weights, greedy decoding with `
    arrives; the decoders' inter-token latency p50/p99/max while it is prefilled, with
    chunked prefill (`--chunk` tokens per step) and without (the whole prompt in one step).
 
+Each row is printed as it is measured ("outputs equal" is filled in once its peers have run);
+`--budget-s` stops starting engines and workloads once spent.
+
     python bench/bench_serving_paged.py                       # both workloads
     python bench/bench_serving_paged.py --workload prefix --rate 4 16 --num-requests 64
 """
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import record  # noqa: E402
+from _common import Budget, Rows  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.paged_kv_cache import PagedKVCache  # noqa: E402
@@ -106,7 +109,14 @@ def ms(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000 if values else float("nan")
 
 
-def prefix_workload(model, args) -> list[dict]:
+def _outputs_equal(outputs: dict[str, list], rows: list[dict]) -> None:
+    """Mark `rows` with whether every engine gave the same tokens ("-" with one engine)."""
+    same = len({str(o) for o in outputs.values()}) == 1
+    for row in rows:
+        row["outputs equal"] = "-" if len(outputs) < 2 else "yes" if same else "NO"
+
+
+def prefix_workload(model, args, rows: Rows, budget: Budget) -> None:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     shared = rng.integers(4, vocab, args.prefix).tolist()
@@ -125,12 +135,14 @@ def prefix_workload(model, args) -> list[dict]:
                    num_blocks=slot_bytes // per_block, prefix_caching=False)),
                "paged + prefix": dict(max_batch=args.paged_max_batch,
                                       kv=KVCacheConfig(num_blocks=slot_bytes // per_block))}
-    rows, outputs = [], {}
     for rate in args.rate:
         gaps = rng.exponential(1 / rate, len(requests)) if rate != float("inf") else \
             np.zeros(len(requests))
         delays = np.cumsum(gaps).tolist()
+        outputs, measured = {}, []
         for name, kwargs in engines.items():
+            if rows.rows and budget.skips(f"{name} at {rate:g} req/s"):
+                continue
             with LLMEngine(model, background=False, max_step_tokens=args.step_tokens,
                            **kwargs) as engine:
                 serve(engine, requests[:2], [0.0, 0.0])  # warm-up (also warms the prefix)
@@ -144,7 +156,7 @@ def prefix_workload(model, args) -> list[dict]:
                 "prefix_cache_queries_tokens_total", 0)
             hits = stats.get("prefix_cache_hits_tokens_total", 0) - before.get(
                 "prefix_cache_hits_tokens_total", 0)
-            rows.append({
+            measured.append(rows.add({
                 "rate req/s": rate, "engine": name,
                 "out tok/s": round(sum(len(s.tokens) for s in seen) / span, 1),
                 "TTFT p50/p99 ms": f"{ms([s.ttft for s in seen], 50):.0f}/"
@@ -154,15 +166,11 @@ def prefix_workload(model, args) -> list[dict]:
                 "prefix hit rate": f"{hits / queried:.0%}" if queried else "-",
                 "prefilled tokens": int(stats["computed_tokens_total"]
                                         - before["computed_tokens_total"]),
-                "preempted": int(stats["preemptions_total"] - before["preemptions_total"])})
-            print(rows[-1], flush=True)
-        same = len({str(o) for o in outputs.values()}) == 1
-        for row in rows[-len(engines):]:
-            row["outputs equal"] = "yes" if same else "NO"
-    return rows
+                "preempted": int(stats["preemptions_total"] - before["preemptions_total"])}))
+        _outputs_equal(outputs, measured)
 
 
-def chunked_workload(model, args) -> list[dict]:
+def chunked_workload(model, args, rows: Rows, budget: Budget) -> None:
     rng = np.random.default_rng(1)
     vocab = model.config.vocab_size
     decoders = [GenerationRequest(f"d{i}", rng.integers(4, vocab, 16).tolist(),
@@ -171,27 +179,25 @@ def chunked_workload(model, args) -> list[dict]:
                 for i in range(args.decoders)]
     long = GenerationRequest("long", rng.integers(4, vocab, args.long_prompt).tolist(),
                              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    rows, outputs = [], {}
-    for name, budget in ((f"chunked ({args.chunk}/step)", args.chunk),
-                         ("not chunked", args.long_prompt + args.decoders)):
+    outputs = {}
+    for name, step_tokens in ((f"chunked ({args.chunk}/step)", args.chunk),
+                              ("not chunked", args.long_prompt + args.decoders)):
+        if rows.rows and budget.skips(f"prefill {name}"):
+            break
         with LLMEngine(model, background=False, max_batch=args.decoders + 1,
-                       max_step_tokens=budget) as engine:
+                       max_step_tokens=step_tokens) as engine:
             serve(engine, decoders[:1], [0.0])  # warm-up
             # The long prompt arrives once the decoders are well into decoding.
             seen, span = serve(engine, decoders + [long], [0.0] * args.decoders + [args.arrive])
         outputs[name] = [s.tokens for s in seen]
         window = [g for s in seen[:-1] for g in s.gaps]
-        rows.append({"prefill": name, "long prompt": args.long_prompt,
-                     "decoders": args.decoders,
-                     "decoder ITL p50/p99/max ms": f"{ms(window, 50):.1f}/{ms(window, 99):.1f}/"
-                                                   f"{max(window) * 1000:.0f}",
-                     "long prompt TTFT ms": round(seen[-1].ttft * 1000),
-                     "wall s": round(span, 2)})
-        print(rows[-1], flush=True)
-    same = len(set(map(str, outputs.values()))) == 1
-    for row in rows:
-        row["outputs equal"] = "yes" if same else "NO"
-    return rows
+        rows.add({"prefill": name, "long prompt": args.long_prompt,
+                  "decoders": args.decoders,
+                  "decoder ITL p50/p99/max ms": f"{ms(window, 50):.1f}/{ms(window, 99):.1f}/"
+                                                f"{max(window) * 1000:.0f}",
+                  "long prompt TTFT ms": round(seen[-1].ttft * 1000),
+                  "wall s": round(span, 2)})
+    _outputs_equal(outputs, rows.rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-prompt", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--arrive", type=float, default=0.3, help="seconds before the long prompt")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget: no engine or workload starts once it is spent")
     args = p.parse_args(argv)
+    budget = Budget(args.budget_s)
     torch.manual_seed(0)
     config = ModelConfig.from_name("llama-tiny", hidden_size=args.hidden, num_layers=args.layers,
                                    num_heads=8, num_kv_heads=2, ffn_hidden_size=4 * args.hidden,
@@ -223,14 +232,17 @@ def main(argv: list[str] | None = None) -> int:
               f"hidden {args.hidden} x {args.layers} layers, GQA 8/2, fp32, context {args.context}")
     print(header, flush=True)
     if args.workload in ("prefix", "both"):
-        rows = prefix_workload(model, args)
+        rows = Rows("serving_paged")
+        prefix_workload(model, args, rows, budget)
         print(f"\n{header}\nshared prefix {args.prefix} tokens + 16-64 unique, "
               f"{args.max_tokens} new, {args.num_requests} requests")
-        record(rows, "serving_paged")
-    if args.workload in ("chunked", "both"):
-        rows = chunked_workload(model, args)
+        rows.finish()
+    if args.workload in ("chunked", "both") and not (
+            args.workload == "both" and budget.skips("the chunked-prefill workload")):
+        rows = Rows("serving_chunked_prefill")
+        chunked_workload(model, args, rows, budget)
         print(f"\n{header}")
-        record(rows, "serving_chunked_prefill")
+        rows.finish()
     return 0
 
 

@@ -11,6 +11,8 @@ the main thread, the client beside it, as `tessera serve` runs them).
 
 Reported per method: output tokens/s, speedup over no speculation, acceptance rate (accepted /
 drafted tokens), mean tokens per verified row, and whether greedy outputs equal the plain ones.
+A mode's rows are printed once its interleaved runs are done; `--budget-s` (training included)
+stops starting modes once spent.
 
     python bench/bench_speculative.py                     # the README's table
     python bench/bench_speculative.py --k 2 4 --steps 300
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, record  # noqa: E402
+from _common import Budget, Rows, machine  # noqa: E402
 
 from tessera.core import ModelConfig, build_model  # noqa: E402
 from tessera.core.cpu_isa import cpu_isa  # noqa: E402
@@ -104,7 +106,7 @@ def serve(engine: LLMEngine, requests: list[GenerationRequest]) -> tuple[list[li
     return outputs, time.perf_counter() - tic
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="training steps of each model")
     p.add_argument("--k", type=int, nargs="+", default=[4], help="draft tokens per step")
@@ -118,7 +120,10 @@ def main() -> None:
     p.add_argument("--weights", default=None, metavar="FILE",
                    help="keep the trained weights here and reuse them on the next run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = p.parse_args()
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget (training included): no mode starts once it is spent")
+    args = p.parse_args(argv)
+    budget, rows = Budget(args.budget_s), Rows("speculative")
     # Training here only makes the weights meaningful: eager kernels, no compile wait.
     os.environ.setdefault("TESSERA_FUSED_KERNELS", "off")
     if args.threads:
@@ -150,8 +155,9 @@ def main() -> None:
           f"{n_draft / 1e6:.2f}M (loss {losses[1]:.3f}), {args.steps} training steps each "
           f"({time.perf_counter() - tic:.0f} s)", flush=True)
     isa = cpu_isa().name
-    rows = []
     for mode in args.modes:
+        if rows.rows and budget.skips(f"mode {mode}"):
+            break
         args.mode = mode
         requests = workload(chain, args)
         configs: list[tuple[str, SpeculativeConfig | None]] = [("none", None)]
@@ -188,9 +194,8 @@ def main() -> None:
                    "CPU ISA": isa}
             if mode == "greedy":
                 row["= plain output"] = out == outputs[0]
-            rows.append(row)
-            print(row, flush=True)
-    record(rows, "speculative")
+            rows.add(row)
+    return rows.finish()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 Hugging Face export of the same base model, same batch, same number of virtual tokens.
 
 Each variant runs in its own subprocess, so its peak RSS is its own. One step = forward,
-backward and an AdamW update of the prompt parameters only (the base is frozen in both).
+backward and an AdamW update of the prompt parameters only (the base is frozen in both). Each
+row is printed as it is measured; `--budget-s` stops starting methods once spent.
 
     python bench/bench_tune.py [--hidden 512 --layers 8 --seq 128 --batch 8 --virtual 20]
 """
@@ -18,7 +19,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import answer_only_batch, best_time, peak_rss_mb, record, run_child  # noqa: E402
+from _common import (  # noqa: E402
+    Budget,
+    Rows,
+    answer_only_batch,
+    best_time,
+    peak_rss_mb,
+    run_child,
+)
 
 
 def tessera_steps(args, ckpt: str, method: str) -> float:
@@ -82,10 +90,11 @@ def _run(which: str, path: Path, method: str, args) -> dict:
     return run_child(__file__, which, str(path), method, json.dumps(vars(args)))
 
 
-def run(args) -> list[dict]:
+def run(args, rows: Rows) -> None:
     from tessera.converters.hf_io import export_hf
     from tessera.core import ModelConfig, build_model, save_checkpoint
 
+    budget = Budget(args.budget_s)
     config = ModelConfig.from_name("llama-tiny", vocab_size=8000, hidden_size=args.hidden,
                                    num_layers=args.layers, num_heads=args.hidden // 64,
                                    num_kv_heads=args.hidden // 64, ffn_hidden_size=args.hidden * 3,
@@ -93,16 +102,16 @@ def run(args) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="tessera-bench-tune-"))
     ckpt = save_checkpoint(work / "ckpt", build_model(config, seed=0))
     export_hf(ckpt, work / "hf")
-    rows = []
     for method in ("prompt-tuning", "p-tuning"):
+        if method != "prompt-tuning" and budget.skips(method):
+            break
         ours = _run("tessera", ckpt, method, args)
         theirs = _run("peft", work / "hf", method, args)
-        rows.append({"method": method, "tessera step s": ours["seconds"],
-                     "peft step s": theirs["seconds"],
-                     "speed ratio": theirs["seconds"] / ours["seconds"],
-                     "tessera peak RSS MB": ours["peak_rss_mb"],
-                     "peft peak RSS MB": theirs["peak_rss_mb"]})
-    return rows
+        rows.add({"method": method, "tessera step s": ours["seconds"],
+                  "peft step s": theirs["seconds"],
+                  "speed ratio": theirs["seconds"] / ours["seconds"],
+                  "tessera peak RSS MB": ours["peak_rss_mb"],
+                  "peft peak RSS MB": theirs["peak_rss_mb"]})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,8 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--virtual", type=int, default=20)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget: no further method starts once it is spent")
     args = parser.parse_args(argv)
-    record(run(args), "tune")
+    rows = Rows("tune")
+    run(args, rows)
+    rows.finish()
 
 
 if __name__ == "__main__":

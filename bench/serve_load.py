@@ -11,6 +11,10 @@ end-to-end latency, the way vLLM's `benchmark_serving` counts them.
 `transformers` `generate` on the same prompts, one request at a time in this process (the way
 a script without a server would), and prints both side by side.
 
+Each run's row is printed as it is measured ("tok/s vs HF" is filled in once HF has run), and
+saved under `bench/results/` with `--self-test` or `--compare-hf`; `--budget-s` (the server's
+start included) stops starting runs once spent.
+
     python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --rate 2 8 32
     python bench/serve_load.py --url ... --compare-hf --checkpoint runs/demo/checkpoints/latest
     python bench/serve_load.py --self-test [--compare-hf]   # starts `tessera serve` on a tiny model
@@ -37,7 +41,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import markdown_table, record  # noqa: E402
+from _common import Budget, Rows, markdown_table  # noqa: E402
 
 
 @dataclass
@@ -199,15 +203,11 @@ def summarize(timings: list[Timing], wall: float) -> dict[str, float]:
         "E2E p99 ms": ms([t.e2e for t in done], 99)}
 
 
-def as_rows(runs: list[tuple[str, dict[str, float]]], hf: dict[str, float] | None) -> list[dict]:
-    """One row per load run (and HF's), with output tok/s against HF's where it ran."""
-    rows = [{"run": name, **summary} for name, summary in runs]
-    if hf is not None:
-        rows.append({"run": "HF generate (sequential)", **hf})
-        for row in rows:
-            row["tok/s vs HF"] = row.get("output tok/s", 0.0) / hf["output tok/s"] \
-                if hf.get("output tok/s") else float("nan")
-    return rows
+def compare_to_hf(rows: list[dict], hf: dict[str, float]) -> None:
+    """Add each row's output tok/s against HF's (`hf`, a `summarize` result)."""
+    for row in rows:
+        row["tok/s vs HF"] = row.get("output tok/s", 0.0) / hf["output tok/s"] \
+            if hf.get("output tok/s") else float("nan")
 
 
 # -------------------------------------------------------------------------- self-test
@@ -278,11 +278,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="--self-test: a further `tessera serve` flag (repeatable), e.g. "
                         "--serve-arg=--compile")
     p.add_argument("--name", default="serve_load", help="results name (bench/results/NAME.*)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget: no further run starts once it is spent")
     args = p.parse_args(argv)
     if not args.url and not args.self_test:
         p.error("give --url URL or --self-test")
     if args.compare_hf and not (args.checkpoint or args.self_test):
         p.error("--compare-hf needs --checkpoint (the checkpoint the server serves)")
+    budget = Budget(args.budget_s)
+    # Figures of a server found at --url are printed, not saved over the self-test's.
+    saved = Rows(args.name) if args.self_test or args.compare_hf else None
+    rows: list[dict] = saved.rows if saved else []
+
+    def add(row: dict) -> None:
+        if saved:
+            saved.add(row)
+        else:
+            rows.append(row)
+            print(f"ROW {args.name} {json.dumps(row)}", flush=True)
+
     prompts = make_prompts(args.num_requests, args.input_len, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         server = None
@@ -290,13 +304,16 @@ def main(argv: list[str] | None = None) -> int:
             args.checkpoint = make_tiny_checkpoint(Path(tmp))
             server, args.url = start_server(args.checkpoint, args.max_batch, args.threads,
                                             args.serve_arg)
-        runs: list[tuple[str, dict[str, float]]] = []
+        runs: list[dict[str, float]] = []
         try:
             for rate in args.rate:
+                if runs and budget.skips(f"{rate:g} req/s and later rates"):
+                    break
                 timings, wall = asyncio.run(run_load(args.url, prompts, args.output_len, rate,
                                                      args.model, args.api_key, args.seed,
                                                      args.max_concurrency))
-                runs.append((f"tessera server, {rate:g} req/s offered", summarize(timings, wall)))
+                runs.append(summarize(timings, wall))
+                add({"run": f"tessera server, {rate:g} req/s offered", **runs[-1]})
                 errors = sorted({t.error for t in timings if not t.ok})
                 if errors:
                     print(f"rate {rate:g}: {len(errors)} distinct errors, e.g.: {errors[:3]}",
@@ -305,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 server.terminate()
                 server.wait(timeout=30)
-        hf = None
-        if args.compare_hf:
+        if args.compare_hf and not budget.skips("the HF generate run"):
             import torch
 
             if args.threads:
@@ -314,15 +330,16 @@ def main(argv: list[str] | None = None) -> int:
             device = args.hf_device or ("cuda" if torch.cuda.is_available() else "cpu")
             hf = summarize(*run_hf(args.checkpoint, prompts[:args.hf_requests], args.output_len,
                                    device))
+            add({"run": "HF generate (sequential)", **hf})
+            compare_to_hf(rows, hf)
     print(f"\n{args.num_requests} requests per run, {args.input_len} prompt + {args.output_len} "
           "output tokens, greedy. A run's req/s cannot exceed its offered rate; HF runs one "
           "request at a time, as fast as it can.")
-    rows = as_rows(runs, hf)
-    if args.self_test or args.compare_hf:
-        record(rows, args.name)
+    if saved:
+        saved.finish()
     else:
         print(markdown_table(rows))
-    return 0 if all(summary.get("completed") for _, summary in runs) else 1
+    return 0 if all(summary.get("completed") for summary in runs) else 1
 
 
 if __name__ == "__main__":
