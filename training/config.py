@@ -86,6 +86,11 @@ class TrainConfig:
     fp8_amax_compute_algo: str = opt("max", "delayed scaling: max (over the history) | "
                                             "most_recent")
     device: str = opt("auto", "auto | cpu | cuda")
+    collective_timeout_s: float = opt(
+        600.0, "seconds a rank waits in one collective before the job stops, naming the ranks "
+               "that did not answer (a restarting launcher then starts it again); must exceed "
+               "the longest time one rank works alone: a checkpoint save, an evaluation, the "
+               "first step's compilation", range=Bounded(float, low=1, high=86_400))
     compile: bool = opt(False, "torch.compile each transformer block (one compiled graph "
                                "shared by every layer, so compiling costs the same at any "
                                "depth); the embedding and head stay eager")

@@ -20,6 +20,7 @@ import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,19 @@ class Job:
     embedding_sync: Callable[[], None] | None = None
 
 
-def join_world(device: str) -> tuple[torch.device, int]:
+def join_world(device: str, collective_timeout_s: float = 600.0) -> tuple[torch.device, int]:
     """The device `device` names (`auto`: CUDA when present), this process joined to the
-    torchrun world if it was launched into one, and the world's size."""
+    torchrun world if it was launched into one (each collective bounded by
+    `collective_timeout_s`), and the world's size."""
     dev = resolve_device(device)
-    init_distributed(dev)
+    init_distributed(dev, timeout=timedelta(seconds=collective_timeout_s))
     return dev, dist.get_world_size() if dist.is_initialized() else 1
 
 
 def plan_for_world(cfg: Any, **options: Any) -> tuple[RunPlan, torch.device]:
     """`cfg` (a written pretraining or tuning config) resolved for the world this process
     joins (torchrun's, or itself alone; `resolve_plan`, with `options`), and its device."""
-    device, world = join_world(cfg.train.device)
+    device, world = join_world(cfg.train.device, cfg.train.collective_timeout_s)
     return resolve_plan(cfg, world, **options), device
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tessera.core.config import Layout
 from tessera.core.parallel.expert_groups import edp_size, expert_mesh
+from tessera.core.parallel.launch import collective_timeout
 from tessera.core.parallel.mesh import RankMesh
 
 
@@ -94,13 +95,14 @@ def new_groups(rank_lists: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
     holds this rank (None when its list is itself alone or it is in none).
 
     Collective over the whole world (`new_group` is): every rank must call it with the same
-    lists, in the same order.
+    lists, in the same order. The groups' collectives time out as the world's do
+    (`launch.collective_timeout`); torch's own default for new groups is 30 minutes.
     """
-    rank, mine = dist.get_rank(), None
+    rank, mine, timeout = dist.get_rank(), None, collective_timeout()
     for ranks in rank_lists:
         if len(ranks) < 2:
             continue
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             mine = group
     return mine

@@ -25,20 +25,34 @@ import torch.distributed as dist
 SHUTDOWN_TIMEOUT_S = 120
 
 
+# The bound on each collective of the groups this process creates (`collective_timeout`);
+# set when it joins the world through `init_distributed`.
+_joined_timeout: timedelta | None = None
+
+
 def init_distributed(device: torch.device,
                      timeout: timedelta = timedelta(minutes=10)) -> bool:
     """Join the torchrun world if this process was launched into one (env WORLD_SIZE > 1).
 
     Uses NCCL for a CUDA `device` (made this process's current device first: its index, or
-    LOCAL_RANK when it has none) and gloo otherwise; `timeout` bounds each collective. Joining
+    LOCAL_RANK when it has none) and gloo otherwise; `timeout` bounds each collective, of the
+    world and (through `collective_timeout`) of every group `groups.new_groups` makes. Joining
     twice is a no-op, and so is a single process. Returns whether a process group is up.
     """
+    global _joined_timeout
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if device.type == "cuda":
             index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(index)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        _joined_timeout = timeout
     return dist.is_initialized()
+
+
+def collective_timeout() -> timedelta | None:
+    """The collective timeout this process joined the world with (`init_distributed`); None
+    when it joined some other way (torch's default then applies to new groups)."""
+    return _joined_timeout if dist.is_initialized() else None
 
 
 def strip_nproc_flag(argv: list[str]) -> list[str]:
