@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
 
     from tessera.core.checkpoint import CheckpointError
     from tessera.training.run_dir import missing_directories, remove_empty_directories
+    from tessera.training.watchdog import RankHang
 
     demo = args.demo or not cfg.data.data
     explicit = set(_given_flags(argv))
@@ -57,6 +58,10 @@ def main(argv: list[str]) -> int:
             signum = pretrain(cfg).get("stop_signal", 0)
             if signum:
                 return 128 + signum
+    except RankHang as exc:
+        # Straight out: destroying a process group whose peer stopped answering can block.
+        print(f"tessera pretrain: {exc}", file=sys.stderr, flush=True)
+        os._exit(exc.exit_code)
     except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, PermissionError) as exc:
         remove_empty_directories(created)
         print(f"tessera pretrain: {exc}", file=sys.stderr)

@@ -55,6 +55,8 @@ from tessera.training.state import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
+from tessera.training.stragglers import StepClock, slowest_rank
+from tessera.training.watchdog import StepWatchdog
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Job:
     dynamic_cp: DynamicCP | None = None  # --cp-dynamic: the cp sub-groups and their layout
     # T5: sums the embedding copies' gradients, in place of the tied-embedding sync
     embedding_sync: Callable[[], None] | None = None
+    # Set: times this rank's work before each step's gradient sync (training.stragglers)
+    step_clock: StepClock | None = None
 
 
 def join_world(device: str, collective_timeout_s: float = 600.0) -> tuple[torch.device, int]:
@@ -224,6 +228,8 @@ def forward_backward(job: Job, tokens: torch.Tensor, labels: torch.Tensor,
                 mb_loss = model(mb_tokens, labels=mb_labels, **kw) / n_mb
             (job.scaler.scale(mb_loss) if job.scaler else mb_loss).backward()
             loss += mb_loss.detach().float()
+    if job.step_clock is not None:
+        job.step_clock.synced()
     pipeline.sync_sequence_parallel_grads(job.stages, g)
     pipeline.sync_kv_replica_grads(job.stages, g)
     if job.embedding_sync is not None:
@@ -372,11 +378,15 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     step, stopped = start, 0
     tokenizer = data.tokenizer or None
     window = StepWindow()  # the steps since the last logging step, read there at once
+    job.step_clock = StepClock()
+    # A step whose collective times out raises RankHang naming the ranks that did not answer.
+    watchdog = StepWatchdog(cfg.train.collective_timeout_s, completed=start)
     with _StopFlag() as stop:
         while step < run.steps:
-            tokens, labels, extra = job.objective.split_batch(
-                local_rows(train_ds, step, data, job.groups, job.device))
-            window.add(step + 1, train_step(job, step, tokens, labels, extra))
+            with job.step_clock.step(), watchdog.step(step + 1):
+                tokens, labels, extra = job.objective.split_batch(
+                    local_rows(train_ds, step, data, job.groups, job.device))
+                window.add(step + 1, train_step(job, step, tokens, labels, extra))
             step += 1
             evaluate = bool(loop.eval_interval and step % loop.eval_interval == 0
                             and step < run.steps)
@@ -390,6 +400,8 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
             if not (boundary or stopped):
                 continue
             rows, elapsed = window.resolve()
+            if log.due(step):  # collective: every rank logs at the same steps
+                rows[-1].update(slowest_rank(job.step_clock.take(), job.device))
             losses.extend(checked_losses(rows, step))
             tokens_per_s = len(rows) * data.global_batch * data.seq_len / elapsed
             tflops = flops * tokens_per_s / plan.layout.world_size / 1e12

@@ -16,6 +16,7 @@ import torch
 
 from tessera.core.config import ConfigError
 from tessera.core.progress import Progress
+from tessera.training.stragglers import straggler_note
 
 
 def measure_peak_tflops(device: torch.device | str, dtype: torch.dtype | None = None,
@@ -206,6 +207,7 @@ class MetricsLogger:
                     f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_s']:,.0f} tok/s | "
                     f"{m['tflops']:.3f} TFLOP/s | MFU {_percent(m['mfu'])} | "
                     f"mem {m['memory_gb']:.2f} GB")
+            line += straggler_note(m)
             if "valid_loss" in m:
                 line += f" | valid loss {m['valid_loss']:.4f} ppl {math.exp(m['valid_loss']):.1f}"
             self.write(line)
