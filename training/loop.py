@@ -400,7 +400,7 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
             if not (boundary or stopped):
                 continue
             rows, elapsed = window.resolve()
-            if log.due(step):  # collective: every rank logs at the same steps
+            if log.due(step) and dist.is_initialized():  # every rank logs at the same steps
                 rows[-1].update(slowest_rank(job.step_clock.take(), job.device))
             losses.extend(checked_losses(rows, step))
             tokens_per_s = len(rows) * data.global_batch * data.seq_len / elapsed

@@ -50,10 +50,8 @@ class StepClock:
 
 
 def slowest_rank(local_s: float, device: torch.device) -> dict[str, Any]:
-    """Every rank's `local_s` gathered (collective: all ranks call it at the same steps):
-    `slowest_rank`, `slowest_rank_s` and `fastest_rank_s`. Alone: this rank, twice."""
-    if not dist.is_initialized():
-        return {"slowest_rank": 0, "slowest_rank_s": local_s, "fastest_rank_s": local_s}
+    """Every rank's `local_s` gathered (collective: every rank of the initialized world calls
+    it at the same steps): `slowest_rank`, `slowest_rank_s` and `fastest_rank_s`."""
     mine = torch.tensor([local_s], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)

@@ -46,6 +46,8 @@ def test_a_silent_rank_ends_the_job_naming_it(tiny, tmp_path, world):
     assert f"exit code {HANG_EXIT_CODE}" in output, output
     # The ranks that waited name what they waited in: the step's gradient all-reduce.
     assert "all_reduce (from " in output, output
+    # The silent rank ended itself (its watchdog), not left to the launcher's shutdown timeout.
+    assert "rank 1: step 3 has run for more than 10 s" in output, output
 
 
 @pytest.mark.timeout(300)
