@@ -9,7 +9,10 @@ over the global batch on every rank.
 A step does not wait for the device: its loss and gradient norm stay device tensors until the
 next logging step (every `log_interval` steps, an evaluation or a save), which reads the window's
 in one copy, checks them, and reports every step of it. SIGTERM / Ctrl-C finish the current step
-(under torch.distributed: the steps up to the next logging step), save, and exit.
+(under torch.distributed: the steps up to the next logging step), save, and exit. A step
+whose collective times out (`--collective-timeout-s`) ends the job naming the ranks that did
+not answer (`training.watchdog`); each logged line carries the interval's slowest rank
+(`training.stragglers`).
 """
 
 from __future__ import annotations
@@ -380,7 +383,7 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     window = StepWindow()  # the steps since the last logging step, read there at once
     job.step_clock = StepClock()
     # A step whose collective times out raises RankHang naming the ranks that did not answer.
-    watchdog = StepWatchdog(cfg.train.collective_timeout_s, completed=start)
+    watchdog = StepWatchdog(run.collective_timeout_s, completed=start)
     with _StopFlag() as stop:
         while step < run.steps:
             with job.step_clock.step(), watchdog.step(step + 1):

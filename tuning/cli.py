@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
     from tessera.core.lora_format import AdapterError
     from tessera.core.prompt_table import PromptTableError
     from tessera.training.run_dir import missing_directories, remove_empty_directories
+    from tessera.training.watchdog import RankHang
     from tessera.tuning.checkpoint import TuningCheckpointError
 
     joined = dist.is_initialized()  # a caller's process group is the caller's to destroy
@@ -79,6 +80,10 @@ def main(argv: list[str]) -> int:
         from tessera.tuning.loop import tune
 
         tune(cfg, export_peft=args.export == "peft")
+    except RankHang as exc:
+        # Straight out: destroying a process group whose peer stopped answering can block.
+        print(f"tessera tune: {exc}", file=sys.stderr, flush=True)
+        os._exit(exc.exit_code)
     except (ConfigError, CheckpointError, PromptTableError, AdapterError, TuningCheckpointError,
             FileNotFoundError, FileExistsError, PermissionError) as exc:
         remove_empty_directories(created)

@@ -56,6 +56,8 @@ from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, 
 from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.training.state import restore_fp8_state
+from tessera.training.stragglers import StepClock, slowest_rank
+from tessera.training.watchdog import StepWatchdog
 from tessera.tuning import checkpoint as ckpt
 from tessera.tuning.config import TuneConfig, TuneRunConfig
 from tessera.tuning.data import (
@@ -306,9 +308,13 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
     window = StepWindow()  # the steps since the last logging step, read there at once
+    t.job.step_clock = StepClock()
+    # A step whose collective times out raises RankHang naming the ranks that did not answer.
+    watchdog = StepWatchdog(run.collective_timeout_s, completed=start)
     for step in range(start, run.steps):
-        tokens, labels = train_batch(t, inputs.train, step)
-        window.add(step + 1, pretrain_step(t.job, step, tokens, labels))
+        with t.job.step_clock.step(), watchdog.step(step + 1):
+            tokens, labels = train_batch(t, inputs.train, step)
+            window.add(step + 1, pretrain_step(t.job, step, tokens, labels))
         done = step + 1 == run.steps
         evaluate_now = bool(inputs.valid and loop.eval_interval
                             and (step + 1) % loop.eval_interval == 0 and not done)
@@ -316,6 +322,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
         if not (log.due(step + 1) or evaluate_now or save_due):
             continue
         rows, elapsed = window.resolve()
+        if log.due(step + 1) and dist.is_initialized():  # every rank logs at the same steps
+            rows[-1].update(slowest_rank(t.job.step_clock.take(), t.job.device))
         losses.extend(checked_losses(rows, step + 1))
         tokens_per_s = len(rows) * plan.data.global_batch * t.seq_len / elapsed
         tflops = flops * tokens_per_s / world / 1e12
