@@ -4,6 +4,7 @@ world only when launched into one. (A real signalled launch: tests/distributed/t
 from __future__ import annotations
 
 import signal
+from datetime import timedelta
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from tessera.core.parallel.groups import new_groups
 from tessera.core.parallel.launch import init_distributed, launch_local_ranks, strip_nproc_flag
 
 
@@ -56,3 +58,20 @@ def test_a_single_process_joins_no_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert init_distributed(torch.device("cpu")) is False
     assert not dist.is_initialized()
+
+
+def test_new_groups_time_out_as_the_world_does(monkeypatch):
+    """torch gives a new group its own 30-minute default; the world's timeout must reach it."""
+    join = dist.init_process_group  # one rank on an in-memory store, in place of torchrun's
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: join(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout))
+    made = []
+    monkeypatch.setattr(dist, "new_group",
+                        lambda ranks, timeout=None: made.append(timeout) or "group")
+    try:
+        assert init_distributed(torch.device("cpu"), timeout=timedelta(seconds=7))
+        assert new_groups([[0, 1]]) == "group"
+    finally:
+        dist.destroy_process_group()
+    assert made == [timedelta(seconds=7)]
