@@ -383,8 +383,7 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     window = StepWindow()  # the steps since the last logging step, read there at once
     job.step_clock = StepClock()
     # A step whose collective times out raises RankHang naming the ranks that did not answer.
-    watchdog = StepWatchdog(run.collective_timeout_s, completed=start)
-    with _StopFlag() as stop:
+    with _StopFlag() as stop, StepWatchdog(run.collective_timeout_s, completed=start) as watchdog:
         while step < run.steps:
             with job.step_clock.step(), watchdog.step(step + 1):
                 tokens, labels, extra = job.objective.split_batch(

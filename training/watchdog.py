@@ -92,20 +92,29 @@ def describe_hang(step: int, rank: int, op: str, timeout_s: float, error: str,
 
 class StepWatchdog:
     """Heartbeats, the step-level catch and the stuck-step thread of one rank (see the
-    module docstring). Alone (no process group) every method is a no-op."""
+    module docstring), from `completed` steps on; a context manager, whose exit stops the
+    thread. Alone (no process group) it only runs the steps."""
 
     def __init__(self, timeout_s: float, completed: int) -> None:
         self.timeout_s = timeout_s
         self.active = dist.is_initialized()
         self._begun: float | None = None
         self._step = completed
+        self._closed = threading.Event()
         if not self.active:
             return
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.PrefixStore("tessera/watchdog/",
                                       dist.distributed_c10d._get_default_store())
+        self.store.delete_key(f"gave_up/{self.rank}")  # an earlier run's, in the same world
         self._beat(completed)
         threading.Thread(target=self._watch, name="tessera-step-watchdog", daemon=True).start()
+
+    def __enter__(self) -> StepWatchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
 
     def _beat(self, completed: int) -> None:
         self.store.set(f"heartbeat/{self.rank}", str(completed))
@@ -143,8 +152,7 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         limit = 2 * self.timeout_s
-        while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
+        while not self._closed.wait(min(1.0, self.timeout_s / 4)):
             begun = self._begun
             if begun is not None and time.monotonic() - begun > limit:
                 print(f"rank {self.rank}: step {self._step} has run for more than {limit:g} s "

@@ -293,14 +293,17 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     log = MetricsLogger(loop, enabled=_rank0(), total=plan.run.steps, initial=start,
                         resumed_from=resumed, desc="tune")
     before = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid and start == 0 else None
-    losses = _train(t, inputs, log, start, meta, peak)
+    # A step whose collective times out raises RankHang naming the ranks that did not answer.
+    with StepWatchdog(plan.run.collective_timeout_s, completed=start) as watchdog:
+        losses = _train(t, inputs, log, start, meta, peak, watchdog)
     after = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid else None
     return _finish(t, inputs, log, losses, before, after, (peak, peak_source), export_peft)
 
 
 def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict[str, Any],
-           peak: float | None) -> list[float]:
-    """Steps `start..steps`: one optimizer step each, periodic validation and checkpoints."""
+           peak: float | None, watchdog: StepWatchdog) -> list[float]:
+    """Steps `start..steps`: one optimizer step each (watched by `watchdog`), periodic
+    validation and checkpoints."""
     plan = t.job.plan
     run, loop, out = plan.run, plan.loop, Path(plan.loop.output)
     # Frozen weights need no weight gradients: about 4N FLOPs per token instead of 6N.
@@ -309,8 +312,6 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     losses: list[float] = []
     window = StepWindow()  # the steps since the last logging step, read there at once
     t.job.step_clock = StepClock()
-    # A step whose collective times out raises RankHang naming the ranks that did not answer.
-    watchdog = StepWatchdog(run.collective_timeout_s, completed=start)
     for step in range(start, run.steps):
         with t.job.step_clock.step(), watchdog.step(step + 1):
             tokens, labels = train_batch(t, inputs.train, step)

@@ -4,6 +4,8 @@ behaviour (a silent rank ends a launched job) is tests/distributed/test_hangs.py
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch.distributed as dist
 
@@ -79,15 +81,19 @@ def one_rank_world():
 
 
 def test_a_step_records_its_heartbeat_and_a_collective_failure_is_a_rank_hang(one_rank_world):
-    watchdog = StepWatchdog(5, completed=3)
-    assert watchdog.store.get("heartbeat/0") == b"3"
-    with watchdog.step(4):
-        pass
-    assert watchdog.store.get("heartbeat/0") == b"4"
-    with pytest.raises(RankHang, match="^step 5: every other rank gave up") as info, \
-            watchdog.step(5):
-        sync_gradients(_fake_all_reduce())
-    assert info.value.exit_code == HANG_EXIT_CODE
-    assert watchdog.store.get("heartbeat/0") == b"4"  # step 5 did not complete
-    with pytest.raises(ZeroDivisionError), watchdog.step(5):  # not a collective: as it is
-        1 / 0  # noqa: B018
+    with StepWatchdog(5, completed=3) as watchdog:
+        assert watchdog.store.get("heartbeat/0") == b"3"
+        with watchdog.step(4):
+            pass
+        assert watchdog.store.get("heartbeat/0") == b"4"
+        with pytest.raises(RankHang, match="^step 5: every other rank gave up") as info, \
+                watchdog.step(5):
+            sync_gradients(_fake_all_reduce())
+        assert info.value.exit_code == HANG_EXIT_CODE
+        assert watchdog.store.get("heartbeat/0") == b"4"  # step 5 did not complete
+        with pytest.raises(ZeroDivisionError), watchdog.step(5):  # not a collective: as it is
+            1 / 0  # noqa: B018
+    for thread in threading.enumerate():  # leaving the watchdog stops its thread
+        if thread.name == "tessera-step-watchdog":
+            thread.join(timeout=30)
+            assert not thread.is_alive()
