@@ -15,8 +15,9 @@ summed chunk by chunk instead of in one reduction, and `W`'s gradient is the sum
 per chunk (accumulated in fp32) instead of one product over all rows.
 
 When the decoder uses it: `TESSERA_CHUNKED_CE` = `auto` (default), `on` or `off`. `auto` uses it
-for training on CUDA when the fp32 logits would exceed one chunk (`CHUNK_BYTES`); CPU runs and
-small heads keep the plain head's exact numerics.
+on CUDA when the fp32 logits would exceed one chunk (`CHUNK_BYTES`); CPU runs and small heads
+keep the plain head's exact numerics. Under `torch.no_grad()` (evaluation) only the loss is
+computed, still a chunk at a time.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def mode() -> str:
 
 def wanted(h: torch.Tensor, vocab_size: int) -> bool:
     """Whether the decoder head should use `linear_cross_entropy` for hidden states `h (..., C)`
-    and a `vocab_size`-row head while training (see the module doc). Never inside a compiled
+    and a `vocab_size`-row head (see the module doc). Never inside a compiled
     region: the chunk loop is eager code, and the plain head is what a compiler can fuse."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling():
         return False
     m = mode()
     if m != "auto":
@@ -97,15 +98,18 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     else:
         dtype = h.dtype
     rows = rows or chunk_rows(weight.shape[0])
+    record = torch.is_grad_enabled()
+    grads = (record and h.requires_grad, record and weight.requires_grad)
     return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction == "mean",
-                                     dtype, rows)
+                                     dtype, rows, grads)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                ignore_index: int, mean: bool, dtype: torch.dtype, rows: int) -> torch.Tensor:
-        need_h, need_w = ctx.needs_input_grad[:2]
+                ignore_index: int, mean: bool, dtype: torch.dtype, rows: int,
+                grads: tuple[bool, bool]) -> torch.Tensor:
+        need_h, need_w = grads  # not ctx.needs_input_grad: that ignores `torch.no_grad()`
         with torch.autocast(h.device.type, enabled=False):
             x, w = h.to(dtype), weight.to(dtype)
             valid = target != ignore_index
@@ -155,4 +159,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for grad in (grad_h, grad_w):
             if grad is not None:
                 grad.mul_(grad_out.to(grad.dtype))
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
