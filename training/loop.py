@@ -418,6 +418,9 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 rows[-1]["valid_loss"] = evaluate_loss(job, valid_ds, loop.eval_batches)
             for row in rows:
                 log.step(row)
+                if row["bad_step"]:
+                    log.write(f"step {row['step']}: loss {row['loss']}, grad norm "
+                              f"{row['grad_norm']}; its update was skipped")
             if verdict is not None:
                 log.write(f"bad steps at step {verdict.step}: {verdict.reason}")
             if verdict is not None and loop.bad_step_policy == "rollback":
