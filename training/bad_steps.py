@@ -133,6 +133,15 @@ class DataWindows:
         return index
 
 
+def check_policy(policy: str, *, rollback: bool = True) -> None:
+    """`ConfigError` unless `policy` is a bad-step policy (`rollback`: one this loop has)."""
+    allowed = BAD_STEP_POLICIES if rollback else tuple(p for p in BAD_STEP_POLICIES
+                                                       if p != "rollback")
+    if policy not in allowed:
+        raise ConfigError(f"--bad-step-policy must be one of {', '.join(allowed)} here; "
+                          f"got {policy!r}")
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The policy's call on a window: act at `step` (1-based) because of `reason`."""
@@ -147,9 +156,7 @@ class BadStepMonitor:
 
     def __init__(self, policy: str, max_bad_steps: int, spike_factor: float,
                  spike_window: int) -> None:
-        if policy not in BAD_STEP_POLICIES:
-            raise ConfigError(f"--bad-step-policy must be one of {', '.join(BAD_STEP_POLICIES)};"
-                              f" got {policy!r}")
+        check_policy(policy)
         self.policy, self.max_bad, self.spike_factor = policy, max_bad_steps, spike_factor
         self.skipped = 0  # updates skipped by this process (rolled-back steps included)
         self.consecutive = 0

@@ -198,5 +198,5 @@ def test_bad_skip_ranges_are_refused(spec):
 
 
 def test_an_unknown_policy_is_refused():
-    with pytest.raises(ConfigError, match="--bad-step-policy must be one of stop, rollback"):
+    with pytest.raises(ConfigError, match="--bad-step-policy must be one of stop, rollback, skip here"):
         BadStepMonitor("retry", 1, 0.0, 1)
