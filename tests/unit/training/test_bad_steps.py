@@ -200,3 +200,17 @@ def test_bad_skip_ranges_are_refused(spec):
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ConfigError, match="--bad-step-policy must be one of stop, rollback, skip here"):
         BadStepMonitor("retry", 1, 0.0, 1)
+
+
+def test_the_zero_wrapper_skips_through_its_fused_optimizer():
+    from tessera.core.parallel.zero import ShardedOptimizer
+
+    p = torch.nn.Parameter(torch.ones(4, 2))
+    opt = ShardedOptimizer([p], None, 0, 1, torch.optim.AdamW, lr=0.1, fused=True)
+    p.grad = torch.ones(4, 2)
+    step_unless_bad(opt, torch.tensor(True))
+    before = p.detach().clone()
+    p.grad = torch.full((4, 2), float("inf"))
+    step_unless_bad(opt, torch.tensor(False))
+    assert torch.equal(p, before) and not hasattr(opt.inner, "found_inf")
+    assert [int(s["step"]) for s in opt.state.values()] == [1]
