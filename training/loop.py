@@ -8,8 +8,11 @@ over the global batch on every rank.
 
 A step does not wait for the device: its loss and gradient norm stay device tensors until the
 next logging step (every `log_interval` steps, an evaluation or a save), which reads the window's
-in one copy, checks them, and reports every step of it. SIGTERM / Ctrl-C finish the current step
-(under torch.distributed: the steps up to the next logging step), save, and exit.
+in one copy, checks them (`bad_steps`: a non-finite step has already skipped its update on the
+device; persisting trouble stops or rolls back the run), and reports every step of it. Step i
+trains on batch i unless batches are skipped (`bad_steps.DataWindows`, kept in checkpoints).
+SIGTERM / Ctrl-C finish the current step (under torch.distributed: the steps up to the next
+logging step), save, and exit.
 """
 
 from __future__ import annotations
@@ -258,7 +261,8 @@ def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
     (`bad_steps.step_unless_bad`); `bad_step` is that verdict, a 0-d bool device tensor.
     `lr` is a float; a Mixture-of-Experts model's router metrics are floats read after a
     collective, so an MoE step does wait. Under fp16 the GradScaler's inf check
-    (`scaler.step`, which skips such steps itself) reads a device flag each step."""
+    (`scaler.step`, which skips overflowing steps itself; only a non-finite loss counts as
+    bad) reads a device flag each step."""
     lr = learning_rate(step, job.plan.optimizer)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
@@ -272,7 +276,8 @@ def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
     if job.scaler is not None:
         job.scaler.unscale_(job.optimizer)
     grad_norm = clip_gradients(job.stages, job.plan.optimizer.clip_grad)
-    ok = bad_steps.step_finite(loss, grad_norm)
+    # Under fp16 an infinite norm is the loss scaler's overflow, which it skips and counts.
+    ok = bad_steps.step_finite(loss, loss if job.scaler is not None else grad_norm)
     if job.scaler is not None:
         job.scaler.step(job.optimizer)
         job.scaler.update()
