@@ -8,7 +8,10 @@ NaN is injected into one global batch's gradients through the test hook
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from safetensors.torch import load_file
 
 from tessera.core.config import ConfigError
 from tessera.training import bad_steps
+from tessera.training import loop as loop_module
 from tessera.training.bad_steps import BadStepMonitor, DataWindows, step_unless_bad
 from tessera.training.config import load_config
 from tessera.training.loop import pretrain
@@ -145,6 +149,36 @@ def test_rollback_skips_the_window_and_equals_a_run_that_never_saw_it(tiny, tmp_
     cfg, _ = load_config(pretrain_argv(tiny, resumed, *ROLLBACK, "--resume"))
     pretrain(cfg)
     _assert_bit_identical(_tensors(final), _tensors(latest_checkpoint(resumed)))
+
+
+def test_a_loss_spike_rolls_back_past_its_batches(tiny, tmp_path, monkeypatch):
+    real_step = loop_module.train_step
+
+    def spiking_step(job, step, *args, batch=None, **kwargs):
+        metrics = real_step(job, step, *args, batch=batch, **kwargs)
+        if batch == 6:  # the batch of step 7 "spikes" (as reported; the update is applied)
+            metrics["loss"] = metrics["loss"] * 50
+        return metrics
+
+    monkeypatch.setattr(loop_module, "train_step", spiking_step)
+    run = tmp_path / "run"
+    cfg, _ = load_config(pretrain_argv(tiny, run, *ROLLBACK, "--bad-step-policy", "rollback",
+                                       "--loss-spike-factor", "3", "--loss-spike-window", "2"))
+    summary = pretrain(cfg)
+    assert summary["rollbacks"] == 1 and summary["skipped_steps"] == 0
+    assert read_training_record(latest_checkpoint(run))["skipped_batches"] == [[4, 8]]
+    reference = tmp_path / "reference"
+    cfg, _ = load_config(pretrain_argv(tiny, reference, *ROLLBACK, "--skip-data-steps", "5-8"))
+    pretrain(cfg)
+    _assert_bit_identical(_tensors(latest_checkpoint(run)), _tensors(latest_checkpoint(reference)))
+
+
+def test_the_hook_is_read_from_the_environment_once():
+    code = "from tessera.training import bad_steps; print(bad_steps.TEST_NAN_BATCH)"
+    env = {**os.environ, bad_steps.TEST_NAN_BATCH_ENV: "5"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "5"
 
 
 def test_rollback_without_a_checkpoint_is_an_error(tiny, tmp_path, monkeypatch):
