@@ -127,6 +127,10 @@ class DataConfig:
     isolate_documents: bool = opt(False, "packed samples: no token attends across an EOD "
                                           "(end of document) and positions restart after each; "
                                           "needs --tokenizer for the EOD id")
+    skip_data_steps: list[str] = opt([], "never train on the batches of these steps, as "
+                                         "A-B ranges of a run that skips nothing (e.g. 120-160); "
+                                         "later steps take the batches after them",
+                                     nargs="+")
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,20 @@ class LoopConfig:
                                  "start over; without it or --resume such a directory is refused")
     progress: bool = opt(True, "show a progress bar")
     tensorboard: bool = opt(True, "write TensorBoard events when tensorboard is installed")
+    # A step with a non-finite loss or gradient norm never updates the weights; these decide
+    # what persisting trouble does. Judged where losses are read: at logging steps.
+    bad_step_policy: str = opt("stop", "after --max-bad-steps consecutive steps with a "
+                                       "non-finite loss or gradient norm (each skipped), or a "
+                                       "loss spike: stop (with an error naming the step) | "
+                                       "rollback (reload the last checkpoint and skip the "
+                                       "batches trained on since) | skip (only log it)")
+    max_bad_steps: int = opt(5, "consecutive skipped (non-finite) steps that trigger "
+                                "--bad-step-policy", range=positive_int)
+    loss_spike_factor: float = opt(0.0, "a loss over this many times the mean of the last "
+                                        "--loss-spike-window steps' losses triggers "
+                                        "--bad-step-policy (0: off)", range=non_negative_float)
+    loss_spike_window: int = opt(20, "steps of loss history a spike is measured against "
+                                     "(none is judged before it fills)", range=positive_int)
 
 
 @dataclass(frozen=True)

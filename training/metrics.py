@@ -206,6 +206,8 @@ class MetricsLogger:
                     f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_s']:,.0f} tok/s | "
                     f"{m['tflops']:.3f} TFLOP/s | MFU {_percent(m['mfu'])} | "
                     f"mem {m['memory_gb']:.2f} GB")
+            if m.get("skipped_steps"):
+                line += f" | skipped {m['skipped_steps']}"
             if "valid_loss" in m:
                 line += f" | valid loss {m['valid_loss']:.4f} ppl {math.exp(m['valid_loss']):.1f}"
             self.write(line)
@@ -244,6 +246,9 @@ class MetricsLogger:
                 ("wall time", f"{elapsed:.1f} s"),
                 ("MFU measured against", describe_peak(peak_tflops, peak_source)),
                 ("stopped early (signal)", "yes" if stopped else "no"),
+                *([("skipped steps / rollbacks", f"{summary['skipped_steps']} / "
+                                                 f"{summary.get('rollbacks', 0)}")]
+                  if summary.get("skipped_steps") or summary.get("rollbacks") else []),
                 ("checkpoint", summary["checkpoint"] or "-")]
         width = max(len(k) for k, _ in rows)
         print("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)

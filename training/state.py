@@ -13,6 +13,7 @@ A training checkpoint is an ordinary Tessera checkpoint (so `tessera convert`, `
   global layer name (emulated delayed scaling: `NAME.amax_history`, `NAME.scale`), restored on
   resume under any layout when the recipe is the saved one;
 - the manifest's `extra.training`: step, consumed samples, optimizer step count, the world size,
+  `skipped_batches` (the batch ranges the run skips, when it skips any),
   `optimizer` (how the moment files are laid out), `fp8` (the resolved FP8 recipe: backend,
   recipe, format, history length, margin; and the layers left in bf16), the run config.
 
@@ -77,9 +78,11 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module]
                              optimizer: torch.optim.Optimizer, *, step: int,
                              consumed_samples: int, config: dict[str, Any],
                              tokenizer: str | None, keep_last: int,
-                             fp8: Fp8Training | None = None) -> Path:
-    """Save everything needed to resume at `step` (with `fp8`, its recipe and state too).
-    Collective over all ranks."""
+                             fp8: Fp8Training | None = None,
+                             skipped_batches: list[list[int]] | None = None) -> Path:
+    """Save everything needed to resume at `step` (with `fp8`, its recipe and state too;
+    `skipped_batches`: the `[start, stop)` batch ranges the run never trains on, see
+    `bad_steps.DataWindows`). Collective over all ranks."""
     series = checkpoint_series(run_dir)
     target = series.step_dir(step)
     sharded = isinstance(optimizer, ShardedOptimizer)
@@ -115,6 +118,8 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module]
                           "optimizer": record, "config": config}}
     if fp8 is not None:
         extra["training"]["fp8"] = fp8.record()
+    if skipped_batches:
+        extra["training"]["skipped_batches"] = skipped_batches
     with gathered_parameters(models):  # FSDP2: whole tp shards, as the weight files hold
         save_checkpoint(target, models, step=step, tokenizer=tokenizer, extra=extra,
                         write_extra_files=write_state)

@@ -50,9 +50,10 @@ from tessera.core.prompt_table import (
 )
 from tessera.core.prompts import VirtualPrompts, attach_prompts
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
+from tessera.training.bad_steps import BadStepMonitor, check_policy
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb, plan_for_world
 from tessera.training.loop import train_step as pretrain_step
-from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
+from tessera.training.metrics import MetricsLogger, StepWindow, resolve_peak
 from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.training.state import restore_fp8_state
@@ -252,6 +253,7 @@ def _shared_fingerprint(checkpoint: str) -> str:
 def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     """Run (or resume) prompt tuning or LoRA as configured; returns the run summary on every
     rank."""
+    check_policy(cfg.loop.bad_step_policy, rollback=False)  # rollback: pretraining only
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
     # After the inputs are checked (a bad input must not cost the old run), before any write;
     # the fingerprint's broadcast below keeps rank 0 from writing until every rank has looked.
@@ -305,6 +307,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     flops = model_flops_per_token(plan.model, t.seq_len) * 2 / 3
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
+    monitor = BadStepMonitor(loop.bad_step_policy, loop.max_bad_steps, loop.loss_spike_factor,
+                             loop.loss_spike_window)
     window = StepWindow()  # the steps since the last logging step, read there at once
     for step in range(start, run.steps):
         tokens, labels = train_batch(t, inputs.train, step)
@@ -316,7 +320,10 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
         if not (log.due(step + 1) or evaluate_now or save_due):
             continue
         rows, elapsed = window.resolve()
-        losses.extend(checked_losses(rows, step + 1))
+        verdict = monitor.check(rows)  # `stop`: raises, naming the step
+        if verdict is not None:
+            log.write(f"bad steps at step {verdict.step}: {verdict.reason}")
+        losses.extend(row["loss"] for row in rows)
         tokens_per_s = len(rows) * plan.data.global_batch * t.seq_len / elapsed
         tflops = flops * tokens_per_s / world / 1e12
         for row in rows:  # the window's mean rate on each of its steps
