@@ -15,8 +15,10 @@ summed chunk by chunk instead of in one reduction, and `W`'s gradient is the sum
 per chunk (accumulated in fp32) instead of one product over all rows.
 
 When the decoder uses it: `TESSERA_CHUNKED_CE` = `auto` (default), `on` or `off`. `auto` uses it
-on CUDA when the fp32 logits would exceed one chunk (`CHUNK_BYTES`); CPU runs and small heads
-keep the plain head's exact numerics. Under `torch.no_grad()` (evaluation) only the loss is
+on CUDA when the full fp32 logits would exceed `AUTO_BYTES` (2 GiB: a 128k vocabulary at 4 x 2048
+tokens, not llama-1b's 32k, whose plain head was the one timed at 91.6 ms a step on an H200;
+the chunked head's GPU time is not measured yet, bench/bench_cross_entropy.py); CPU runs and
+smaller heads keep the plain head's exact numerics. Under `torch.no_grad()` (evaluation) only the loss is
 computed, still a chunk at a time.
 """
 
@@ -28,6 +30,7 @@ import torch
 
 MODES = ("auto", "on", "off")
 CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk
+AUTO_BYTES = 2 * 2**30  # `auto`: chunk when the whole fp32 logits would exceed this
 _mode: str | None = None  # None: read TESSERA_CHUNKED_CE on first use
 
 
@@ -58,7 +61,7 @@ def wanted(h: torch.Tensor, vocab_size: int) -> bool:
     m = mode()
     if m != "auto":
         return m == "on"
-    return h.device.type == "cuda" and h.numel() // h.shape[-1] * vocab_size * 4 > CHUNK_BYTES
+    return h.device.type == "cuda" and h.numel() // h.shape[-1] * vocab_size * 4 > AUTO_BYTES
 
 
 def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
