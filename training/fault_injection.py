@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 
 def kill_if_asked(step: int) -> None:
@@ -20,4 +21,6 @@ def kill_if_asked(step: int) -> None:
     if os.environ.get("RANK", "0") != os.environ.get("TESSERA_TEST_KILL_RANK", "0"):
         return
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        print(f"test hook: SIGKILL rank {os.environ.get('RANK', '0')} after step {step}",
+              file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
