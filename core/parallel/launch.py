@@ -39,8 +39,27 @@ def init_distributed(device: torch.device,
         if device.type == "cuda":
             index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(index)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return dist.is_initialized()
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The launcher's store with keys of this attempt only, when torchrun shares its own store
+    with the ranks (TORCHELASTIC_USE_AGENT_STORE): that store outlives a restart, and a group
+    restarted after a rank failed would otherwise read the failed group's addresses and never
+    connect. None otherwise (`init_process_group` reads the env as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"tessera/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
 
 
 # The launcher's own flags, each with a value: the ranks re-run argv without them.
