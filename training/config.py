@@ -318,7 +318,8 @@ def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]
             kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
                                   "metavar": metavar}
             if f.metadata.get("parse"):
-                kw.update(type=f.metadata["parse"], nargs="?", const=f.metadata["const"])
+                kw.update(type=f.metadata["parse"], nargs="?", const=f.metadata["const"],
+                          metavar="MODE")
             elif typ is bool:
                 kw.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
             elif f.metadata.get("nargs"):
