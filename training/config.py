@@ -143,10 +143,10 @@ class LoopConfig:
     keep_last: int = opt(2, "checkpoints to keep (older ones are deleted; 0: all)",
                          range=non_negative_int)
     # A str, not a Literal: `parse` reads every spelling (true/yes/1, a YAML bool) into one.
-    resume: str = opt("auto", "continue from the latest complete checkpoint in output/: auto "
-                              "(continue when it is this run's, same config; else start), true "
-                              "(continue whatever run is there, even with changed settings), "
-                              "false (start; a directory holding a run is refused)",
+    resume: str = opt("auto", "the run already in output/: auto (continue from its latest "
+                              "checkpoint when that records this config; start when it has none; "
+                              "refuse another config), true (continue it whatever its config), "
+                              "false (refuse it)",
                       parse=resume_mode, const="true")
     overwrite: bool = opt(False, "delete the run already in output/ (checkpoints, metrics) and "
                                  "start over")
