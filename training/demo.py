@@ -12,8 +12,9 @@ Under several ranks, rank 0 prepares the data while the others wait.
 
 Run again, the demo never deletes its previous run (the checkpoint the README's tuning and
 serving examples start from): a finished run (its last checkpoint at `--steps`) is kept and its
-samples printed; an unfinished one is refused like any other run directory, naming `--resume`
-(continue it) and `--overwrite` (delete it and train again).
+samples printed; an unfinished one continues like any other run directory (`--resume auto`,
+the default: when its config is this one's; else it is refused, naming `--resume true` and
+`--overwrite`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     run_dir = Path(cfg.loop.output)
     init_distributed(resolve_device(cfg.train.device))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    finished = None if cfg.loop.resume or cfg.loop.overwrite else finished_run(cfg)
+    finished = None if cfg.loop.resume == "true" or cfg.loop.overwrite else finished_run(cfg)
     if finished is not None:
         if rank0:
             print(f"demo: {run_dir} already holds a finished demo run; kept, its samples are "

@@ -47,6 +47,7 @@ from tessera.core.regional_compile import compile_blocks
 from tessera.training import bad_steps
 from tessera.training.banner import run_banner
 from tessera.training.config import PretrainConfig
+from tessera.training.fault_injection import kill_if_asked
 from tessera.training.metrics import MetricsLogger, StepWindow, resolve_peak
 from tessera.training.moe_step import begin_moe_step, end_moe_step
 from tessera.training.objectives import CAUSAL_LM, Objective, check_objective, objective_for
@@ -366,14 +367,17 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     monitor = bad_steps.BadStepMonitor(loop.bad_step_policy, loop.max_bad_steps,
                                        loop.loss_spike_factor, loop.loss_spike_window)
     skipped = bad_steps.DataWindows.parse(cfg.data.skip_data_steps)
-    claim_run_dir(plan.loop.output, resume=plan.loop.resume, overwrite=plan.loop.overwrite)
+    latest = latest_checkpoint(plan.loop.output)
+    resume_from = claim_run_dir(
+        plan.loop.output, resume=plan.loop.resume, overwrite=plan.loop.overwrite, latest=latest,
+        saved_config=read_training_record(latest).get("config") if latest else None,
+        config=plan.record)
     job = setup(plan, device)
     if dist.is_initialized():
         dist.barrier()  # every rank has looked at the output directory before rank 0 writes there
     run, data = plan.run, plan.data
     train_ds, valid_ds = _datasets(plan)
     start = 0
-    resume_from = latest_checkpoint(loop.output) if loop.resume else None
     if resume_from is not None:
         record = load_training_checkpoint(resume_from, job.stages, job.optimizer, fp8=job.fp8)
         start = record["step"]
@@ -399,6 +403,7 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 local_rows(train_ds, batch, data, job.groups, job.device))
             window.add(step + 1, train_step(job, step, tokens, labels, extra, batch=batch))
             step += 1
+            kill_if_asked(step)
             evaluate = bool(loop.eval_interval and step % loop.eval_interval == 0
                             and step < run.steps)
             save_due = step == run.steps or bool(loop.save_interval

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -153,6 +154,28 @@ def checked_losses(rows: list[dict[str, Any]], step: int) -> list[float]:
     return losses
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """Remove from the metrics file at `path` (if any) the rows of steps after `step`, and a
+    torn last line: what an attempt that died logged past the checkpoint a run resumes from
+    (`step`; 0 for a fresh start), so each step is logged once. Atomic: a crash leaves the old
+    file or the new one."""
+    if not path.is_file():
+        return
+    kept, lines = [], path.read_text().splitlines(keepends=True)
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(row, dict) and row.get("step", 0) > step):
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept == lines:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Progress, JSONL metrics, optional TensorBoard and the final summary of one run."""
 
@@ -164,6 +187,7 @@ class MetricsLogger:
             return
         out = Path(loop_cfg.output)
         out.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(out / "metrics.jsonl", initial)
         self.jsonl = open(out / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         if loop_cfg.tensorboard:
             try:

@@ -255,10 +255,9 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     rank."""
     check_policy(cfg.loop.bad_step_policy, rollback=False)  # rollback: pretraining only
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
-    # After the inputs are checked (a bad input must not cost the old run), before any write;
-    # the fingerprint's broadcast below keeps rank 0 from writing until every rank has looked.
-    claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite,
-                  files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR))
+    # The run directory is claimed after the inputs are checked (a bad input must not cost the
+    # old run) and before any write; the barrier after it keeps rank 0 from writing until every
+    # rank has looked.
     t = setup(cfg, inputs)
     plan = t.job.plan
     loop = plan.loop
@@ -272,8 +271,16 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
         t.lora = dataclasses.replace(t.lora, base_fingerprint=meta["base_fingerprint"])
         meta["lora"] = {"rank": t.lora.rank, "alpha": t.lora.alpha, "dropout": t.lora.dropout,
                         "modules": list(t.lora.modules)}
-    start, resumed = 0, None
-    if loop.resume and (resumed := ckpt.latest_tuning_checkpoint(loop.output)) is not None:
+    latest = ckpt.latest_tuning_checkpoint(loop.output)
+    resumed = claim_run_dir(
+        loop.output, resume=loop.resume, overwrite=loop.overwrite,
+        files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR), latest=latest,
+        saved_config=ckpt.read_tuning_meta(latest).get("config") if latest else None,
+        config=meta["config"])
+    if dist.is_initialized():
+        dist.barrier()
+    start = 0
+    if resumed is not None:
         ckpt.check_resumable(ckpt.read_tuning_meta(resumed), resumed, meta)
         if t.lora is not None:
             start = load_lora_checkpoint(resumed, t.job.stages, t.job.optimizer)
