@@ -355,8 +355,8 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     start = 0
     resume_from = latest_checkpoint(loop.output) if loop.resume else None
     if resume_from is not None:
-        start = load_training_checkpoint(resume_from, job.stages, job.optimizer,
-                                         fp8=job.fp8)["step"]
+        start = load_training_checkpoint(resume_from, job.stages, job.optimizer, fp8=job.fp8,
+                                         verify=False)["step"]  # `latest` verified it
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = model_flops_per_token(plan.model, data.seq_len)
     peak, peak_source = resolve_peak(run.peak_tflops, job.device, plan.precision.matmul_dtype)
@@ -410,7 +410,7 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
             window.restart()
     valid = evaluate_loss(job, valid_ds, loop.eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
-                         checkpoint=latest_checkpoint(loop.output), peak_tflops=peak,
+                         checkpoint=latest_checkpoint(loop.output, verify=False), peak_tflops=peak,
                          peak_source=peak_source)
     summary["stop_signal"] = stopped  # the CLI exits 128 + it, as shells and schedulers expect
     return summary
