@@ -197,7 +197,7 @@ def load_training_checkpoint(path: Path, models: list[nn.Module],
     record (step, consumed_samples, ...).
     """
     if verify:
-        earlier = [p.name for p in checkpoint_series(path.parent).complete() if p != path]
+        earlier = [p.name for p in CheckpointSeries(path.parent).complete() if p.name < path.name]
         verify_files(path, f"resume from an earlier step ({', '.join(earlier[-3:]) or 'none'}"
                            f" in {path.parent}) or delete {path.name}")
     manifest = _load_weights(models, path)
