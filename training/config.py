@@ -140,6 +140,10 @@ class LoopConfig:
                              range=non_negative_int)
     keep_last: int = opt(2, "checkpoints to keep (older ones are deleted; 0: all)",
                          range=non_negative_int)
+    async_save: bool = opt(False, "write checkpoints on a background thread while training "
+                                  "goes on (the step waits only for a copy of the tensors to "
+                                  "host memory, which then holds a second copy of the weights "
+                                  "and optimizer state)")
     resume: bool = opt(False, "continue from the latest complete checkpoint in output/")
     overwrite: bool = opt(False, "delete the run already in output/ (checkpoints, metrics) and "
                                  "start over; without it or --resume such a directory is refused")

@@ -42,6 +42,7 @@ from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import kv_replicas
 from tessera.core.regional_compile import compile_blocks
 from tessera.training.banner import run_banner
+from tessera.training.checkpoint_saver import CheckpointSaver, SaveReport
 from tessera.training.config import PretrainConfig
 from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
 from tessera.training.moe_step import begin_moe_step, end_moe_step
@@ -52,7 +53,6 @@ from tessera.training.run_plan import DataPlan, RunPlan, resolve_plan
 from tessera.training.state import (
     latest_checkpoint,
     load_training_checkpoint,
-    save_training_checkpoint,
 )
 
 
@@ -370,6 +370,8 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     step, stopped = start, 0
     tokenizer = data.tokenizer or None
     window = StepWindow()  # the steps since the last logging step, read there at once
+    saver = CheckpointSaver(loop.output, keep_last=loop.keep_last, asynchronous=loop.async_save,
+                            device=job.device)
     with _StopFlag() as stop:
         while step < run.steps:
             tokens, labels, extra = job.objective.split_batch(
@@ -399,21 +401,29 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 rows[-1]["valid_loss"] = evaluate_loss(job, valid_ds, loop.eval_batches)
             for row in rows:
                 log.step(row)
+            published = saver.poll()  # an asynchronous save that every rank has written
             if save_due or stopped:
-                path = save_training_checkpoint(
-                    loop.output, job.stages, job.optimizer, step=step,
+                published += saver.save(
+                    job.stages, job.optimizer, step=step,
                     consumed_samples=step * data.global_batch, config=dict(plan.record),
-                    tokenizer=tokenizer, keep_last=loop.keep_last, fp8=job.fp8)
-                log.saved(path, step)
+                    tokenizer=tokenizer, fp8=job.fp8)
+            _log_saves(log, published)
             if stopped:
                 break
             window.restart()
+    _log_saves(log, saver.finish())  # the last save is in place before the run ends
     valid = evaluate_loss(job, valid_ds, loop.eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
                          checkpoint=latest_checkpoint(loop.output, verify=False), peak_tflops=peak,
                          peak_source=peak_source)
     summary["stop_signal"] = stopped  # the CLI exits 128 + it, as shells and schedulers expect
     return summary
+
+
+def _log_saves(log: MetricsLogger, reports: list[SaveReport]) -> None:
+    for report in reports:
+        log.saved(report.path, report.step)
+        log.write(f"  {report.describe()}")
 
 
 def check_output(output: str) -> None:
