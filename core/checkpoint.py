@@ -17,11 +17,18 @@ Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
   `sharding.stored_shard`: a kv head is stored once, by the first rank of its replica group, and
   the other ranks of the group read it from there. An FP8 weight (see `core.fp8`) keeps its fp32
   scale `NAME.scale` next to each shard, in the same file. Files are opened lazily
-  (memory-mapped); no pickle anywhere.
+  (memory-mapped); no pickle anywhere;
+- `digests-rank{r}.json`: the sha256 of every file rank r wrote, taken as it was written
+  (`core.checkpoint_digests`); `load_checkpoint`, training resume and `tessera inspect --verify`
+  check them (`verify_files`). Checkpoints without them (older ones, converters') still load.
 
 Every writer (`save_checkpoint`, the converters) builds its manifest with `build_manifest` and
 writes it with `write_manifest`. Format version 2 records the whole layout; version 1 (before
 `Layout`) recorded tp, pp and virtual_stages only, and still loads, as the looped placement.
+
+A save is three parts: `prepare_checkpoint` (collective: the temporary directory, this rank's
+tensors on the host, the manifest), `CheckpointWrite.write` (no collective: files and digests,
+so it may run on a background thread) and `publish_checkpoint` (collective: the rename).
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
 last, so a crash mid-write leaves any earlier checkpoint untouched (`atomic_directory`,
@@ -59,6 +66,7 @@ from tessera.core.expert_checkpoint import (
     stored_in_pieces,
 )
 from tessera.core.files import atomic_file, dir_mode, file_mode
+from tessera.core.host_copy import host_copy
 from tessera.core.parallel.sharding import (
     global_param_shapes,
     shard_spec,
@@ -295,21 +303,6 @@ def write_weights(directory: Path, models: list[nn.Module]) -> dict[str, list[st
     file, keep = weight_tensors(models)
     save_file(keep, str(directory / file), metadata={"format": "pt"})
     return {n: [file] for n in keep}
-
-
-def host_copy(tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
-    """`tensor` contiguous in host memory. With `copy`, always a new tensor (a device tensor
-    lands in pinned memory, copied without waiting: call `torch.cuda.synchronize()` before
-    reading it); without, a host tensor that is already contiguous is returned as is."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor.clone(memory_format=torch.contiguous_format) if copy else \
-            tensor.contiguous()
-    if not copy:
-        return tensor.to("cpu").contiguous()
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    out.copy_(tensor, non_blocking=True)
-    return out
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from tessera.core.host_copy import host_copy
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_expert_tensor
 
@@ -55,9 +56,7 @@ def write_expert_weights(directory: Path, models: list[nn.Module]) -> dict[str, 
 def expert_tensors(models: list[nn.Module], *, copy: bool = False
                    ) -> tuple[str, dict[str, torch.Tensor]] | None:
     """This rank's expert file name and the expert pieces it holds, on the host (`copy`: as
-    new tensors, see `core.checkpoint.host_copy`); None where the rank writes none."""
-    from tessera.core.checkpoint import host_copy
-
+    new tensors, see `core.host_copy`); None where the rank writes none."""
     g = models[0].groups
     if g.ep_size * g.etp_size == 1 or g.edp_rank != 0:
         return None

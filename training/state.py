@@ -12,6 +12,8 @@ A training checkpoint is an ordinary Tessera checkpoint (so `tessera convert`, `
 - `fp8-rank{r}.safetensors` (`--precision fp8`): the FP8 state of each global rank's layers by
   global layer name (emulated delayed scaling: `NAME.amax_history`, `NAME.scale`), restored on
   resume under any layout when the recipe is the saved one;
+- `digests-rank{r}.json` (as in every checkpoint): the sha256 of each file rank r wrote,
+  checked on resume; `latest_checkpoint` skips a step whose files do not match;
 - the manifest's `extra.training`: step, consumed samples, optimizer step count, the world size,
   `optimizer` (how the moment files are laid out), `fp8` (the resolved FP8 recipe: backend,
   recipe, format, history length, margin; and the layers left in bf16), the run config.
@@ -45,7 +47,6 @@ from tessera.core.checkpoint import (
     CheckpointSeries,
     CheckpointWrite,
     Manifest,
-    host_copy,
     load_weights,
     prepare_checkpoint,
     publish_checkpoint,
@@ -54,6 +55,7 @@ from tessera.core.checkpoint import (
 )
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import Fp8Training
+from tessera.core.host_copy import host_copy
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
 from tessera.training.expert_moments import collect_expert_moments
