@@ -129,9 +129,10 @@ def prepare_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Modu
                           "optimizer": record, "config": config}}
     if fp8 is not None:
         extra["training"]["fp8"] = fp8.record()
-    with gathered_parameters(models):  # FSDP2: whole tp shards, as the weight files hold
+    with gathered_parameters(models) as gathered:  # FSDP2: whole tp shards, as files hold
+        # Gathered parameters are freed on leaving: the writer needs copies of them.
         pending = prepare_checkpoint(target, models, step=step, tokenizer=tokenizer,
-                                     extra=extra, copy=copy)
+                                     extra=extra, copy=copy or gathered)
     for found in (collect_moments(models, optimizer, sharded=sharded),
                   collect_expert_moments(models, optimizer)):  # experts: expert parallelism only
         if found is not None:
@@ -166,8 +167,9 @@ def publish_training_checkpoint(run_dir: str | os.PathLike, pending: CheckpointW
 
 
 @contextmanager
-def gathered_parameters(models: list[nn.Module]) -> Iterator[None]:
+def gathered_parameters(models: list[nn.Module]) -> Iterator[bool]:
     """Inside, FSDP2 modules hold whole (unsharded) parameters; a no-op for any other model.
+    Yields whether any parameter was gathered (their whole storage is freed on leaving).
 
     Collective over the dp group: every dp rank enters it together.
     """
@@ -177,7 +179,7 @@ def gathered_parameters(models: list[nn.Module]) -> Iterator[None]:
     for m in wrapped:
         m.unshard()
     try:
-        yield
+        yield bool(wrapped)
     finally:
         for m in wrapped:
             m.reshard()
