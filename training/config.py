@@ -146,6 +146,10 @@ class LoopConfig:
                              range=non_negative_int)
     keep_last: int = opt(2, "checkpoints to keep (older ones are deleted; 0: all)",
                          range=non_negative_int)
+    async_save: bool = opt(False, "write checkpoints on a background thread while training "
+                                  "goes on (the step waits only for a copy of the tensors to "
+                                  "host memory, which then holds a second copy of the weights "
+                                  "and optimizer state)")
     # A str, not a Literal: `parse` reads every spelling (true/yes/1, a YAML bool) into one.
     resume: str = opt("auto", "the run already in output/: auto (continue from its latest "
                               "checkpoint when that records this config; start when it has none; "

@@ -46,6 +46,7 @@ from tessera.core.parallel.sharding import kv_replicas
 from tessera.core.regional_compile import compile_blocks
 from tessera.training import bad_steps
 from tessera.training.banner import run_banner
+from tessera.training.checkpoint_saver import CheckpointSaver, SaveReport
 from tessera.training.config import PretrainConfig
 from tessera.training.fault_injection import kill_if_asked
 from tessera.training.metrics import MetricsLogger, StepWindow, resolve_peak
@@ -58,7 +59,6 @@ from tessera.training.state import (
     latest_checkpoint,
     load_training_checkpoint,
     read_training_record,
-    save_training_checkpoint,
 )
 
 
@@ -379,7 +379,8 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     train_ds, valid_ds = _datasets(plan)
     start = 0
     if resume_from is not None:
-        record = load_training_checkpoint(resume_from, job.stages, job.optimizer, fp8=job.fp8)
+        record = load_training_checkpoint(resume_from, job.stages, job.optimizer, fp8=job.fp8,
+                                          verify=False)  # `latest` verified it
         start = record["step"]
         skipped.merge(bad_steps.DataWindows.from_record(record.get("skipped_batches")))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -395,6 +396,8 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     step, stopped, rollbacks = start, 0, []
     tokenizer = data.tokenizer or None
     window = StepWindow()  # the steps since the last logging step, read there at once
+    saver = CheckpointSaver(loop.output, keep_last=loop.keep_last, asynchronous=loop.async_save,
+                            device=job.device)
     with _StopFlag() as stop:
         while step < run.steps:
             # The dataset holds `steps` batches: a run that skipped some wraps to its first.
@@ -431,9 +434,11 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 if row["bad_step"]:
                     log.write(f"step {row['step']}: loss {row['loss']}, grad norm "
                               f"{row['grad_norm']}; its update was skipped")
+            published = saver.poll()  # an asynchronous save that every rank has written
             if verdict is not None:
                 log.write(f"bad steps at step {verdict.step}: {verdict.reason}")
             if verdict is not None and loop.bad_step_policy == "rollback":
+                _log_saves(log, published + saver.finish())  # roll back to the newest save
                 back = _roll_back(job, loop.output, skipped, step, verdict, rollbacks, log)
                 del losses[back - start:]
                 step = back
@@ -441,19 +446,19 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 window.restart()
                 continue  # nothing of the abandoned steps is evaluated or saved
             if save_due or stopped:
-                path = save_training_checkpoint(
-                    loop.output, job.stages, job.optimizer, step=step,
+                published += saver.save(
+                    job.stages, job.optimizer, step=step,
                     consumed_samples=step * data.global_batch, config=dict(plan.record),
-                    tokenizer=tokenizer, keep_last=loop.keep_last, fp8=job.fp8,
-                    skipped_batches=skipped.record())
-                log.saved(path, step)
+                    tokenizer=tokenizer, fp8=job.fp8, skipped_batches=skipped.record())
+            _log_saves(log, published)
             if stopped:
                 break
             window.restart()
+    _log_saves(log, saver.finish())  # the last save is in place before the run ends
     valid = evaluate_loss(job, valid_ds, loop.eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
-                         checkpoint=latest_checkpoint(loop.output), peak_tflops=peak,
-                         peak_source=peak_source,
+                         checkpoint=latest_checkpoint(loop.output, verify=False),
+                         peak_tflops=peak, peak_source=peak_source,
                          extra={"skipped_steps": monitor.skipped, "rollbacks": len(rollbacks),
                                 "skipped_batches": skipped.record()})
     summary["stop_signal"] = stopped  # the CLI exits 128 + it, as shells and schedulers expect
@@ -488,6 +493,12 @@ def _roll_back(job: Job, output: str, skipped: bad_steps.DataWindows, step: int,
               " (numbered as in a run that skips nothing) are skipped from now on, as "
               f"--skip-data-steps {first + 1}-{last + 1} would skip them")
     return back
+
+
+def _log_saves(log: MetricsLogger, reports: list[SaveReport]) -> None:
+    for report in reports:
+        log.saved(report.path, report.step)
+        log.write(f"  {report.describe()}")
 
 
 def check_output(output: str) -> None:
