@@ -248,3 +248,21 @@ def test_the_zero_wrapper_skips_through_its_fused_optimizer():
     step_unless_bad(opt, torch.tensor(False))
     assert torch.equal(p, before) and not hasattr(opt.inner, "found_inf")
     assert [int(s["step"]) for s in opt.state.values()] == [1]
+
+
+def test_rollback_waits_for_an_asynchronous_save_in_flight(tiny, tmp_path, monkeypatch):
+    # The step-4 save is still being written (slowly) when step 6's NaN is read: the rollback
+    # publishes it first and returns to it, as the synchronous run does.
+    monkeypatch.setattr(bad_steps, "TEST_NAN_BATCH", 5)
+    monkeypatch.setenv("TESSERA_TEST_SAVE_FILE_DELAY_S", "0.2")
+    run = tmp_path / "run"
+    cfg, _ = load_config(pretrain_argv(tiny, run, *ROLLBACK, "--bad-step-policy", "rollback",
+                                       "--max-bad-steps", "1", "--async-save"))
+    summary = pretrain(cfg)
+    assert summary["rollbacks"] == 1
+    monkeypatch.delenv("TESSERA_TEST_SAVE_FILE_DELAY_S")
+    reference = tmp_path / "reference"
+    cfg, _ = load_config(pretrain_argv(tiny, reference, *ROLLBACK, "--skip-data-steps", "5-6"))
+    pretrain(cfg)
+    _assert_bit_identical(_tensors(latest_checkpoint(run)),
+                          _tensors(latest_checkpoint(reference)))
