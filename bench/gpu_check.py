@@ -8,8 +8,9 @@ time budgets, streamed as measured, and one Markdown + JSON report.
 
 Stages run in order, each a child process under its own time limit: `env` (card, driver,
 torch/CUDA/cuDNN versions, optional kernels), `tests` (`pytest tests/gpu`), `calibrate` (GEMM,
-attention and HBM rates: the planner's profile), `train` (bench_train.py), `decode`
-(bench_generate.py), `fp8` (bench_fp8.py), `smoke` (`tessera pretrain` then `tessera serve`).
+attention and HBM rates: the planner's profile), `train` (bench_train.py), `loss`
+(bench_cross_entropy.py), `decode` (bench_generate.py), `fp8` and `fp8-train` (bench_fp8.py),
+`smoke` (`tessera pretrain` then `tessera serve`).
 A child prints `ROW <bench> {json}` for each measured row; those rows make the report, so a
 stage that runs out of time still reports what it measured, and the stages after it still run.
 The report goes to `--out` (default bench/results/): `gpu_check-<card>.md` and `.json`.
@@ -65,6 +66,7 @@ def stages(args) -> list[Stage]:
                      "--out", profile]
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--preset",
                   "llama-1b", "--prompt", "128", "--new", "128"]
+        loss = [str(HERE / "bench_cross_entropy.py"), "--device", args.device]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device]
         fp8_train = [str(HERE / "bench_fp8.py"), "--device", args.device, "--train"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "30"]
@@ -75,6 +77,8 @@ def stages(args) -> list[Stage]:
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--hidden", "64",
                   "--layers", "2", "--vocab", "256", "--prompt", "8", "--new", "8",
                   "--concurrency", "2", "--no-int8", "--no-compile", "--no-hf-compile"]
+        loss = [str(HERE / "bench_cross_entropy.py"), "--device", args.device, "--tiny",
+                "--vocabs", "2000", "--tokens", "256"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]
         fp8_train = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny", "--train"]
         smoke = [str(HERE / "gpu_smoke.py"), "--device", args.device, "--steps", "3"]
@@ -84,20 +88,21 @@ def stages(args) -> list[Stage]:
     plan = [
         Stage("env", [str(HERE / "gpu_check.py"), "--print-env", "--device", args.device], 15,
               "card, driver, versions, optional kernel libraries"),
-        Stage("tests", tests, 50, "pytest tests/gpu"),
+        Stage("tests", tests, 45, "pytest tests/gpu"),
         Stage("calibrate", calibrate, 40, "GEMM / attention / HBM rates for tessera plan"),
-        Stage("train", train, 120, "llama-1b 4x2048 training step vs HF"),
+        Stage("train", train, 110, "llama-1b 4x2048 training step vs HF"),
+        Stage("loss", loss, 25, "full vs chunked linear cross-entropy, V 32k and 128k"),
         Stage("decode", decode, 60, "llama-1b decode vs HF"),
         Stage("fp8", fp8, 45, "FP8 GEMM vs bf16"),
         Stage("fp8-train", fp8_train, 45, "FP8 training step vs bf16"),
-        Stage("smoke", smoke, 45, "tessera pretrain + tessera serve"),
+        Stage("smoke", smoke, 40, "tessera pretrain + tessera serve"),
     ]
     plan = [s for s in plan if not args.stages or s.name in args.stages]
     total = sum(s.budget_s for s in plan)
     scale = (args.budget_s / total) if args.budget_s else 1.0
     for s in plan:
         s.budget_s = round(args.stage_budget.get(s.name, s.budget_s * scale), 1)
-        if s.name in ("train", "decode", "fp8", "fp8-train", "calibrate"):
+        if s.name in ("train", "loss", "decode", "fp8", "fp8-train", "calibrate"):
             # The bench stops starting new rows a little before the hard limit.
             s.argv += ["--budget-s", str(max(s.budget_s - 15, s.budget_s * 0.7))]
     return plan
@@ -293,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=SECONDS",
                         help="one stage's budget, e.g. train=200 (after --budget-s scaling)")
     parser.add_argument("--stages", nargs="+", default=None,
-                        choices=["env", "tests", "calibrate", "train", "decode", "fp8",
-                                 "fp8-train", "smoke"])
+                        choices=["env", "tests", "calibrate", "train", "loss", "decode",
+                                 "fp8", "fp8-train", "smoke"])
     parser.add_argument("--out", default=str(HERE / "results"), help="report folder")
     parser.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

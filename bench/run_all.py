@@ -40,6 +40,7 @@ CPU_PARTS = {
     # serving section (bench/results/serving_paged.md, serving_chunked_prefill.md)
     "serving_paged": ["bench_serving_paged.py", "--num-requests", "32", "--rate", "2", "inf"],
     "convert": ["bench_convert.py"],
+    "async_save": ["bench_async_save.py"],
     "tune": ["bench_tune.py"],
     "lora": ["bench_lora.py"],
     "fp8": ["bench_fp8.py", "--device", "cpu"],

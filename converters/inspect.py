@@ -2,6 +2,8 @@
 
 Reads only the manifest and the weight files' headers, never a tensor, so it is instant on any
 size of model; it checks each file against the manifest and exits 1 naming every damaged file.
+`--verify` also reads every file once and checks it against the sha256 recorded when it was
+written (weights, optimizer state, tokenizer: every file of a training checkpoint).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 # The checkpoint readers (and torch) are imported when they run, so `--help` is instant.
 
 
-def describe(path: str | Path) -> dict[str, Any]:
-    """The facts `inspect` prints, as plain JSON-able data."""
+def describe(path: str | Path, verify: bool = False) -> dict[str, Any]:
+    """The facts `inspect` prints, as plain JSON-able data (`verify`: with every file's bytes
+    checked against its recorded sha256; `digests` is then "match", "none recorded" or
+    "damaged")."""
     from tessera.core.checkpoint import read_manifest
+    from tessera.core.checkpoint_digests import damaged_files
     from tessera.core.checkpoint_verify import verify_checkpoint
     from tessera.core.parallel.sharding import num_parameters
 
@@ -27,6 +32,12 @@ def describe(path: str | Path) -> dict[str, Any]:
     m = man.model
     files = sorted({f for fs in man.weight_map.values() for f in fs})
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    problems = [str(p) for p in verify_checkpoint(path, man)]
+    digests = None
+    if verify:
+        damaged = damaged_files(path)
+        digests = "none recorded" if damaged is None else "damaged" if damaged else "match"
+        problems += [f"{file}: {problem}" for file, problem in damaged or []]
     return {
         "path": str(path),
         "family": m.family,
@@ -50,7 +61,8 @@ def describe(path: str | Path) -> dict[str, Any]:
         "size_bytes": size,
         "step": man.step,
         "tokenizer": man.tokenizer,
-        "problems": [str(p) for p in verify_checkpoint(path, man)],
+        "digests": digests,
+        "problems": problems,
     }
 
 
@@ -89,6 +101,10 @@ def render(info: dict[str, Any]) -> str:
         ("tokenizer", info["tokenizer"] or "none"),
         ("files", "DAMAGED (below)" if info["problems"] else "match the manifest"),
     ]
+    if info.get("digests") is not None:
+        rows.append(("sha256", {"match": "every file matches the digest recorded when written",
+                                "none recorded": "none recorded (not verified)",
+                                "damaged": "MISMATCH (below)"}[info["digests"]]))
     return "\n".join([f"Tessera checkpoint {info['path']}"] + [f"  {k:<10} {v}" for k, v in rows])
 
 
@@ -96,13 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera inspect", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a Tessera checkpoint directory")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--verify", action="store_true",
+                        help="also read every file and check its recorded sha256")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        info = describe(args.checkpoint)
+        info = describe(args.checkpoint, verify=args.verify)
     except (ValueError, KeyError) as exc:  # CheckpointError is a ValueError
         print(f"tessera inspect: error: {exc}", file=sys.stderr)
         return 1

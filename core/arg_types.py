@@ -91,3 +91,19 @@ def str2bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+RESUME_MODES = ("auto", "true", "false")
+
+
+def resume_mode(value: str | bool) -> str:
+    """`--resume` as one of `RESUME_MODES`: `auto`, or any true/false spelling `str2bool`
+    takes (a YAML bool too) as `true` / `false`; anything else is an argparse error."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if str(value).lower() == "auto":
+        return "auto"
+    try:
+        return "true" if str2bool(str(value)) else "false"
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, true or false, got {value!r}") from None

@@ -17,11 +17,18 @@ Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
   `sharding.stored_shard`: a kv head is stored once, by the first rank of its replica group, and
   the other ranks of the group read it from there. An FP8 weight (see `core.fp8`) keeps its fp32
   scale `NAME.scale` next to each shard, in the same file. Files are opened lazily
-  (memory-mapped); no pickle anywhere.
+  (memory-mapped); no pickle anywhere;
+- `digests-rank{r}.json`: the sha256 of every file rank r wrote, taken as it was written
+  (`core.checkpoint_digests`); `load_checkpoint`, training resume and `tessera inspect --verify`
+  check them (`verify_files`). Checkpoints without them (older ones, converters') still load.
 
 Every writer (`save_checkpoint`, the converters) builds its manifest with `build_manifest` and
 writes it with `write_manifest`. Format version 2 records the whole layout; version 1 (before
 `Layout`) recorded tp, pp and virtual_stages only, and still loads, as the looped placement.
+
+A save is three parts: `prepare_checkpoint` (collective: the temporary directory, this rank's
+tensors on the host, the manifest), `CheckpointWrite.write` (no collective: files and digests,
+so it may run on a background thread) and `publish_checkpoint` (collective: the rename).
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place
 last, so a crash mid-write leaves any earlier checkpoint untouched (`atomic_directory`,
@@ -36,8 +43,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,14 +57,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from tessera.core.checkpoint_digests import DigestWriter, damaged_files
 from tessera.core.config import ConfigError, Layout, ModelConfig
 from tessera.core.expert_checkpoint import (
     expert_sharded,
+    expert_tensors,
     read_expert_shard,
     stored_in_pieces,
-    write_expert_weights,
 )
 from tessera.core.files import atomic_file, dir_mode, file_mode
+from tessera.core.host_copy import host_copy
 from tessera.core.parallel.sharding import (
     global_param_shapes,
     shard_spec,
@@ -277,15 +287,124 @@ def stored_parameters(models: list[nn.Module]) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+def weight_tensors(models: list[nn.Module], *, copy: bool = False
+                   ) -> tuple[str, dict[str, torch.Tensor]]:
+    """This rank's shard file name and the tensors it holds, on the host (`copy`: as copies
+    that later updates of the parameters do not change; see `host_copy`)."""
+    g, config = models[0].groups, models[0].config
+    # A replicated kv head is stored by the first rank of its replica group only.
+    keep = {n: host_copy(stored_shard(n, p.detach(), config, g.tp_rank, g.tp_size), copy)
+            for n, p in stored_parameters(models).items()}
+    return shard_file_name(g.tp_rank, g.pp_rank), keep
+
+
 def write_weights(directory: Path, models: list[nn.Module]) -> dict[str, list[str]]:
     """Write this rank's shard file into `directory`; return its part of the weight map."""
-    g, config = models[0].groups, models[0].config
-    file = shard_file_name(g.tp_rank, g.pp_rank)
-    # A replicated kv head is stored by the first rank of its replica group only.
-    keep = {n: stored_shard(n, p.detach(), config, g.tp_rank, g.tp_size).to("cpu").contiguous()
-            for n, p in stored_parameters(models).items()}
+    file, keep = weight_tensors(models)
     save_file(keep, str(directory / file), metadata={"format": "pt"})
     return {n: [file] for n in keep}
+
+
+@dataclass
+class CheckpointWrite:
+    """One rank's part of a checkpoint being saved: host copies of its tensors (and, on rank 0,
+    the tokenizer and the manifest), to be written into the temporary directory `tmp` and then
+    published as `final` (`publish_checkpoint`). `write()` runs no collective, so it may run on
+    a background thread while the step goes on."""
+
+    tmp: Path
+    final: Path
+    rank: int
+    files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]] = field(
+        default_factory=dict)
+    tokenizer: tuple[str, Path] | None = None  # (name inside the checkpoint, source file)
+    manifest: Manifest | None = None  # rank 0 only
+
+    def add(self, relative: str, tensors: dict[str, torch.Tensor],
+            metadata: dict[str, str] | None = None) -> None:
+        self.files[relative] = (tensors, metadata)
+
+    def write(self, between_files: Any = None) -> None:
+        """Write every file, recording its sha256 as it is written (`core.checkpoint_digests`);
+        the manifest last. `between_files()`, if given, is called after each tensor file."""
+        writer = DigestWriter(self.tmp, self.rank)
+        for relative in list(self.files):
+            tensors, metadata = self.files.pop(relative)  # the host copy is freed once written
+            writer.write_tensors(relative, tensors, metadata)
+            if between_files is not None:
+                between_files()
+        if self.tokenizer is not None:
+            writer.copy_file(*self.tokenizer)
+        writer.finish()
+        if self.manifest is not None:
+            write_manifest(self.tmp, self.manifest)
+
+
+def prepare_checkpoint(
+    path: str | os.PathLike,
+    models: list[nn.Module],
+    *,
+    step: int = 0,
+    tokenizer: str | os.PathLike | None = None,
+    extra: dict[str, Any] | None = None,
+    copy: bool = False,
+) -> CheckpointWrite:
+    """Make the temporary directory and take this rank's tensors for a checkpoint of `models`
+    at `path` (`copy`: as host copies, see `host_copy`). Collective when torch.distributed is
+    initialized; the returned `CheckpointWrite` is written without any."""
+    g, distributed = models[0].groups, dist.is_available() and dist.is_initialized()
+    path = Path(path)
+    token = [uuid.uuid4().hex[:8]]
+    if distributed:
+        dist.broadcast_object_list(token, src=0)
+    rank = dist.get_rank() if distributed else 0
+    pending = CheckpointWrite(temp_sibling(path, token[0]), path, rank)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pending.tmp.mkdir()
+    if distributed:
+        dist.barrier()
+    weight_map: dict[str, list[str]] = {}
+    if g.dp_cp_rank == 0:  # cp replicas too
+        file, tensors = weight_tensors(models, copy=copy)
+        pending.add(file, tensors, {"format": "pt"})
+        weight_map = {n: [file] for n in tensors}
+    experts = expert_tensors(models, copy=copy)  # expert parallelism only
+    if experts is not None:
+        file, tensors = experts
+        pending.add(file, tensors, {"format": "pt"})
+        weight_map.update({n: [file] for n in tensors})
+    maps = [weight_map]
+    if distributed:
+        maps = [None] * dist.get_world_size()
+        dist.all_gather_object(maps, weight_map)
+    if rank == 0:
+        merged = _merge_weight_maps(maps, models[0])
+        tok_name = None
+        if tokenizer is not None:
+            tok_name = "tokenizer.json" if str(tokenizer).endswith(".json") else "tokenizer.model"
+            pending.tokenizer = (tok_name, Path(tokenizer))
+        # The groups are what the weights were split over; the model's layout adds the rest.
+        layout = replace(models[0].layout, tp=g.tp_size, pp=g.pp_size, dp=g.dp_size,
+                         cp=g.cp_size)
+        dtype = next(models[0].parameters()).dtype
+        pending.manifest = build_manifest(models[0].config, layout, merged, dtype=dtype,
+                                          step=step, tokenizer=tok_name, extra=extra)
+    return pending
+
+
+def publish_checkpoint(pending: CheckpointWrite) -> Path:
+    """Put the written checkpoint in place once every rank has written its part (rank 0
+    renames it). Collective when torch.distributed is initialized: every rank calls it after
+    its own `pending.write()` has returned."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        dist.barrier()
+    if pending.rank == 0:
+        publish_directory(pending.tmp, pending.final)
+    if distributed:
+        dist.barrier()
+    return pending.final
 
 
 def save_checkpoint(
@@ -295,50 +414,17 @@ def save_checkpoint(
     step: int = 0,
     tokenizer: str | os.PathLike | None = None,
     extra: dict[str, Any] | None = None,
-    write_extra_files: Any = None,
 ) -> Path:
-    """Save the model chunks of every rank as one checkpoint at `path`, atomically.
+    """Save the model chunks of every rank as one checkpoint at `path`, atomically, with the
+    sha256 of every file recorded as it is written.
 
     Collective when torch.distributed is initialized: every rank calls it with its own chunks;
-    data-parallel replicas other than dp rank 0 write nothing. `write_extra_files(tmp_dir)` is
-    called on every rank before the directory is published (training state goes there).
+    data-parallel replicas other than dp rank 0 write no weights.
     """
     models = models if isinstance(models, list) else [models]
-    g, distributed = models[0].groups, dist.is_available() and dist.is_initialized()
-    path = Path(path)
-    token = [uuid.uuid4().hex[:8]]
-    if distributed:
-        dist.broadcast_object_list(token, src=0)
-    tmp = temp_sibling(path, token[0])
-    if not distributed or dist.get_rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    if distributed:
-        dist.barrier()
-    weight_map = write_weights(tmp, models) if g.dp_cp_rank == 0 else {}  # cp replicas too
-    weight_map.update(write_expert_weights(tmp, models))  # expert parallelism only
-    if write_extra_files is not None:
-        write_extra_files(tmp)
-    maps = [weight_map]
-    if distributed:
-        maps = [None] * dist.get_world_size()
-        dist.all_gather_object(maps, weight_map)
-    if not distributed or dist.get_rank() == 0:
-        merged = _merge_weight_maps(maps, models[0])
-        tok_name = None
-        if tokenizer is not None:
-            tok_name = "tokenizer.json" if str(tokenizer).endswith(".json") else "tokenizer.model"
-            shutil.copyfile(tokenizer, tmp / tok_name)
-        # The groups are what the weights were split over; the model's layout adds the rest.
-        layout = replace(models[0].layout, tp=g.tp_size, pp=g.pp_size, dp=g.dp_size,
-                         cp=g.cp_size)
-        dtype = next(models[0].parameters()).dtype
-        write_manifest(tmp, build_manifest(models[0].config, layout, merged, dtype=dtype,
-                                           step=step, tokenizer=tok_name, extra=extra))
-        publish_directory(tmp, path)
-    if distributed:
-        dist.barrier()
-    return path
+    pending = prepare_checkpoint(path, models, step=step, tokenizer=tokenizer, extra=extra)
+    pending.write()
+    return publish_checkpoint(pending)
 
 
 def _merge_weight_maps(maps: list[dict[str, list[str]]], model: nn.Module) -> dict[str, list[str]]:
@@ -381,15 +467,41 @@ def _check_config(saved: ModelConfig, wanted: ModelConfig, path: Any) -> None:
                               f"into: {diff} (saved, wanted)")
 
 
+_UNVERIFIED_WARNED: set[str] = set()
+
+
+def verify_files(path: str | os.PathLike, remedy: str) -> None:
+    """Check every file of checkpoint `path` against the sha256 recorded when it was written
+    (one full read of the checkpoint). Raises `CheckpointError` naming the first damaged or
+    missing file and `remedy` (what to do instead). A checkpoint that records no digests
+    (written before they were) passes, with a warning printed once per process."""
+    path = Path(path)
+    problems = damaged_files(path)
+    if problems is None:
+        if not _UNVERIFIED_WARNED:
+            print(f"warning: checkpoint {path} records no file digests (written by an older "
+                  "Tessera or a converter); its bytes are not verified", file=sys.stderr,
+                  flush=True)
+        _UNVERIFIED_WARNED.add(str(path))
+        return
+    if problems:
+        file, problem = problems[0]
+        others = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {path.name}: {file} is {problem}{others}; {remedy}")
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str = "cpu") -> nn.Module:
+                    device: torch.device | str = "cpu", *, verify: bool = True) -> nn.Module:
     """A single-process model with the checkpoint's weights (any saved layout; FP8 dequantized).
 
     `dtype` defaults to the checkpoint's own dtype (its higher-precision dtype for FP8 ones).
+    `verify`: check every file's recorded sha256 first (`verify_files`; one extra read).
     """
     from tessera.core.init import build_model
 
     manifest = read_manifest(path)
+    if verify:
+        verify_files(path, "re-copy it from where it came from, or load an earlier checkpoint")
     if isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
     dtype = dtype or dtype_from_name(manifest.dtype)
@@ -444,8 +556,11 @@ def publish_directory(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
         for name in files:
             path = os.path.join(directory, name)
             os.chmod(path, fmode)
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
+            fd = os.open(path, os.O_RDONLY)  # to fsync it; nothing is read
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
@@ -485,14 +600,19 @@ class CheckpointSeries:
                 found.append((int(number), path))
         return [path for _, path in sorted(found)]
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None when there is none."""
+    def latest(self, accept: Callable[[Path], bool] | None = None) -> Path | None:
+        """The newest complete checkpoint, or None when there is none. With `accept`, the
+        newest complete one it accepts (it is asked newest first, and only as far as needed)."""
         pointer = self.root / self.POINTER
         name = pointer.read_text().strip() if pointer.is_file() else ""
-        if name and (self.root / name / self.marker).is_file():
-            return self.root / name
         done = self.complete()
-        return done[-1] if done else None
+        if name and (self.root / name / self.marker).is_file():
+            named = self.root / name
+            done = [p for p in done if p != named] + [named]  # the pointer's first
+        for candidate in reversed(done):
+            if accept is None or accept(candidate):
+                return candidate
+        return None
 
     def mark_latest(self, path: str | os.PathLike) -> None:
         """Point `latest` at the step directory `path` (a temporary file, then one rename)."""

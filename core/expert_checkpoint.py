@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from tessera.core.host_copy import host_copy
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.sharding import is_expert_param, shard_expert_tensor
 
@@ -44,16 +45,26 @@ def stored_in_pieces(name: str, files: list[str]) -> bool:
 def write_expert_weights(directory: Path, models: list[nn.Module]) -> dict[str, list[str]]:
     """Write this rank's expert pieces (expert-data-parallel rank 0 only; nothing without
     expert parallelism) into `directory`; return its part of the weight map."""
-    g = models[0].groups
-    if g.ep_size * g.etp_size == 1 or g.edp_rank != 0:
+    found = expert_tensors(models)
+    if found is None:
         return {}
-    keep = {n: p.detach().to("cpu").contiguous() for m in models
-            for n, p in m.named_parameters() if expert_sharded(n, g)}
-    if not keep:
-        return {}
-    file = expert_file_name(g.ep_rank, g.etp_rank, g.pp_rank)
+    file, keep = found
     save_file(keep, str(directory / file), metadata={"format": "pt"})
     return {n: [file] for n in keep}
+
+
+def expert_tensors(models: list[nn.Module], *, copy: bool = False
+                   ) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """This rank's expert file name and the expert pieces it holds, on the host (`copy`: as
+    new tensors, see `core.host_copy`); None where the rank writes none."""
+    g = models[0].groups
+    if g.ep_size * g.etp_size == 1 or g.edp_rank != 0:
+        return None
+    keep = {n: host_copy(p, copy) for m in models
+            for n, p in m.named_parameters() if expert_sharded(n, g)}
+    if not keep:
+        return None
+    return expert_file_name(g.ep_rank, g.etp_rank, g.pp_rank), keep
 
 
 def read_expert_shard(reader: CheckpointReader, name: str, groups: ParallelGroups

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
             # Before starting any rank: the plan for that world must resolve.
             resolve_plan(demo_config(cfg, explicit) if demo else cfg, args.nproc_per_node,
                          fill_pipeline=demo and demo_fills_pipeline(explicit))
-            return launch_local_ranks("pretrain", argv, args.nproc_per_node)
+            return launch_local_ranks("pretrain", argv, args.nproc_per_node, args.max_restarts)
         if demo:
             from tessera.training.demo import run_demo
 

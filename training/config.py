@@ -26,6 +26,7 @@ from tessera.core.arg_types import (
     non_negative_int,
     positive_float,
     positive_int,
+    resume_mode,
     str2bool,
 )
 from tessera.core.config import (
@@ -44,7 +45,8 @@ from tessera.core.presets import DEFAULT_PRESET, model_from_spec
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field carrying its `--help` text (and, as `range=`, the `Bounded` range its
-    flag and YAML value must lie in)."""
+    flag and YAML value must lie in; as `parse=`, the function that reads its flag and YAML
+    value, raising `argparse.ArgumentTypeError`, and as `const=`, the bare flag's value)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
@@ -86,11 +88,6 @@ class TrainConfig:
     fp8_amax_compute_algo: str = opt("max", "delayed scaling: max (over the history) | "
                                             "most_recent")
     device: str = opt("auto", "auto | cpu | cuda")
-    collective_timeout_s: float = opt(
-        600.0, "seconds a rank waits in one collective before the job stops, naming the ranks "
-               "that did not answer (a restarting launcher then starts it again); must exceed "
-               "the longest time one rank works alone: a checkpoint save, an evaluation, the "
-               "first step's compilation", range=Bounded(float, low=1, high=86_400))
     compile: bool = opt(False, "torch.compile each transformer block (one compiled graph "
                                "shared by every layer, so compiling costs the same at any "
                                "depth); the embedding and head stay eager")
@@ -132,6 +129,10 @@ class DataConfig:
     isolate_documents: bool = opt(False, "packed samples: no token attends across an EOD "
                                           "(end of document) and positions restart after each; "
                                           "needs --tokenizer for the EOD id")
+    skip_data_steps: list[str] = opt([], "never train on the batches of these steps, as "
+                                         "A-B ranges of a run that skips nothing (e.g. 120-160); "
+                                         "later steps take the batches after them",
+                                     nargs="+")
 
 
 @dataclass(frozen=True)
@@ -145,11 +146,40 @@ class LoopConfig:
                              range=non_negative_int)
     keep_last: int = opt(2, "checkpoints to keep (older ones are deleted; 0: all)",
                          range=non_negative_int)
-    resume: bool = opt(False, "continue from the latest complete checkpoint in output/")
+    async_save: bool = opt(False, "write checkpoints on a background thread while training "
+                                  "goes on (the step waits only for a copy of the tensors to "
+                                  "host memory, which then holds a second copy of the weights "
+                                  "and optimizer state)")
+    # A str, not a Literal: `parse` reads every spelling (true/yes/1, a YAML bool) into one.
+    resume: str = opt("auto", "the run already in output/: auto (continue from its latest "
+                              "checkpoint when that records this config; start when it has none; "
+                              "refuse another config), true (continue it whatever its config), "
+                              "false (refuse it)",
+                      parse=resume_mode, const="true")
     overwrite: bool = opt(False, "delete the run already in output/ (checkpoints, metrics) and "
-                                 "start over; without it or --resume such a directory is refused")
+                                 "start over")
     progress: bool = opt(True, "show a progress bar")
     tensorboard: bool = opt(True, "write TensorBoard events when tensorboard is installed")
+    # A step with a non-finite loss or gradient norm never updates the weights; these decide
+    # what persisting trouble does. Judged where losses are read: at logging steps.
+    bad_step_policy: str = opt("stop", "after --max-bad-steps consecutive steps with a "
+                                       "non-finite loss or gradient norm (each skipped), or a "
+                                       "loss spike: stop (with an error naming the step) | "
+                                       "rollback (reload the last checkpoint and skip the "
+                                       "batches trained on since) | skip (only log it)")
+    max_bad_steps: int = opt(5, "consecutive skipped (non-finite) steps that trigger "
+                                "--bad-step-policy", range=positive_int)
+    loss_spike_factor: float = opt(0.0, "a loss over this many times the mean of the last "
+                                        "--loss-spike-window steps' losses triggers "
+                                        "--bad-step-policy (0: off)", range=non_negative_float)
+    loss_spike_window: int = opt(20, "steps of loss history a spike is measured against "
+                                     "(none is judged before it fills)", range=positive_int)
+    # Here, not in `train`: it does not change what trains, so `--resume auto` may change it.
+    collective_timeout_s: float = opt(
+        600.0, "seconds a rank waits in one collective before the job stops, naming the ranks "
+               "that did not answer (a restarting launcher then starts it again); must exceed "
+               "the longest time one rank works alone: a checkpoint save, an evaluation, the "
+               "first step's compilation", range=Bounded(float, low=1, high=86_400))
 
 
 @dataclass(frozen=True)
@@ -266,7 +296,7 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
         description="Pretrain a GPT-style model. With no arguments: the built-in demo (a corpus "
         "from the Python standard library's docstrings, a tokenizer, a small Llama on CPU, then "
         "a sample generation) into runs/demo; run again, it keeps a finished demo run and prints "
-        "its samples (--overwrite trains it anew, --resume continues an interrupted one). "
+        "its samples (--overwrite trains it anew; an interrupted one continues). "
         "Fields come from --config YAML, then flags; a flag can be bare (--lr) or dotted "
         "(--train.lr).",
         epilog="examples:\n  tessera pretrain --config run.yaml --lr 1e-3 --steps 500\n"
@@ -285,6 +315,10 @@ def build_parser(prog: str = "tessera pretrain") -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=non_negative_int, default=0, metavar="N",
                         help="start this many local ranks with torch's launcher (torchrun) "
                         "(default: 0, this process only)")
+    parser.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                        help="with --nproc-per-node: when a rank fails, restart all of them up "
+                        "to N times; they continue from the latest checkpoint (--resume auto) "
+                        "(default: 0)")
     parser.add_argument("--demo", action="store_true", help="run the built-in demo")
     add_section_flags(parser, SECTIONS, PretrainConfig())
     return parser
@@ -311,7 +345,10 @@ def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]
             metavar = {int: "N", float: "X"}.get(typ, f.name.upper())
             kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
                                   "metavar": metavar}
-            if typ is bool:
+            if f.metadata.get("parse"):
+                kw.update(type=f.metadata["parse"], nargs="?", const=f.metadata["const"],
+                          metavar="MODE")
+            elif typ is bool:
                 kw.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
             elif f.metadata.get("nargs"):
                 kw.update(nargs=f.metadata["nargs"])
@@ -330,6 +367,7 @@ def add_section_flags(parser: argparse.ArgumentParser, sections: dict[str, type]
 def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     """Parse argv (YAML first, flags win) into a `PretrainConfig`; errors name the bad key."""
     args = build_parser().parse_args(argv)
+    check_launcher_flags(args)
     raw = read_yaml(args.config)
     model_spec = raw.pop("model", None)
     sections = {section: owner(**values) for (section, values), owner in
@@ -338,6 +376,13 @@ def load_config(argv: list[str]) -> tuple[PretrainConfig, argparse.Namespace]:
     config = PretrainConfig(model=model, model_fields_set=fields_set, **sections)
     check_lr_range(config.train)
     return config, args
+
+
+def check_launcher_flags(args: argparse.Namespace) -> None:
+    """`--max-restarts` restarts the ranks `--nproc-per-node` starts: alone it is an error."""
+    if args.max_restarts and not args.nproc_per_node:
+        raise ConfigError("--max-restarts restarts the ranks that --nproc-per-node starts: add "
+                          "--nproc-per-node N (under torchrun, use torchrun's own --max-restarts)")
 
 
 def read_yaml(path: str | None) -> dict[str, Any]:
@@ -365,15 +410,25 @@ def section_values(raw: dict[str, Any], args: argparse.Namespace, sections: dict
     hints = {s: typing.get_type_hints(owner) for s, owner in sections.items()}
     bounds = {f.name: field_range(f, ranges) for owner in sections.values()
               for f in dataclasses.fields(owner)}
+    parsers = {f.name: f.metadata.get("parse") for owner in sections.values()
+               for f in dataclasses.fields(owner)}
+
+    def coerce(where: str, name: str, value: Any, hint: Any) -> Any:
+        if parsers[name] is None:
+            return coerce_field(where, value, hint, bounds[name])
+        try:
+            return parsers[name](value)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
     for key, value in raw.items():
         if key in sections and isinstance(value, dict):
             for k, v in value.items():
                 if k not in known or known[k] != key:
                     raise ConfigError(f"{source}: unknown field {key}.{k}")
-                out[key][k] = coerce_field(f"{source}: {key}.{k}", v, hints[key][k], bounds[k])
+                out[key][k] = coerce(f"{source}: {key}.{k}", k, v, hints[key][k])
         elif key in known:  # a flat field (`data` is both a section and a field)
-            out[known[key]][key] = coerce_field(f"{source}: {key}", value, hints[known[key]][key],
-                                                bounds[key])
+            out[known[key]][key] = coerce(f"{source}: {key}", key, value, hints[known[key]][key])
         elif key in sections:
             raise ConfigError(f"{source}: section {key!r} must be a mapping of fields, "
                               f"got {value!r}")

@@ -12,8 +12,9 @@ Under several ranks, rank 0 prepares the data while the others wait.
 
 Run again, the demo never deletes its previous run (the checkpoint the README's tuning and
 serving examples start from): a finished run (its last checkpoint at `--steps`) is kept and its
-samples printed; an unfinished one is refused like any other run directory, naming `--resume`
-(continue it) and `--overwrite` (delete it and train again).
+samples printed; an unfinished one continues like any other run directory (`--resume auto`,
+the default: when its config is this one's; else it is refused, naming `--resume true` and
+`--overwrite`).
 """
 
 from __future__ import annotations
@@ -106,9 +107,7 @@ def demo_fills_pipeline(explicit: set[str]) -> bool:
 
 def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     """Prepare the demo data (rank 0), pretrain, and print a sample from the checkpoint."""
-    from tessera.core.parallel.groups import resolve_device
-    from tessera.core.parallel.launch import init_distributed
-    from tessera.training.loop import check_output, pretrain
+    from tessera.training.loop import check_output, join_world, pretrain
     from tessera.training.run_plan import resolve_plan
 
     cfg = demo_config(cfg, explicit)
@@ -117,9 +116,9 @@ def run_demo(cfg: PretrainConfig, explicit: set[str]) -> None:
     resolve_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), fill_pipeline=fill)
     check_output(cfg.loop.output)  # before preparing data there
     run_dir = Path(cfg.loop.output)
-    init_distributed(resolve_device(cfg.train.device))
+    join_world(cfg.train.device, cfg.loop.collective_timeout_s)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    finished = None if cfg.loop.resume or cfg.loop.overwrite else finished_run(cfg)
+    finished = None if cfg.loop.resume == "true" or cfg.loop.overwrite else finished_run(cfg)
     if finished is not None:
         if rank0:
             print(f"demo: {run_dir} already holds a finished demo run; kept, its samples are "

@@ -8,11 +8,13 @@ over the global batch on every rank.
 
 A step does not wait for the device: its loss and gradient norm stay device tensors until the
 next logging step (every `log_interval` steps, an evaluation or a save), which reads the window's
-in one copy, checks them, and reports every step of it. SIGTERM / Ctrl-C finish the current step
-(under torch.distributed: the steps up to the next logging step), save, and exit. A step
-whose collective times out (`--collective-timeout-s`) ends the job naming the ranks that did
-not answer (`training.watchdog`); each logged line carries the interval's slowest rank
-(`training.stragglers`).
+in one copy, checks them (`bad_steps`: a non-finite step has already skipped its update on the
+device; persisting trouble stops or rolls back the run), and reports every step of it. Step i
+trains on batch i unless batches are skipped (`bad_steps.DataWindows`, kept in checkpoints).
+SIGTERM / Ctrl-C finish the current step (under torch.distributed: the steps up to the next
+logging step), save, and exit. A step whose collective times out (`--collective-timeout-s`)
+ends the job naming the ranks that did not answer (`training.watchdog`); each logged line
+carries the interval's slowest rank (`training.stragglers`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.sharding import kv_replicas
 from tessera.core.regional_compile import compile_blocks
+from tessera.training import bad_steps
 from tessera.training.banner import run_banner
+from tessera.training.checkpoint_saver import CheckpointSaver, SaveReport
 from tessera.training.config import PretrainConfig
-from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
+from tessera.training.fault_injection import kill_if_asked
+from tessera.training.metrics import MetricsLogger, StepWindow, resolve_peak
 from tessera.training.moe_step import begin_moe_step, end_moe_step
 from tessera.training.objectives import CAUSAL_LM, Objective, check_objective, objective_for
 from tessera.training.optim import build_optimizer, clip_gradients, learning_rate
@@ -56,7 +61,7 @@ from tessera.training.run_plan import DataPlan, RunPlan, resolve_plan
 from tessera.training.state import (
     latest_checkpoint,
     load_training_checkpoint,
-    save_training_checkpoint,
+    read_training_record,
 )
 from tessera.training.stragglers import StepClock, slowest_rank
 from tessera.training.watchdog import StepWatchdog
@@ -95,7 +100,7 @@ def join_world(device: str, collective_timeout_s: float = 600.0) -> tuple[torch.
 def plan_for_world(cfg: Any, **options: Any) -> tuple[RunPlan, torch.device]:
     """`cfg` (a written pretraining or tuning config) resolved for the world this process
     joins (torchrun's, or itself alone; `resolve_plan`, with `options`), and its device."""
-    device, world = join_world(cfg.train.device, cfg.train.collective_timeout_s)
+    device, world = join_world(cfg.train.device, cfg.loop.collective_timeout_s)
     return resolve_plan(cfg, world, **options), device
 
 
@@ -256,30 +261,41 @@ def _chunk_rows(extra: dict[str, torch.Tensor] | None, n: int) -> list[dict[str,
 
 
 def train_step(job: Job, step: int, tokens: torch.Tensor, labels: torch.Tensor,
-               extra: dict[str, torch.Tensor] | None = None) -> dict:
-    """One optimizer step; returns the metrics of the step.
+               extra: dict[str, torch.Tensor] | None = None, *, batch: int | None = None
+               ) -> dict:
+    """One optimizer step; returns the metrics of the step. `batch`: the global batch index
+    the inputs are (default `step`; only the NaN test hook of `bad_steps` looks at it).
 
     `loss` and `grad_norm` are 0-d float32 tensors on the job's device, so a dense step never
     waits for the device: read them at logging steps (`metrics.StepWindow` reads a whole
-    window's at once). `lr` is a float; a Mixture-of-Experts model's router metrics are
-    floats read after a collective, so an MoE step does wait. Under fp16 the GradScaler's
-    inf check (`scaler.step`) reads a device flag each step."""
+    window's at once). A step whose loss or gradient norm is not finite applies no update
+    (`bad_steps.step_unless_bad`); `bad_step` is that verdict, a 0-d bool device tensor.
+    `lr` is a float; a Mixture-of-Experts model's router metrics are floats read after a
+    collective, so an MoE step does wait. Under fp16 the GradScaler's inf check
+    (`scaler.step`, which skips overflowing steps itself; only a non-finite loss counts as
+    bad) reads a device flag each step."""
     lr = learning_rate(step, job.plan.optimizer)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     job.optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(job, tokens, labels, extra)
+    if bad_steps.TEST_NAN_BATCH is not None and bad_steps.TEST_NAN_BATCH == (
+            step if batch is None else batch):
+        bad_steps.poison_gradients(job.stages)
     if job.fp8 is not None:
         job.fp8.step_end()  # delayed scaling: this step's amaxes set the next step's scales
     if job.scaler is not None:
         job.scaler.unscale_(job.optimizer)
     grad_norm = clip_gradients(job.stages, job.plan.optimizer.clip_grad)
+    # Under fp16 an infinite norm is the loss scaler's overflow, which it skips and counts.
+    ok = bad_steps.step_finite(loss, loss if job.scaler is not None else grad_norm)
     if job.scaler is not None:
         job.scaler.step(job.optimizer)
         job.scaler.update()
     else:
-        job.optimizer.step()
-    return {"loss": loss.detach(), "lr": lr, "grad_norm": grad_norm, **end_moe_step(job)}
+        bad_steps.step_unless_bad(job.optimizer, ok)
+    return {"loss": loss.detach(), "lr": lr, "grad_norm": grad_norm, "bad_step": ~ok,
+            **end_moe_step(job)}
 
 
 @torch.no_grad()
@@ -357,17 +373,26 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
         cfg, fill_pipeline=fill_pipeline,
         prepare=lambda plan: plan.with_model(_data_model(plan, cfg.model_fields_set)))
     check_output(plan.loop.output)
-    claim_run_dir(plan.loop.output, resume=plan.loop.resume, overwrite=plan.loop.overwrite)
+    loop = plan.loop
+    monitor = bad_steps.BadStepMonitor(loop.bad_step_policy, loop.max_bad_steps,
+                                       loop.loss_spike_factor, loop.loss_spike_window)
+    skipped = bad_steps.DataWindows.parse(cfg.data.skip_data_steps)
+    latest = latest_checkpoint(plan.loop.output)
+    resume_from = claim_run_dir(
+        plan.loop.output, resume=plan.loop.resume, overwrite=plan.loop.overwrite, latest=latest,
+        saved_config=read_training_record(latest).get("config") if latest else None,
+        config=plan.record)
     job = setup(plan, device)
     if dist.is_initialized():
         dist.barrier()  # every rank has looked at the output directory before rank 0 writes there
-    run, data, loop = plan.run, plan.data, plan.loop
+    run, data = plan.run, plan.data
     train_ds, valid_ds = _datasets(plan)
     start = 0
-    resume_from = latest_checkpoint(loop.output) if loop.resume else None
     if resume_from is not None:
-        start = load_training_checkpoint(resume_from, job.stages, job.optimizer,
-                                         fp8=job.fp8)["step"]
+        record = load_training_checkpoint(resume_from, job.stages, job.optimizer, fp8=job.fp8,
+                                          verify=False)  # `latest` verified it
+        start = record["step"]
+        skipped.merge(bad_steps.DataWindows.from_record(record.get("skipped_batches")))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     flops = model_flops_per_token(plan.model, data.seq_len)
     peak, peak_source = resolve_peak(run.peak_tflops, job.device, plan.precision.matmul_dtype)
@@ -378,18 +403,23 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
     log = MetricsLogger(loop, enabled=rank0, total=run.steps, initial=start,
                         resumed_from=resume_from)
     losses: list[float] = []
-    step, stopped = start, 0
+    step, stopped, rollbacks = start, 0, []
     tokenizer = data.tokenizer or None
     window = StepWindow()  # the steps since the last logging step, read there at once
+    saver = CheckpointSaver(loop.output, keep_last=loop.keep_last, asynchronous=loop.async_save,
+                            device=job.device)
     job.step_clock = StepClock()
     # A step whose collective times out raises RankHang naming the ranks that did not answer.
-    with _StopFlag() as stop, StepWatchdog(run.collective_timeout_s, completed=start) as watchdog:
+    with _StopFlag() as stop, StepWatchdog(loop.collective_timeout_s, completed=start) as watchdog:
         while step < run.steps:
             with job.step_clock.step(), watchdog.step(step + 1):
+                # The dataset holds `steps` batches: a run that skipped some wraps to its first.
+                batch = skipped.batch(step) % run.steps
                 tokens, labels, extra = job.objective.split_batch(
-                    local_rows(train_ds, step, data, job.groups, job.device))
-                window.add(step + 1, train_step(job, step, tokens, labels, extra))
+                    local_rows(train_ds, batch, data, job.groups, job.device))
+                window.add(step + 1, train_step(job, step, tokens, labels, extra, batch=batch))
             step += 1
+            kill_if_asked(step)
             evaluate = bool(loop.eval_interval and step % loop.eval_interval == 0
                             and step < run.steps)
             save_due = step == run.steps or bool(loop.save_interval
@@ -404,7 +434,8 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
             rows, elapsed = window.resolve()
             if log.due(step) and dist.is_initialized():  # every rank logs at the same steps
                 rows[-1].update(slowest_rank(job.step_clock.take(), job.device))
-            losses.extend(checked_losses(rows, step))
+            verdict = monitor.check(rows)  # `stop`: raises, naming the step
+            losses.extend(row["loss"] for row in rows)
             tokens_per_s = len(rows) * data.global_batch * data.seq_len / elapsed
             tflops = flops * tokens_per_s / plan.layout.world_size / 1e12
             for row in rows:  # the window's mean rate on each of its steps
@@ -415,21 +446,74 @@ def pretrain(cfg: PretrainConfig, *, fill_pipeline: bool = False) -> dict[str, A
                 rows[-1]["valid_loss"] = evaluate_loss(job, valid_ds, loop.eval_batches)
             for row in rows:
                 log.step(row)
+                if row["bad_step"]:
+                    log.write(f"step {row['step']}: loss {row['loss']}, grad norm "
+                              f"{row['grad_norm']}; its update was skipped")
+            published = saver.poll()  # an asynchronous save that every rank has written
+            if verdict is not None:
+                log.write(f"bad steps at step {verdict.step}: {verdict.reason}")
+            if verdict is not None and loop.bad_step_policy == "rollback":
+                _log_saves(log, published + saver.finish())  # roll back to the newest save
+                back = _roll_back(job, loop.output, skipped, step, verdict, rollbacks, log)
+                del losses[back - start:]
+                step = back
+                monitor.reset()
+                window.restart()
+                continue  # nothing of the abandoned steps is evaluated or saved
             if save_due or stopped:
-                path = save_training_checkpoint(
-                    loop.output, job.stages, job.optimizer, step=step,
+                published += saver.save(
+                    job.stages, job.optimizer, step=step,
                     consumed_samples=step * data.global_batch, config=dict(plan.record),
-                    tokenizer=tokenizer, keep_last=loop.keep_last, fp8=job.fp8)
-                log.saved(path, step)
+                    tokenizer=tokenizer, fp8=job.fp8, skipped_batches=skipped.record())
+            _log_saves(log, published)
             if stopped:
                 break
             window.restart()
+    _log_saves(log, saver.finish())  # the last save is in place before the run ends
     valid = evaluate_loss(job, valid_ds, loop.eval_batches) if not stopped else float("nan")
     summary = log.finish(losses=losses, valid_loss=valid, stopped=bool(stopped),
-                         checkpoint=latest_checkpoint(loop.output), peak_tflops=peak,
-                         peak_source=peak_source)
+                         checkpoint=latest_checkpoint(loop.output, verify=False),
+                         peak_tflops=peak, peak_source=peak_source,
+                         extra={"skipped_steps": monitor.skipped, "rollbacks": len(rollbacks),
+                                "skipped_batches": skipped.record()})
     summary["stop_signal"] = stopped  # the CLI exits 128 + it, as shells and schedulers expect
     return summary
+
+
+# Rolling back to one checkpoint more often than this means the trouble is not in the data.
+MAX_ROLLBACKS_TO_ONE_CHECKPOINT = 3
+
+
+def _roll_back(job: Job, output: str, skipped: bad_steps.DataWindows, step: int,
+               verdict: bad_steps.Verdict, rollbacks: list[int], log: MetricsLogger) -> int:
+    """Reload the run's latest checkpoint into `job` (weights, optimizer, RNG, FP8 state) and
+    add the batches of the steps since it, up to `step`, to `skipped`; return the checkpoint's
+    step. `rollbacks` (the steps rolled back to so far) gains it."""
+    path = latest_checkpoint(output)
+    if path is None:
+        raise FloatingPointError(
+            f"step {verdict.step}: {verdict.reason}; --bad-step-policy rollback found no "
+            f"checkpoint in {output} to roll back to: save earlier (--save-interval)")
+    back = read_training_record(path)["step"]
+    if rollbacks.count(back) >= MAX_ROLLBACKS_TO_ONE_CHECKPOINT:
+        raise FloatingPointError(
+            f"step {verdict.step}: {verdict.reason}; the run already rolled back to step {back} "
+            f"{MAX_ROLLBACKS_TO_ONE_CHECKPOINT} times, so skipping data does not help: lower "
+            "--lr or use --precision fp32")
+    load_training_checkpoint(path, job.stages, job.optimizer, fp8=job.fp8)
+    first, last = skipped.batch(back), skipped.batch(step - 1)
+    skipped.skip(first, last + 1)
+    rollbacks.append(back)
+    log.write(f"rolled back to {path} (step {back}); the batches of steps {first + 1}-{last + 1}"
+              " (numbered as in a run that skips nothing) are skipped from now on, as "
+              f"--skip-data-steps {first + 1}-{last + 1} would skip them")
+    return back
+
+
+def _log_saves(log: MetricsLogger, reports: list[SaveReport]) -> None:
+    for report in reports:
+        log.saved(report.path, report.step)
+        log.write(f"  {report.describe()}")
 
 
 def check_output(output: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -154,6 +155,28 @@ def checked_losses(rows: list[dict[str, Any]], step: int) -> list[float]:
     return losses
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """Remove from the metrics file at `path` (if any) the rows of steps after `step`, and a
+    torn last line: what an attempt that died logged past the checkpoint a run resumes from
+    (`step`; 0 for a fresh start), so each step is logged once. Atomic: a crash leaves the old
+    file or the new one."""
+    if not path.is_file():
+        return
+    kept, lines = [], path.read_text().splitlines(keepends=True)
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(row, dict) and row.get("step", 0) > step):
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept == lines:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Progress, JSONL metrics, optional TensorBoard and the final summary of one run."""
 
@@ -165,6 +188,7 @@ class MetricsLogger:
             return
         out = Path(loop_cfg.output)
         out.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(out / "metrics.jsonl", initial)
         self.jsonl = open(out / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         if loop_cfg.tensorboard:
             try:
@@ -207,6 +231,8 @@ class MetricsLogger:
                     f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_s']:,.0f} tok/s | "
                     f"{m['tflops']:.3f} TFLOP/s | MFU {_percent(m['mfu'])} | "
                     f"mem {m['memory_gb']:.2f} GB")
+            if m.get("skipped_steps"):
+                line += f" | skipped {m['skipped_steps']}"
             line += straggler_note(m)
             if "valid_loss" in m:
                 line += f" | valid loss {m['valid_loss']:.4f} ppl {math.exp(m['valid_loss']):.1f}"
@@ -246,6 +272,9 @@ class MetricsLogger:
                 ("wall time", f"{elapsed:.1f} s"),
                 ("MFU measured against", describe_peak(peak_tflops, peak_source)),
                 ("stopped early (signal)", "yes" if stopped else "no"),
+                *([("skipped steps / rollbacks", f"{summary['skipped_steps']} / "
+                                                 f"{summary.get('rollbacks', 0)}")]
+                  if summary.get("skipped_steps") or summary.get("rollbacks") else []),
                 ("checkpoint", summary["checkpoint"] or "-")]
         width = max(len(k) for k, _ in rows)
         print("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows), flush=True)

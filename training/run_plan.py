@@ -119,15 +119,13 @@ class DataPlan:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The run as a whole: seeding, length, device, compilation, the MFU reference, and how
-    long a collective may wait before the job stops (`training.watchdog`)."""
+    """The run as a whole: seeding, length, device, compilation, the MFU reference."""
 
     seed: int
     steps: int
     device: str
     compile: bool
     peak_tflops: str
-    collective_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -199,7 +197,7 @@ def resolve_plan(cfg: Any, world: int, *, model: ModelConfig | None = None,
                    optimizer_settings(train, schedule), _data(getattr(cfg, "data", None), train, layout,
                                                       schedule, cfg.loop),
                    RunSettings(train.seed, train.steps, train.device, train.compile,
-                               train.peak_tflops, train.collective_timeout_s),
+                               train.peak_tflops),
                    cfg.loop, resolved.to_dict())
     if prepare is not None:
         plan = prepare(plan)

@@ -12,7 +12,10 @@ A training checkpoint is an ordinary Tessera checkpoint (so `tessera convert`, `
 - `fp8-rank{r}.safetensors` (`--precision fp8`): the FP8 state of each global rank's layers by
   global layer name (emulated delayed scaling: `NAME.amax_history`, `NAME.scale`), restored on
   resume under any layout when the recipe is the saved one;
+- `digests-rank{r}.json` (as in every checkpoint): the sha256 of each file rank r wrote,
+  checked on resume; `latest_checkpoint` skips a step whose files do not match;
 - the manifest's `extra.training`: step, consumed samples, optimizer step count, the world size,
+  `skipped_batches` (the batch ranges the run skips, when it skips any),
   `optimizer` (how the moment files are laid out), `fp8` (the resolved FP8 recipe: backend,
   recipe, format, history length, margin; and the layers left in bf16), the run config.
 
@@ -27,6 +30,7 @@ any moment leaves the previous checkpoint loadable.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from tessera.core.checkpoint import (
@@ -42,13 +46,17 @@ from tessera.core.checkpoint import (
     CheckpointError,
     CheckpointReader,
     CheckpointSeries,
+    CheckpointWrite,
     Manifest,
     load_weights,
+    prepare_checkpoint,
+    publish_checkpoint,
     read_manifest,
-    save_checkpoint,
+    verify_files,
 )
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import Fp8Training
+from tessera.core.host_copy import host_copy
 from tessera.core.parallel.random import tracker
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
 from tessera.training.expert_moments import collect_expert_moments
@@ -64,9 +72,21 @@ def checkpoint_series(run_dir: str | os.PathLike) -> CheckpointSeries:
     return CheckpointSeries(checkpoint_dir(run_dir), marker=MANIFEST)
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    return checkpoint_series(run_dir).latest()
+def latest_checkpoint(run_dir: str | os.PathLike, *, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint of a run whose files match the sha256 recorded when they
+    were written (`verify`; this reads the newest checkpoint once, and an older one only when a
+    newer one is damaged), or None. A damaged one is skipped with a warning naming the file."""
+    return checkpoint_series(run_dir).latest(_verifies if verify else None)
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_files(path, "skipped; delete it or restore it from a copy")
+    except CheckpointError as exc:
+        if _global_rank() == 0:
+            print(f"warning: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _global_rank() -> int:
@@ -77,32 +97,30 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module]
                              optimizer: torch.optim.Optimizer, *, step: int,
                              consumed_samples: int, config: dict[str, Any],
                              tokenizer: str | None, keep_last: int,
-                             fp8: Fp8Training | None = None) -> Path:
-    """Save everything needed to resume at `step` (with `fp8`, its recipe and state too).
-    Collective over all ranks."""
-    series = checkpoint_series(run_dir)
-    target = series.step_dir(step)
+                             fp8: Fp8Training | None = None,
+                             skipped_batches: list[list[int]] | None = None) -> Path:
+    """Save everything needed to resume at `step` (with `fp8`, its recipe and state too;
+    `skipped_batches`: the `[start, stop)` batch ranges the run never trains on, see
+    `bad_steps.DataWindows`), and point `latest` at it. Collective over all ranks."""
+    pending = prepare_training_checkpoint(
+        run_dir, models, optimizer, step=step, consumed_samples=consumed_samples,
+        config=config, tokenizer=tokenizer, fp8=fp8, skipped_batches=skipped_batches)
+    pending.write()
+    return publish_training_checkpoint(run_dir, pending, keep_last)
+
+
+def prepare_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module],
+                                optimizer: torch.optim.Optimizer, *, step: int,
+                                consumed_samples: int, config: dict[str, Any],
+                                tokenizer: str | None, fp8: Fp8Training | None = None,
+                                skipped_batches: list[list[int]] | None = None,
+                                copy: bool = False) -> CheckpointWrite:
+    """This rank's part of the training checkpoint at `step`, taken now (`copy`: as host
+    copies that the next steps do not change, the only part of an asynchronous save that
+    holds up the step), to be written by `CheckpointWrite.write` (no collective; any thread)
+    and published by `publish_training_checkpoint`. Collective over all ranks."""
+    target = checkpoint_series(run_dir).step_dir(step)
     sharded = isinstance(optimizer, ShardedOptimizer)
-    moments = collect_moments(models, optimizer, sharded=sharded)
-    expert_moments = collect_expert_moments(models, optimizer)  # expert parallelism only
-
-    def write_state(tmp: Path) -> None:
-        (tmp / "training").mkdir(exist_ok=True)
-        if moments is not None:
-            file, tensors, meta = moments
-            save_file(tensors, str(tmp / "training" / file), metadata=meta)
-        if expert_moments is not None:
-            file, tensors, meta = expert_moments
-            save_file(tensors, str(tmp / "training" / file), metadata=meta)
-        rng = {"cpu": torch.get_rng_state()}
-        rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        save_file(rng, str(tmp / "training" / f"rng-rank{_global_rank():05d}.safetensors"))
-        if fp8 is not None:
-            save_file(fp8.state_tensors(),
-                      str(tmp / "training" / f"fp8-rank{_global_rank():05d}.safetensors"))
-
     opt_steps = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
     if dist.is_available() and dist.is_initialized():  # a dp rank may hold no state at all
         steps = torch.tensor(opt_steps)
@@ -115,9 +133,37 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module]
                           "optimizer": record, "config": config}}
     if fp8 is not None:
         extra["training"]["fp8"] = fp8.record()
-    with gathered_parameters(models):  # FSDP2: whole tp shards, as the weight files hold
-        save_checkpoint(target, models, step=step, tokenizer=tokenizer, extra=extra,
-                        write_extra_files=write_state)
+    if skipped_batches:
+        extra["training"]["skipped_batches"] = skipped_batches
+    with gathered_parameters(models) as gathered:  # FSDP2: whole tp shards, as files hold
+        # Gathered parameters are freed on leaving: the writer needs copies of them.
+        pending = prepare_checkpoint(target, models, step=step, tokenizer=tokenizer,
+                                     extra=extra, copy=copy or gathered)
+    for found in (collect_moments(models, optimizer, sharded=sharded),
+                  collect_expert_moments(models, optimizer)):  # experts: expert parallelism only
+        if found is not None:
+            file, tensors, meta = found
+            pending.add(f"training/{file}",
+                        {k: host_copy(t, copy) for k, t in tensors.items()}, meta)
+    rng = {"cpu": torch.get_rng_state()}
+    rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    pending.add(f"training/rng-rank{_global_rank():05d}.safetensors", rng)
+    if fp8 is not None:
+        pending.add(f"training/fp8-rank{_global_rank():05d}.safetensors",
+                    {k: host_copy(t, copy) for k, t in fp8.state_tensors().items()})
+    if copy and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the pinned host copies are complete
+    return pending
+
+
+def publish_training_checkpoint(run_dir: str | os.PathLike, pending: CheckpointWrite,
+                                keep_last: int) -> Path:
+    """Publish a written training checkpoint (`publish_checkpoint`), point `latest` at it and
+    prune the run's older ones. Collective over all ranks, each after its own write."""
+    series = checkpoint_series(run_dir)
+    target = publish_checkpoint(pending)
     if _global_rank() == 0:
         series.mark_latest(target)
         series.prune(keep_last)
@@ -127,8 +173,9 @@ def save_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Module]
 
 
 @contextmanager
-def gathered_parameters(models: list[nn.Module]) -> Iterator[None]:
+def gathered_parameters(models: list[nn.Module]) -> Iterator[bool]:
     """Inside, FSDP2 modules hold whole (unsharded) parameters; a no-op for any other model.
+    Yields whether any parameter was gathered (their whole storage is freed on leaving).
 
     Collective over the dp group: every dp rank enters it together.
     """
@@ -138,7 +185,7 @@ def gathered_parameters(models: list[nn.Module]) -> Iterator[None]:
     for m in wrapped:
         m.unshard()
     try:
-        yield
+        yield bool(wrapped)
     finally:
         for m in wrapped:
             m.reshard()
@@ -150,12 +197,19 @@ def _world_size() -> int:
 
 def load_training_checkpoint(path: Path, models: list[nn.Module],
                              optimizer: torch.optim.Optimizer,
-                             fp8: Fp8Training | None = None) -> dict[str, Any]:
+                             fp8: Fp8Training | None = None, *,
+                             verify: bool = True) -> dict[str, Any]:
     """Restore weights, optimizer moments (any layout), the FP8 state (any layout, same
     recipe) and, on the same layout, RNG states.
 
-    Returns the manifest's training record (step, consumed_samples, ...).
+    `verify`: first check every file against its recorded sha256 (`verify_files`; one full
+    read), raising `CheckpointError` naming a damaged file. Returns the manifest's training
+    record (step, consumed_samples, ...).
     """
+    if verify:
+        earlier = [p.name for p in CheckpointSeries(path.parent).complete() if p.name < path.name]
+        verify_files(path, f"resume from an earlier step ({', '.join(earlier[-3:]) or 'none'}"
+                           f" in {path.parent}) or delete {path.name}")
     manifest = _load_weights(models, path)
     record = manifest.extra.get("training")
     if record is None:

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
 
             if not (args.evaluate or args.merge):
                 prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)  # fail early
-            return launch_local_ranks("tune", argv, args.nproc_per_node)
+            return launch_local_ranks("tune", argv, args.nproc_per_node, args.max_restarts)
         if args.merge:
             from tessera.tuning.lora_merge import merge_adapter
 

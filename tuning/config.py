@@ -33,6 +33,7 @@ from tessera.training.config import (
     ParallelSection,
     TrainConfig,
     add_section_flags,
+    check_launcher_flags,
     check_lr_range,
     opt,
     read_yaml,
@@ -174,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=non_negative_int, default=0, metavar="N",
                         help="start this many local ranks with torch's launcher (torchrun) "
                         "(default: 0, this process only)")
+    parser.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                        help="with --nproc-per-node: when a rank fails, restart all of them up "
+                        "to N times; they continue from the latest checkpoint (--resume auto) "
+                        "(default: 0)")
     modes = parser.add_argument_group("other modes")
     modes.add_argument("--evaluate", action="store_true",
                        help="report answer loss and exact match of --prompts on --data; no "
@@ -201,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(argv: list[str]) -> tuple[TuneRunConfig, argparse.Namespace]:
     """Parse argv (YAML first, flags win) into a `TuneRunConfig`; errors name the bad key."""
     args = build_parser().parse_args(argv)
+    check_launcher_flags(args)
     raw = read_yaml(args.config)
     tasks_raw = raw.pop("tasks", None)
     config = TuneRunConfig()

@@ -50,9 +50,10 @@ from tessera.core.prompt_table import (
 )
 from tessera.core.prompts import VirtualPrompts, attach_prompts
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
+from tessera.training.bad_steps import BadStepMonitor, check_policy
 from tessera.training.loop import Job, build_rank_model, make_job, memory_gb, plan_for_world
 from tessera.training.loop import train_step as pretrain_step
-from tessera.training.metrics import MetricsLogger, StepWindow, checked_losses, resolve_peak
+from tessera.training.metrics import MetricsLogger, StepWindow, resolve_peak
 from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
 from tessera.training.state import restore_fp8_state
@@ -254,11 +255,11 @@ def _shared_fingerprint(checkpoint: str) -> str:
 def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     """Run (or resume) prompt tuning or LoRA as configured; returns the run summary on every
     rank."""
+    check_policy(cfg.loop.bad_step_policy, rollback=False)  # rollback: pretraining only
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
-    # After the inputs are checked (a bad input must not cost the old run), before any write;
-    # the fingerprint's broadcast below keeps rank 0 from writing until every rank has looked.
-    claim_run_dir(cfg.loop.output, resume=cfg.loop.resume, overwrite=cfg.loop.overwrite,
-                  files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR))
+    # The run directory is claimed after the inputs are checked (a bad input must not cost the
+    # old run) and before any write; the barrier after it keeps rank 0 from writing until every
+    # rank has looked.
     t = setup(cfg, inputs)
     plan = t.job.plan
     loop = plan.loop
@@ -272,8 +273,16 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
         t.lora = dataclasses.replace(t.lora, base_fingerprint=meta["base_fingerprint"])
         meta["lora"] = {"rank": t.lora.rank, "alpha": t.lora.alpha, "dropout": t.lora.dropout,
                         "modules": list(t.lora.modules)}
-    start, resumed = 0, None
-    if loop.resume and (resumed := ckpt.latest_tuning_checkpoint(loop.output)) is not None:
+    latest = ckpt.latest_tuning_checkpoint(loop.output)
+    resumed = claim_run_dir(
+        loop.output, resume=loop.resume, overwrite=loop.overwrite,
+        files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR), latest=latest,
+        saved_config=ckpt.read_tuning_meta(latest).get("config") if latest else None,
+        config=meta["config"])
+    if dist.is_initialized():
+        dist.barrier()
+    start = 0
+    if resumed is not None:
         ckpt.check_resumable(ckpt.read_tuning_meta(resumed), resumed, meta)
         if t.lora is not None:
             start = load_lora_checkpoint(resumed, t.job.stages, t.job.optimizer)
@@ -294,7 +303,7 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
                         resumed_from=resumed, desc="tune")
     before = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid and start == 0 else None
     # A step whose collective times out raises RankHang naming the ranks that did not answer.
-    with StepWatchdog(plan.run.collective_timeout_s, completed=start) as watchdog:
+    with StepWatchdog(plan.loop.collective_timeout_s, completed=start) as watchdog:
         losses = _train(t, inputs, log, start, meta, peak, watchdog)
     after = evaluate(t, inputs.valid, loop.eval_batches) if inputs.valid else None
     return _finish(t, inputs, log, losses, before, after, (peak, peak_source), export_peft)
@@ -310,6 +319,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     flops = model_flops_per_token(plan.model, t.seq_len) * 2 / 3
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
+    monitor = BadStepMonitor(loop.bad_step_policy, loop.max_bad_steps, loop.loss_spike_factor,
+                             loop.loss_spike_window)
     window = StepWindow()  # the steps since the last logging step, read there at once
     t.job.step_clock = StepClock()
     for step in range(start, run.steps):
@@ -325,7 +336,10 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
         rows, elapsed = window.resolve()
         if log.due(step + 1) and dist.is_initialized():  # every rank logs at the same steps
             rows[-1].update(slowest_rank(t.job.step_clock.take(), t.job.device))
-        losses.extend(checked_losses(rows, step + 1))
+        verdict = monitor.check(rows)  # `stop`: raises, naming the step
+        if verdict is not None:
+            log.write(f"bad steps at step {verdict.step}: {verdict.reason}")
+        losses.extend(row["loss"] for row in rows)
         tokens_per_s = len(rows) * plan.data.global_batch * t.seq_len / elapsed
         tflops = flops * tokens_per_s / world / 1e12
         for row in rows:  # the window's mean rate on each of its steps

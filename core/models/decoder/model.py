@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.core import fused
+from tessera.core import linear_cross_entropy as chunked_ce
 from tessera.core.attention_backends import cached_attention_backends
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
@@ -357,21 +358,39 @@ class GPTModel(nn.Module):
             return h
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)
         if labels is not None:
-            if seq is not None:
-                labels = seq.split(labels)
-            losses = vocab_parallel_cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.transpose(0, 1).reshape(-1),
-                self.groups.tp_group, self.groups.tp_rank, self.config.vocab_size)
-            if seq is not None and seq.cp_size > 1:
-                return cpar.global_mean_loss(losses.sum(), (labels != -100).sum(), seq.cp_size,
-                                             seq.group)
-            return losses.sum() / (labels != -100).sum().clamp(min=1)
+            return self.head_loss(h, weight, labels, seq, sp)
+        logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)
         logits = logits.transpose(0, 1)
         if local_logits:
             return logits
         return gather_from_tp(logits, self.groups.tp_group)[..., : self.config.vocab_size]
+
+    def head_loss(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+             seq: SequenceContext | None, sp: bool) -> torch.Tensor:
+        """The head's mean cross-entropy over `labels != -100` (see `forward`), from the final
+        hidden states `h (T, B, C)` and the head `weight (V_padded / tp, C)`. On one tp rank
+        with no vocabulary padding it may run chunked, without the whole logits
+        (`core.linear_cross_entropy`); that is the same loss to float reassociation."""
+        if seq is not None:
+            labels = seq.split(labels)  # this cp rank's tokens: a selection, nothing else
+        targets = labels.transpose(0, 1).reshape(-1)
+        cp = seq is not None and seq.cp_size > 1
+        if (self.groups.tp_group is None and weight.shape[0] == self.config.vocab_size
+                and chunked_ce.wanted(h, weight.shape[0])):
+            loss = chunked_ce.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets,
+                                                   reduction="sum" if cp else "mean")
+            if not cp:
+                return loss
+            total = loss
+        else:
+            logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)
+            total = vocab_parallel_cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets, self.groups.tp_group,
+                self.groups.tp_rank, self.config.vocab_size).sum()
+        if cp:
+            return cpar.global_mean_loss(total, (labels != -100).sum(), seq.cp_size, seq.group)
+        return total / (labels != -100).sum().clamp(min=1)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,18 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from tessera.core.parallel.groups import new_groups
-from tessera.core.parallel.launch import init_distributed, launch_local_ranks, strip_nproc_flag
+from tessera.core.parallel.launch import init_distributed, launch_local_ranks, strip_launcher_flags
 
 
 @pytest.mark.parametrize("argv", [
     ["--nproc-per-node", "4", "--tp", "2"],
     ["--tp", "2", "--nproc-per-node=4"],
     ["--tp", "2", "--nproc-per-node", "4"],
+    ["--max-restarts", "3", "--tp", "2", "--nproc-per-node", "4"],
+    ["--tp", "2", "--max-restarts=3", "--nproc-per-node=4"],
 ])
-def test_the_ranks_rerun_argv_without_nproc(argv):
-    assert strip_nproc_flag(argv) == ["--tp", "2"]
+def test_the_ranks_rerun_argv_without_the_launchers_flags(argv):
+    assert strip_launcher_flags(argv) == ["--tp", "2"]
 
 
 def _torchrun_raising(exc: BaseException, seen: list):
@@ -39,9 +41,18 @@ def test_a_signalled_launch_exits_128_plus_the_signal(monkeypatch, capsys, sig, 
     monkeypatch.setattr("torch.distributed.run.main",
                         _torchrun_raising(SignalException("got it", sigval=sig), seen))
     assert launch_local_ranks("pretrain", ["--steps", "3", "--nproc-per-node", "2"], 2) == code
-    assert seen == [["--standalone", "--nproc-per-node=2", "-m", "tessera", "pretrain",
-                     "--steps", "3"]]
+    assert seen == [["--standalone", "--nproc-per-node=2", "--max-restarts=0", "-m", "tessera",
+                     "pretrain", "--steps", "3"]]
     assert f"stopped by {sig.name}; exit code {code}" in capsys.readouterr().err
+
+
+def test_max_restarts_reaches_torchs_launcher(monkeypatch):
+    seen: list = []
+    monkeypatch.setattr("torch.distributed.run.main", seen.append)
+    argv = ["--steps", "3", "--max-restarts", "2", "--nproc-per-node", "4"]
+    assert launch_local_ranks("pretrain", argv, 4, max_restarts=2) == 0
+    assert seen == [["--standalone", "--nproc-per-node=4", "--max-restarts=2", "-m", "tessera",
+                     "pretrain", "--steps", "3"]]
 
 
 def test_a_failing_rank_gives_its_own_exit_code(monkeypatch, capsys):
@@ -64,6 +75,7 @@ def test_new_groups_time_out_as_the_world_does(monkeypatch):
     """torch gives a new group its own 30-minute default; the world's timeout must reach it."""
     join = dist.init_process_group  # one rank on an in-memory store, in place of torchrun's
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: join(
         backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout))
     made = []

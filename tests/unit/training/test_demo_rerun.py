@@ -50,10 +50,14 @@ def test_a_finished_demo_is_kept_and_its_samples_printed(tmp_path, monkeypatch, 
     assert "`python -m tessera pretrain --overwrite`" in out  # a command that runs as written
 
 
-def test_an_unfinished_demo_is_refused_not_deleted(tmp_path, monkeypatch, demo_calls, capsys):
+def test_an_unfinished_demo_continues_by_default_and_is_never_deleted(tmp_path, monkeypatch,
+                                                                     demo_calls, capsys):
     monkeypatch.chdir(tmp_path)
     ckpt = fake_demo_run(tmp_path / "runs" / "demo", 100)
-    assert cli.main([]) == 2
+    assert cli.main([]) == 0  # --resume auto: the (stubbed) training continues it
+    assert demo_calls["trained"] == ["runs/demo"] and (ckpt / MANIFEST).is_file()
+    demo_calls["trained"].clear()
+    assert cli.main(["--resume", "false"]) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err, err
     assert (ckpt / MANIFEST).is_file()

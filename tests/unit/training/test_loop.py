@@ -293,11 +293,13 @@ def test_sigterm_saves_then_resume_continues(tiny, run30, tmp_path):
     assert [losses[s] for s in range(1, 31)] == [run30[s] for s in range(1, 31)]
 
 
-def test_sigkill_while_saving_leaves_a_resumable_checkpoint(tiny, run30, tmp_path):
+@pytest.mark.parametrize("mode", [(), ("--async-save",)], ids=["sync", "async"])
+def test_sigkill_while_saving_leaves_a_resumable_checkpoint(tiny, run30, tmp_path, mode):
     """Kill the run at random moments while it saves every step; every time, the latest
     checkpoint must load and the run must resume from it, ending on the uninterrupted losses."""
     run = tmp_path / "run"
-    argv = pretrain_argv(tiny, run, *LONG, "--save-interval", "1", "--keep-last", "2", "--resume")
+    argv = pretrain_argv(tiny, run, *LONG, "--save-interval", "1", "--keep-last", "2", "--resume",
+                         *mode)
     rng = random.Random(0)
     previous = 0
     for _ in range(3):

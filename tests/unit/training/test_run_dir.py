@@ -1,10 +1,12 @@
-"""A run directory holds one run: a re-run without --resume is refused, --overwrite starts over
-exactly as a run into an empty directory would, and the model's vocabulary follows the
+"""A run directory holds one run: a re-run continues it when its config is the same (`--resume
+auto`, the default) and is refused when it is not or with `--resume false`, --overwrite starts
+over exactly as a run into an empty directory would, and the model's vocabulary follows the
 tokenizer unless the user sets it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,10 +40,16 @@ def test_rerun_is_refused_and_overwrite_equals_a_fresh_run(tiny, tmp_path, capsy
     metrics = (run / "metrics.jsonl").read_bytes()
     capsys.readouterr()
 
-    assert cli.main(pretrain_argv(tiny, run, *SHORT)) == 2
+    assert cli.main(pretrain_argv(tiny, run, *SHORT, "--resume", "false")) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err, err
     assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing touched
+    # auto (the default) and another config: refused, naming the difference.
+    assert cli.main(pretrain_argv(tiny, run, *SHORT, "--lr", "1e-3")) == 2
+    err = capsys.readouterr().err
+    assert "another config" in err and "train.lr: 0.003 -> 0.001" in err, err
+    assert "--resume true" in err and "--overwrite" in err, err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
 
     assert cli.main(pretrain_argv(tiny, run, *SHORT, "--resume", "--overwrite")) == 2
     assert "contradict" in capsys.readouterr().err
@@ -63,6 +71,66 @@ def test_rerun_is_refused_and_overwrite_equals_a_fresh_run(tiny, tmp_path, capsy
     assert not [p for p in run.iterdir() if "overwritten" in p.name]
 
 
+def test_auto_continues_the_same_run_and_restarts_one_that_never_saved(tiny, tmp_path):
+    """`--resume auto` with no flag changed: a run killed after its step-4 checkpoint continues
+    from it, each step logged once; one killed before its first save starts over, its rows gone."""
+    run = tmp_path / "run"
+    argv = pretrain_argv(tiny, run, "--steps", "6", "--save-interval", "4")
+    pretrain(load_config(argv)[0])
+    full = (run / "metrics.jsonl").read_text()
+    # As a kill at step 6 leaves it: steps 5-6 logged (the last torn), the checkpoint at 4.
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    (run / "checkpoints" / "latest").write_text("step-00000004\n")
+    rows = full.splitlines(keepends=True)[:6]
+    (run / "metrics.jsonl").write_text("".join(rows[:-1]) + rows[-1][:20])
+    summary = pretrain(load_config(argv)[0])
+    assert summary["steps"] == 6 and summary["first_loss"] is not None
+    steps = [json.loads(line).get("step") for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, None]  # each step once, then the summary
+    assert read_losses(run) == read_losses_of(full)
+
+    never_saved = tmp_path / "never-saved"
+    (never_saved / "checkpoints").mkdir(parents=True)
+    (never_saved / "metrics.jsonl").write_text("".join(rows[:3]))
+    pretrain(load_config(pretrain_argv(tiny, never_saved, "--steps", "6", "--save-interval", "4"))[0])
+    lines = (never_saved / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("step") for line in lines] == steps  # the dead rows are gone
+    assert read_losses(never_saved) == read_losses_of(full)
+
+
+def read_losses_of(metrics: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in metrics.splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "step" in r}
+
+
+def test_resume_true_is_required_to_continue_with_another_config(tiny, tmp_path):
+    run = tmp_path / "run"
+    pretrain(load_config(pretrain_argv(tiny, run, *SHORT))[0])
+    summary = pretrain(load_config(pretrain_argv(tiny, run, *SHORT, "--steps", "4",
+                                                 "--resume", "true"))[0])
+    assert summary["steps"] == 4 and sorted(read_losses(run)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("written, mode", [("true", "true"), ("yes", "true"), ("false", "false"),
+                                           ("auto", "auto"), ("0", "false")])
+def test_resume_reads_every_spelling_in_yaml_and_flags(tmp_path, written, mode):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"loop:\n  resume: {written}\n")
+    assert load_config(["--config", str(config)])[0].loop.resume == mode
+    assert load_config(["--resume", written])[0].loop.resume == mode
+    assert load_config(["--resume"])[0].loop.resume == "true"
+    assert load_config([])[0].loop.resume == "auto"
+
+
+def test_a_bad_resume_value_is_one_clear_error(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("resume: sometimes\n")
+    with pytest.raises(ConfigError, match="resume: expected auto, true or false, got 'sometimes'"):
+        load_config(["--config", str(config)])
+    assert cli.main(["--max-restarts", "2", "--steps", "1"]) == 2
+    assert "--max-restarts restarts the ranks that --nproc-per-node starts" in capsys.readouterr().err
+
+
 def test_claim_counts_only_a_runs_files(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "checkpoints").mkdir()  # empty: a run that never saved
@@ -72,6 +140,7 @@ def test_claim_counts_only_a_runs_files(tmp_path):
     with pytest.raises(ConfigError, match=r"metrics\.jsonl"):
         claim_run_dir(tmp_path, resume=False, overwrite=False)
     claim_run_dir(tmp_path, resume=True, overwrite=False)  # --resume takes it as it is
+    claim_run_dir(tmp_path, resume="auto", overwrite=False)  # no checkpoint: starts over
     assert (tmp_path / "metrics.jsonl").exists()
     claim_run_dir(tmp_path, resume=False, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "notes.txt"]
