@@ -103,3 +103,13 @@ def test_the_prepare_step_comes_before_the_checks_and_its_model_is_checked_and_r
     with pytest.raises(ConfigError, match="num_heads 1 is not divisible by tp 2"):
         resolve_plan(cfg, 2, prepare=lambda plan: plan.with_model(
             dataclasses.replace(plan.model, num_heads=1, num_kv_heads=1)))
+
+
+def test_a_changed_collective_timeout_is_not_another_config():
+    """`--resume auto` continues a run whose checkpoints record another timeout (or none)."""
+    from tessera.training.run_dir import config_changes
+
+    default = resolve_plan(load_config([])[0], 1).record
+    longer = resolve_plan(load_config(["--collective-timeout-s", "1800"])[0], 1)
+    assert longer.loop.collective_timeout_s == 1800
+    assert config_changes(default, longer.record) == ""
