@@ -95,7 +95,7 @@ def stages(args) -> list[Stage]:
         Stage("decode", decode, 60, "llama-1b decode vs HF"),
         Stage("fp8", fp8, 45, "FP8 GEMM vs bf16"),
         Stage("fp8-train", fp8_train, 45, "FP8 training step vs bf16"),
-        Stage("smoke", smoke, 40, "tessera pretrain + tessera serve"),
+        Stage("smoke", smoke, 35, "tessera pretrain + tessera serve"),
     ]
     plan = [s for s in plan if not args.stages or s.name in args.stages]
     total = sum(s.budget_s for s in plan)

@@ -40,6 +40,8 @@ def _as_legacy(step_dir: Path, to: Path) -> Path:
     new = to / "training" / "optim-tp00-pp00-dp00.safetensors"
     save_file(load_file(str(new)), str(to / "training" / "optim-model-tp00-pp00.safetensors"))
     new.unlink()
+    for digests in to.glob("digests-rank*.json"):  # format 1 predates file digests too
+        digests.unlink()
     manifest = json.loads((to / "manifest.json").read_text())
     del manifest["extra"]["training"]["optimizer"]
     (to / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
