@@ -15,21 +15,15 @@ no tensor is built from host data and nothing waits for the device.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 
 from tessera.core import fused
 
-log = logging.getLogger(__name__)
-
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 _TINY = 1e-30  # amax floor, so the division below never sees 0 (those rows take scale 1)
-
-_compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-_failed = False
 
 
 def quantize_activation_eager(x: torch.Tensor, rowwise: bool
@@ -43,35 +37,16 @@ def quantize_activation_eager(x: torch.Tensor, rowwise: bool
     return q, scale.reciprocal()
 
 
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+# Compiled on CUDA, training or not. Dynamic shapes from the start: a model's linears take
+# inputs of two widths (hidden, ffn), and M varies.
+quantize_activation = fused.fusable(quantize_activation_eager, when=_on_cuda, dynamic=True)
+quantize_activation.__doc__ = "`quantize_activation_eager`, compiled on CUDA (see the module doc)."
+
+
 def compiled_quantize_activation() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The compiled `quantize_activation_eager`, built on first use. Dynamic shapes from the
-    start: a model's linears take inputs of two widths (hidden, ffn), and M varies."""
-    global _compiled
-    if _compiled is None:
-        from tessera.core.compile_cache import key_compile_cache_by_isa
-
-        key_compile_cache_by_isa()
-        _compiled = torch.compile(quantize_activation_eager, dynamic=True)
-    return _compiled
-
-
-def _wanted(x: torch.Tensor) -> bool:
-    return (x.is_cuda and fused.mode() != "off" and not _failed
-            and not torch.compiler.is_compiling())
-
-
-def quantize_activation(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_activation_eager`, compiled on CUDA (see the module docstring)."""
-    global _failed
-    if not _wanted(x):
-        return quantize_activation_eager(x, rowwise)
-    try:
-        return compiled_quantize_activation()(x, rowwise)
-    except Exception as error:  # compile failures surface on the first call
-        if fused.mode() == "on":
-            raise
-        _failed = True
-        log.warning("fused FP8 quantization disabled, running eager: compiling it failed "
-                    "(%s: %s). Set TESSERA_FUSED_KERNELS=off to skip the attempt.",
-                    type(error).__name__, str(error).splitlines()[0][:200])
-        return quantize_activation_eager(x, rowwise)
+    """The compiled `quantize_activation_eager` on any device (benches and tests)."""
+    return quantize_activation.compiled()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -31,11 +30,11 @@ import torch._functorch.config
 import torch.nn.functional as F
 
 from tessera.core.compile_cache import key_compile_cache_by_isa
+from tessera.core.env_switch import EnvSwitch
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
-_mode: str | None = None  # None: read TESSERA_FUSED_KERNELS on first use
+_switch = EnvSwitch("TESSERA_FUSED_KERNELS", "fused kernel")
 _failed = False  # `auto` saw a compile failure: eager from then on
 
 F_ = TypeVar("F_", bound=Callable[..., torch.Tensor])
@@ -48,49 +47,52 @@ torch._functorch.config.donated_buffer = False
 
 def set_mode(mode: str | None) -> None:
     """Set the mode (`auto`, `on`, `off`), or `None` to read `TESSERA_FUSED_KERNELS` again."""
-    global _mode, _failed
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"fused kernel mode {mode!r} is not one of {MODES}")
-    _mode, _failed = mode, False
+    global _failed
+    _switch.set(mode)
+    _failed = False
 
 
 def mode() -> str:
-    global _mode
-    if _mode is None:
-        value = os.environ.get("TESSERA_FUSED_KERNELS", "auto").lower()
-        if value not in MODES:
-            raise ValueError(f"TESSERA_FUSED_KERNELS={value!r} is not one of {MODES}")
-        _mode = value
-    return _mode
+    return _switch.get()
 
 
-def _wanted(x: torch.Tensor) -> bool:
-    # `is_compiling()` first: traced inside a compiled region (a compiled block), the formula
-    # is inlined, and reading `_mode` / `_failed` there would guard the region on them (first
-    # read sets `_mode`, so the region's second call would fail its guard and recompile).
-    return (not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad
-            and mode() != "off" and not _failed)
+def training(x: torch.Tensor) -> bool:
+    """`fusable`'s default `when`: autograd is recording through `x` (a training step)."""
+    return torch.is_grad_enabled() and x.requires_grad
 
 
-def fusable(fn: F_) -> F_:
-    """`fn` itself, or its TorchInductor-compiled version when training (see the module doc).
+def fusable(fn: F_ | None = None, *, when: Callable[[torch.Tensor], bool] = training,
+            dynamic: bool | None = None):
+    """`fn` itself, or its TorchInductor-compiled version (`torch.compile(fn, dynamic=...)`)
+    for the calls whose first argument satisfies `when` (default: training; see the module
+    doc), under the mode switch and with the fallback to eager described there. Use as
+    `@fusable` or `fusable(fn, when=..., dynamic=...)`.
 
-    The compiled version is made on the first call that wants it: `torch.compile` imports
-    TorchDynamo and Inductor, seconds of CPU that inference, the converters and every `--help`
-    would otherwise pay at import.
+    The compiled version is made on the first call that wants it (`dispatch.compiled()` makes
+    it on demand): `torch.compile` imports TorchDynamo and Inductor, seconds of CPU that
+    inference, the converters and every `--help` would otherwise pay at import.
     """
+    if fn is None:
+        return functools.partial(fusable, when=when, dynamic=dynamic)
     compiled: Callable[..., torch.Tensor] | None = None
 
-    @functools.wraps(fn)
-    def dispatch(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        global _failed
+    def get_compiled() -> Callable[..., torch.Tensor]:
         nonlocal compiled
-        if not _wanted(x):
+        if compiled is None:
+            key_compile_cache_by_isa()
+            compiled = torch.compile(fn, dynamic=dynamic)
+        return compiled
+
+    @functools.wraps(fn)
+    def dispatch(x: torch.Tensor, *args, **kwargs):
+        global _failed
+        # `is_compiling()` first: traced inside a compiled region (a compiled block), the
+        # formula is inlined, and reading `_mode` / `_failed` there would guard the region on
+        # them (first read sets `_mode`, so its second call would fail the guard, recompile).
+        if torch.compiler.is_compiling() or not when(x) or mode() == "off" or _failed:
             return fn(x, *args, **kwargs)
         try:
-            if compiled is None:
-                key_compile_cache_by_isa()
-                compiled = torch.compile(fn, dynamic=None)
+            compiled = get_compiled()
             device = x.device.type
             if not torch.is_autocast_enabled(device):
                 return compiled(x, *args, **kwargs)
@@ -109,7 +111,8 @@ def fusable(fn: F_) -> F_:
             return fn(x, *args, **kwargs)
 
     dispatch.eager = fn  # the reference formula, for tests
-    return dispatch  # type: ignore[return-value]
+    dispatch.compiled = get_compiled  # the compiled one, whatever `when` says (benches, tests)
+    return dispatch
 
 
 @fusable

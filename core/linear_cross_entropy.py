@@ -24,32 +24,22 @@ computed, still a chunk at a time.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-MODES = ("auto", "on", "off")
+from tessera.core.env_switch import EnvSwitch
+
 CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk
 AUTO_BYTES = 2 * 2**30  # `auto`: chunk when the whole fp32 logits would exceed this
-_mode: str | None = None  # None: read TESSERA_CHUNKED_CE on first use
+_switch = EnvSwitch("TESSERA_CHUNKED_CE", "chunked cross-entropy")
 
 
 def set_mode(mode: str | None) -> None:
     """Set the mode (`auto`, `on`, `off`), or `None` to read `TESSERA_CHUNKED_CE` again."""
-    global _mode
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"chunked cross-entropy mode {mode!r} is not one of {MODES}")
-    _mode = mode
+    _switch.set(mode)
 
 
 def mode() -> str:
-    global _mode
-    if _mode is None:
-        value = os.environ.get("TESSERA_CHUNKED_CE", "auto").lower()
-        if value not in MODES:
-            raise ValueError(f"TESSERA_CHUNKED_CE={value!r} is not one of {MODES}")
-        _mode = value
-    return _mode
+    return _switch.get()
 
 
 def wanted(h: torch.Tensor, vocab_size: int) -> bool:
