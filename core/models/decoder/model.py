@@ -137,9 +137,6 @@ class Attention(nn.Module):
             k, v, mask = cache.update(self.layer, k, v, positions, slots)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             y = recompute(self._core, q, k, v, mask, seq)
-        elif cache is not None:  # a new key length every step (core.attention_backends)
-            with cached_attention_backends():
-                y = self._core(q, k, v, mask, seq)
         else:
             y = self._core(q, k, v, mask, seq)
         y = y.permute(2, 0, 1, 3).reshape(T, B, self.n_heads * hd)
@@ -349,11 +346,13 @@ class GPTModel(nn.Module):
             if positions is None:
                 positions = torch.arange(T, device=h.device).expand(B, T)
             rope = self.rotary.cos_sin(positions, h.dtype)
-        for i, layer in self.layers.items():
-            if int(i) in self.recompute_ids and self.training and torch.is_grad_enabled():
-                h = recompute(layer, h, rope, None, None, None, seq)
-            else:
-                h = layer(h, rope, cache, positions, slots, seq)
+        # Over a KV cache the key length is new every step: kernels chosen once for the pass.
+        with cached_attention_backends() if cache is not None else contextlib.nullcontext():
+            for i, layer in self.layers.items():
+                if int(i) in self.recompute_ids and self.training and torch.is_grad_enabled():
+                    h = recompute(layer, h, rope, None, None, None, seq)
+                else:
+                    h = layer(h, rope, cache, positions, slots, seq)
         if not self.is_last:
             return h
         h = self.norm(h)
