@@ -500,7 +500,8 @@ def _roll_back(job: Job, output: str, skipped: bad_steps.DataWindows, step: int,
             f"step {verdict.step}: {verdict.reason}; the run already rolled back to step {back} "
             f"{MAX_ROLLBACKS_TO_ONE_CHECKPOINT} times, so skipping data does not help: lower "
             "--lr or use --precision fp32")
-    load_training_checkpoint(path, job.stages, job.optimizer, fp8=job.fp8)
+    load_training_checkpoint(path, job.stages, job.optimizer, fp8=job.fp8,
+                             verify=False)  # `latest` verified it
     first, last = skipped.batch(back), skipped.batch(step - 1)
     skipped.skip(first, last + 1)
     rollbacks.append(back)
