@@ -52,8 +52,11 @@ def test_bad_arguments_are_named(bench, capsys):
 def test_train_mode_times_both_steps_from_the_same_start(bench, tmp_path, monkeypatch):
     from tessera.core import fused
 
-    monkeypatch.setattr(fused, "_mode", "off")  # eager kernels: no compile time in this test
-    bench.main(["--device", "cpu", "--train", "--tiny", "--steps", "3", "--seq", "32"])
+    fused.set_mode("off")  # eager kernels: no compile time in this test
+    try:
+        bench.main(["--device", "cpu", "--train", "--tiny", "--steps", "3", "--seq", "32"])
+    finally:
+        fused.set_mode(None)
     (row,) = [json.loads(r) for r in (tmp_path / "fp8_train.jsonl").read_text().splitlines()]
     assert row["fp8"] == "emulated tensorwise" and row["batch x seq"] == "2x32"
     assert row["bf16 step ms"] > 0 and row["fp8 step ms"] > 0
