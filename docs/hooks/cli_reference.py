@@ -77,11 +77,11 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 # --- reference pages --------------------------------------------------------------------------
 
-def _help_text(parser: argparse.ArgumentParser) -> str:
+def _usage(parser: argparse.ArgumentParser) -> str:
     old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"  # argparse wraps to $COLUMNS: fixed, so the page is stable
+    os.environ["COLUMNS"] = "80"  # argparse wraps to $COLUMNS: fixed, so the page is stable
     try:
-        return parser.format_help()
+        return parser.format_usage().strip()
     finally:
         if old is None:
             os.environ.pop("COLUMNS")
@@ -109,8 +109,8 @@ def _options_table(parser: argparse.ArgumentParser) -> list[str]:
 
 def verb_page(verb: str, summary: str, parser: argparse.ArgumentParser) -> str:
     lines = [f"# tessera {verb}", "", f"{summary[:1].upper()}{summary[1:]}.", "",
-             "Generated from the command's own parser when the site is built: what `tessera "
-             f"{verb} --help` prints.", ""]
+             "Generated from the command's own parser when the site is built; `tessera "
+             f"{verb} --help` prints the same.", ""]
     sections = [(f"tessera {verb}", parser)]
     sections += [(f"tessera {verb} {name}", sub) for name, sub in _subparsers(parser).items()]
     for title, p in sections:
@@ -118,8 +118,10 @@ def verb_page(verb: str, summary: str, parser: argparse.ArgumentParser) -> str:
             lines += [f"## `{title}`", ""]
         if p.description:
             lines += [_escape(p.description), ""]
-        lines += ["```text", _help_text(p).rstrip(), "```", ""]
+        lines += ["```text", _usage(p), "```", ""]
         lines += _options_table(p) + [""]
+        if p.epilog:
+            lines += ["```text", p.epilog.strip("\n"), "```", ""]
     return "\n".join(lines)
 
 
