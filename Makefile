@@ -32,7 +32,7 @@ lint:
 # The documentation site (mkdocs.yml) into site/; `mkdocs serve` previews it live. Strict: a broken
 # link or anchor, or a `tessera VERB --flag` the parsers do not know, fails the build (and lint).
 docs:
-	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 # Exit code 5 means pytest collected nothing: a broken tree, never a pass.
 test: install lint

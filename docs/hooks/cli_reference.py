@@ -186,7 +186,7 @@ def _check(args: list[str], parsers: dict[str, argparse.ArgumentParser], line_no
         return []  # `tessera`, `tessera --help`: the demo and the verb table
     verb, rest = args[0], args[1:]
     if verb not in parsers:
-        return [f"line {line_no}: `tessera {verb}` is not a verb ({', '.join(parsers)})"]
+        return [f"block at line {line_no}: `tessera {verb}` is not a verb ({', '.join(parsers)})"]
     parser, name = parsers[verb], f"tessera {verb}"
     options = _options(parser)
     subs = _subparsers(parser)
@@ -197,7 +197,7 @@ def _check(args: list[str], parsers: dict[str, argparse.ArgumentParser], line_no
     for arg in rest:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and flag != "--" and flag not in options:
-            problems.append(f"line {line_no}: `{name}` has no option {flag}")
+            problems.append(f"block at line {line_no}: `{name}` has no option {flag}")
     return problems
 
 

@@ -93,8 +93,9 @@ def test_a_stale_flag_is_reported():
     hook = _hook()
     page = "```bash\ntessera pretrain --steps 2 \\\n    --no-such-flag 3 && tessera nosuchverb\n```\n"
     problems = hook.stale_flags(page, hook.all_parsers())
-    assert problems == ["line 1: `tessera pretrain` has no option --no-such-flag",
-                        "line 1: `tessera nosuchverb` is not a verb (" + ", ".join(hook.all_parsers()) + ")"]
+    verbs = ", ".join(hook.all_parsers())
+    assert problems == ["block at line 1: `tessera pretrain` has no option --no-such-flag",
+                        f"block at line 1: `tessera nosuchverb` is not a verb ({verbs})"]
 
 
 def _free_port() -> int:
