@@ -317,48 +317,15 @@ class Layout:
 
     Rank order, fastest first: tp, then cp, then dp, then pp, so global rank
     `= ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` (`core.parallel.groups.rank_of`).
-    This is Megatron's order, kept for the same reason: the groups that talk most sit closest.
-    Tensor-parallel peers exchange activations in every layer (twice forward, twice backward),
-    so they are neighbours on one node; context-parallel peers exchange K/V blocks once per
-    layer, less than tp but far more than dp (one gradient reduction per step), so they come
-    next; pipeline peers only pass one activation per micro-batch and go last. With cp 1 the
-    formula is the old `(pp_rank * dp + dp_rank) * tp + tp_rank`, so existing layouts keep
-    their ranks.
+    Parameters are replicated over cp and dp. `placement` maps the `pp * virtual_stages` stages
+    onto pipeline ranks (`looped` or `v`). Expert parallelism (`ep`, `etp`; MoE models only) adds
+    no ranks: it folds each stage's `tp * cp * dp` ranks into an etp x ep x edp grid
+    (`core.parallel.expert_groups`); ep must divide dp x cp, ep x etp must divide tp x cp x dp,
+    and tp > 1 with ep x etp > 1 needs sequence parallelism. Checkpoints record the whole layout;
+    any checkpoint loads under any other. How a step runs is a separate `TrainSchedule`.
 
-    Context parallelism (`cp`) splits every sequence over cp ranks (`core.parallel.
-    context_parallel`: 2 * cp chunks, rank r holding chunks r and 2cp - 1 - r). It changes no
-    weight's shape: parameters are replicated over cp, and their gradients are averaged over
-    the dp x cp ranks (`ParallelGroups.dp_cp_group`), which is also what ZeRO-1 and FSDP shard
-    over. So any checkpoint loads under any cp.
-
-    Pipeline placement of the `pp * virtual_stages` stages (`core.parallel.sharding.stage_ids`):
-    `looped` puts stages r, r + pp, r + 2pp, ... on pipeline rank r (1F1B, interleaved 1F1B);
-    `v` puts two stages per rank in a V, r and 2pp - 1 - r, so rank 0 holds the first and the
-    last (the ZBV and DualPipeV schedules). Placement is part of the layout, not of the
-    schedule, so converters, checkpoints and the server can describe it without one.
-
-    Expert parallelism (`ep`, `etp`; Mixture-of-Experts models only) adds no ranks: it folds
-    the same `tp * cp * dp` ranks of each pipeline stage into a second grid for the expert
-    layers, as Megatron's "parallel folding" does (Liu et al. 2025, arXiv 2504.14960). Within
-    a stage, let `q = (dp_rank * cp + cp_rank) * tp + tp_rank` (the rank's index in its stage);
-    the expert grid is etp fastest, then ep, then edp: `etp_rank = q % etp`,
-    `ep_rank = (q // etp) % ep`, `edp_rank = q // (etp * ep)`, `edp = tp * cp * dp / (ep *
-    etp)` (`core.parallel.expert_groups`). The *ep group* (same etp and edp rank) holds the
-    experts split along the expert dimension (`moe.num_experts / ep` each) and exchanges tokens
-    with all-to-alls; the *etp group* (same ep and edp rank, consecutive ranks) splits each
-    expert's FFN like tensor parallelism and talks in every MoE layer, so it is fastest, as tp
-    is; the *edp group* (same etp and ep rank) holds identical expert shards, and expert
-    gradients are reduced over it only. With etp equal to tp the etp group is the tp group
-    and the ep group is carved out of the dp x cp ranks (Megatron's layout without folding);
-    a smaller etp folds ep over tp peers too, which keeps the all-to-all on one node. ep must
-    divide dp x cp and ep x etp must divide tp x cp x dp (checked). Each rank must enter the
-    expert layer with tokens of its own, so tp > 1 with ep x etp > 1 needs sequence
-    parallelism (Megatron asks the same). Both fields default to 1 (no expert parallelism:
-    every rank holds every expert), so an older manifest reads as the same layout.
-
-    The training schedule (pipeline schedule, micro-batches, recomputation, data-parallel
-    flavour, cp communication) is a separate `TrainSchedule`: how a step runs, not where
-    weights live.
+    Why this order, the placements and the expert grid: docs/architecture.md, "Rank order,
+    placement and the expert grid".
     """
 
     tp: int = 1  # tensor-parallel size
