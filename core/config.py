@@ -52,7 +52,7 @@ class ModelConfig:
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
-    # Qwen3 (issue 14, `core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
+    # Qwen3 (`core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
     # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
     qk_norm: bool = False
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
@@ -271,7 +271,7 @@ PRESETS.update({
                                   "shared_ffn_hidden_size": 5632}},
 })
 
-# BERT (issue 18): post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
+# BERT: post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
 # masked-LM decoder tied to the word embedding (`core.models.bert.model`); two token types.
 _BERT = dict(family="bert", norm="layernorm", norm_eps=1e-12, activation="gelu",
              position="learned", bias=True, tied_embeddings=True,
@@ -285,7 +285,7 @@ BERT_PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS.update(BERT_PRESETS)
 
-# Qwen3-MoE (issue 14, `core.qk_norm`): Qwen2-MoE without the shared expert, with per-head q/k
+# Qwen3-MoE (`core.qk_norm`): Qwen2-MoE without the shared expert, with per-head q/k
 # RMSNorm, normalized top-k and an explicit head_dim. A tiny one for tests and Qwen3-30B-A3B's
 # real sizes for planning (its config.json: 48 layers, 128 experts, top-8).
 _QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", qk_norm=True)
@@ -335,7 +335,7 @@ class Layout:
     dp: int = 1  # data-parallel size
     sequence_parallel: bool = False  # shard norm/dropout activations along the sequence over tp
     cp: int = 1  # context-parallel size: each sequence split over cp ranks
-    # --- Expert parallelism (issue 14; see the docstring): folded over tp x cp x dp.
+    # --- Expert parallelism (see the docstring): folded over tp x cp x dp.
     ep: int = 1  # expert-parallel size: experts split over ep ranks
     etp: int = 1  # expert-tensor-parallel size: each expert's FFN split over etp ranks
 
@@ -397,7 +397,7 @@ class TrainSchedule:
     # Dynamic context parallelism (`core.parallel.dynamic_cp_runtime`): per micro-batch, each
     # sequence (packed document) spread over its own power-of-two block of the cp group.
     cp_dynamic: bool = False
-    # Mixture-of-Experts under expert parallelism (issue 14): how tokens reach the ranks holding
+    # Mixture-of-Experts under expert parallelism: how tokens reach the ranks holding
     # their experts, "alltoall" or "allgather" (`core.parallel.expert_parallel`).
     moe_dispatcher: str = "alltoall"
 
@@ -458,7 +458,7 @@ def _layout_problems(
             out.append(f"each cp rank's {seq_len // lay.cp} tokens (sequence length {seq_len} / "
                        f"cp {lay.cp}) do not split over tp {lay.tp} (sequence parallel); use a "
                        f"sequence length that is a multiple of {lay.tp * 2 * lay.cp}")
-    out += expert_layout_problems(lay, model)  # expert parallelism (issue 14)
+    out += expert_layout_problems(lay, model)  # expert parallelism
     return out
 
 

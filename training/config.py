@@ -200,12 +200,12 @@ class ParallelSection:
     schedule: str = "1f1b"
     micro_batches: int = 1
     data_parallel: DataParallel = "ddp"
-    # --- Expert parallelism (issue 14): MoE models only, folded over tp x cp x dp.
+    # --- Expert parallelism: MoE models only, folded over tp x cp x dp.
     ep: int = 1
     etp: int = 1
     # dynamic context parallelism
     cp_dynamic: bool = False
-    # MoE token dispatcher under expert parallelism (issue 14)
+    # MoE token dispatcher under expert parallelism
     moe_dispatcher: str = "alltoall"
 
     def layout(self) -> Layout:

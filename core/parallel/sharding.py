@@ -381,7 +381,7 @@ def unshard_scales(name: str, scales: list[torch.Tensor], config: ModelConfig) -
     return unshard_tensors(name, scales, config)
 
 
-# ----------------------------------------------------- expert parallelism (issue 14)
+# ----------------------------------------------------- expert parallelism
 # Expert banks are split over the expert grid (ep along dim 0, then etp within each expert),
 # never over tp; see the module docstring.
 
