@@ -87,7 +87,7 @@ def test_ptdp_table1_published_configurations(billions):
 
 @pytest.mark.parametrize("billions", list(ROWS))
 def test_ptdp_table1_throughput_within_15_percent(billions):
-    # The brief's bar is 15%; every row is within 6% (see README "The analytic model"), so
+    # The brief's bar is 15%; every row is within 6% (see docs/planner-model.md), so
     # the model cannot drift far unnoticed.
     paper, _ = paper_and_best(billions)
     assert paper.fits
