@@ -146,9 +146,10 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def _cached_scale_inv(layer: nn.Module, rowwise: bool) -> torch.Tensor:
     """`weight_scale_inv` of `layer.scale`, kept on the layer until the scale changes (a load
-    writes it in place, which bumps its version; `.to()` gives it new storage)."""
+    writes it in place, which bumps its version; `.to()` gives it new storage). A scale made
+    under `torch.inference_mode` has no version counter, so its reciprocal is made per call."""
     scale = layer.scale
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or scale.is_inference():
         return weight_scale_inv(scale, layer.weight.shape[0], rowwise)
     key = (scale.data_ptr(), scale._version, scale.device, rowwise)
     cached = getattr(layer, "_fp8_scale_inv", None)

@@ -76,3 +76,17 @@ def test_quantize_measured_reports_what_serving_prints():
 def test_probe_is_the_same_everywhere():
     assert torch.equal(probe_ids(512), probe_ids(512))
     assert probe_ids(512).shape == (1, 64) and int(probe_ids(7).max()) < 7
+
+
+def test_fp8_model_quantized_under_inference_mode_runs():
+    """A model loaded and quantized under `torch.inference_mode` (as a bench or a notebook
+    does) holds inference tensors, which have no version counter to key a cache on."""
+    model = _model("llama-tiny")
+    ids = probe_ids(model.config.vocab_size)
+    with torch.inference_mode():
+        reference = model(ids)
+        quantize(model, "fp8")
+        for _, layer in quantizable_linears(model):
+            layer.format = Fp8(use_scaled_mm=True)
+        error = logit_error(reference, model(ids), "fp8")
+    assert 0 < error.relative_rms < BOUND["W8A8"]
