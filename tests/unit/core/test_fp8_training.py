@@ -248,3 +248,43 @@ def test_torchao_emulate_equals_our_rowwise_emulation_bit_for_bit():
     assert torch.equal(ya, yb)
     assert torch.equal(xa.grad, xb.grad)
     assert torch.equal(ours.weight.grad, theirs.weight.grad)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+def test_fast_accumulation_in_forward_products_only(recipe, monkeypatch):
+    """Hopper's fast FP8 accumulation (`use_fast_accum`) where the recipes permit it, as TE
+    and torchao do: the forward product; the gradients accumulate in full precision."""
+    import tessera.core.fp8_training as fp8_training
+
+    calls = []
+    matmul = fp8_training.fp8_matmul
+
+    def recording(*args, fast_accum=False):
+        calls.append(fast_accum)
+        return matmul(*args, fast_accum=fast_accum)
+
+    monkeypatch.setattr(fp8_training, "fp8_matmul", recording)
+    layer, _ = _layer(resolve_fp8_recipe("cpu", "emulated", recipe))
+    x = torch.randn(4, 48, requires_grad=True)
+    y = layer(x)
+    assert calls == [True]
+    y.sum().backward()
+    assert calls == [True, False, False]
+
+
+def test_fp8_inference_products_use_fast_accumulation(monkeypatch):
+    from tessera.core.fp8 import to_fp8_
+    from tessera.core.parallel.layers import plain_linear
+
+    seen = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["use_fast_accum"])
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    layer = to_fp8_(plain_linear(torch.nn.Linear(64, 32)), True, use_scaled_mm=True)
+    with torch.no_grad():
+        layer(torch.randn(3, 64))
+    assert seen == [True]
