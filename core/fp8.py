@@ -159,8 +159,10 @@ def _cached_scale_inv(layer: nn.Module, rowwise: bool) -> torch.Tensor:
     return cached[1]
 
 
-def _fp8_tensor_cores(device: torch.device, rowwise: bool) -> bool:
-    """FP8 `_scaled_mm` kernels: tensorwise from Ada (8.9), rowwise from Hopper (9.0)."""
+def fp8_tensor_cores(device: torch.device | str, rowwise: bool) -> bool:
+    """Whether `device` has FP8 `_scaled_mm` kernels: tensorwise from Ada (8.9), rowwise from
+    Hopper (9.0)."""
+    device = torch.device(device)
     need = (9, 0) if rowwise else (8, 9)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= need
 
@@ -187,7 +189,7 @@ class Fp8(WeightFormat):
         q, scale = layer.weight, layer.scale
         use = self.use_scaled_mm
         if use is None:
-            use = (_fp8_tensor_cores(x.device, scale.dim() > 0)
+            use = (fp8_tensor_cores(x.device, scale.dim() > 0)
                    and x.shape[-1] % 16 == 0 and q.shape[0] % 16 == 0)
         if use:
             rowwise = scale.dim() > 0 or not x.is_cuda

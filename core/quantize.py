@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.core.fp8 import convert_to_fp8_linear
+from tessera.core.fp8 import convert_to_fp8_linear, fp8_tensor_cores
 from tessera.core.parallel.layers import quantizable_linears
 from tessera.core.parallel.weight_format import Dense, WeightFormat
 
@@ -98,6 +98,17 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
         if isinstance(layer.format, Dense):
             layer.set_format(INT8, *quantize_int8(layer.weight))
     return model
+
+
+def product(method: str, device: torch.device | str) -> str:
+    """How the quantized layers of `method` multiply on `device`, for the start-up line."""
+    if method == "int8":
+        return "weight-only int8, bf16 activations"
+    if method == "fp8":
+        return ("W8A8: per-row FP8 activations, torch._scaled_mm"
+                if fp8_tensor_cores(device, rowwise=True)
+                else "W8A16: FP8 weights dequantized per product, no row-scaled FP8 kernel here")
+    return "unquantized"
 
 
 def quantize(model: nn.Module, method: str) -> nn.Module:

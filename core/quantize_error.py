@@ -12,12 +12,13 @@ not the whole model has no logits of its own, so there it quantizes and returns 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tessera.core.quantize import quantize
+from tessera.core.quantize import product, quantize
 
 PROBE_TOKENS = 64
 PROBE_SEED = 0
@@ -32,9 +33,11 @@ class LogitError:
     max_abs: float
     top1_agreement: float  # fraction of positions whose arg-max token is the same
     tokens: int
+    product: str = ""  # how the quantized layers multiply (`core.quantize.product`)
 
     def describe(self) -> str:
-        return (f"{self.method} weights: logit error vs the unquantized model "
+        how = f" ({self.product})" if self.product else ""
+        return (f"{self.method} weights{how}: logit error vs the unquantized model "
                 f"{self.relative_rms:.2e} relative RMS, max |diff| {self.max_abs:.3g}, top-1 "
                 f"agreement {self.top1_agreement:.1%} on a {self.tokens}-token probe")
 
@@ -69,4 +72,5 @@ def quantize_measured(model: nn.Module, method: str, tokens: int = PROBE_TOKENS
     ids = probe_ids(model.config.vocab_size, min(tokens, model.config.max_position_embeddings)).to(device)
     reference = model(ids).float()
     quantize(model, method)
-    return logit_error(reference, model(ids), method)
+    return dataclasses.replace(logit_error(reference, model(ids), method),
+                               product=product(method, device))

@@ -331,10 +331,11 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
                          "serves eagerly, so drop compile_decode / --compile (or serve with tp=1, pp=1)")
     layout, groups = init_serving(tp, pp, device)
     stages = load_stages(path, layout, groups, dtype=dtype, device=device)
-    for stage in stages:
-        error = quantize_measured(stage, quantize)
-        if error is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"tessera serve: {error.describe()}", file=sys.stderr, flush=True)
+    errors = [quantize_measured(stage, quantize) for stage in stages]
+    if quantize != "none" and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"tessera serve: {errors[0].describe()}" if errors[0] else
+              f"tessera serve: {quantize} weights (logit error not measured: a pipeline stage "
+              "has no logits of its own)", file=sys.stderr, flush=True)
     if kv is None:
         kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
     if kv.kind == "paged":

@@ -69,7 +69,8 @@ def test_quantize_measured_reports_what_serving_prints():
     assert error is not None and error.tokens == 64 and error.method == "fp8"
     assert 0 < error.relative_rms < BOUND["W8A16"]
     assert all(isinstance(m.format, Fp8) for _, m in quantizable_linears(model))
-    assert error.describe().startswith("fp8 weights: logit error vs the unquantized model ")
+    assert error.describe().startswith("fp8 weights (W8A16: FP8 weights dequantized per product")
+    assert "logit error vs the unquantized model " in error.describe()
     assert quantize_measured(_model("llama-tiny"), "none") is None
 
 

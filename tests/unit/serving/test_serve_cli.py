@@ -117,7 +117,7 @@ def test_serve_quantize_fp8_loads_fp8_weights_and_reports_the_logit_error(checkp
     assert main(["--checkpoint", str(checkpoint), "--quantize", "fp8", "--compile", "auto"]) == 0
     assert seen["fp8"] == 4 * 2  # wqkv, wo, w1, w2 of both blocks
     err = capsys.readouterr().err
-    assert "tessera serve: fp8 weights: logit error vs the unquantized model " in err, err
+    assert "tessera serve: fp8 weights (W8A16: " in err and "logit error vs the unquantized" in err, err
     assert "compiling" not in err
 
 
