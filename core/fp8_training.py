@@ -72,19 +72,23 @@ def fp8_matmul(qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor,
     On GPUs with FP8 tensor cores (`fp8_gemm_fits`) it is `torch._scaled_mm` itself (with
     Hopper's fast accumulation when `fast_accum`); elsewhere the same sum in fp32 matmuls.
     """
-    if fp8_gemm_fits(qa, qb):
+    rowwise = scale_a.dim() > 0
+    if fp8_gemm_fits(qa, qb, rowwise):
         # Row scales (`(M, 1)` and `(1, N)`) take the kernel that returns bf16.
-        out = torch.bfloat16 if scale_a.dim() else torch.float32
+        out = torch.bfloat16 if rowwise else torch.float32
         return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(),
-                                scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(),
+                                scale_a=scale_a.reciprocal().contiguous(),
+                                scale_b=scale_b.reciprocal().contiguous(),
                                 out_dtype=out, use_fast_accum=fast_accum).float()
     return (qa.float() @ qb.float()) / (scale_a * scale_b)
 
 
-def fp8_gemm_fits(qa: torch.Tensor, qb: torch.Tensor) -> bool:
+def fp8_gemm_fits(qa: torch.Tensor, qb: torch.Tensor, rowwise: bool = False) -> bool:
     """Whether `torch._scaled_mm` runs `qa @ qb` on this GPU's FP8 tensor cores (compute
-    capability 8.9+, every dimension a multiple of 16, not both operands e5m2)."""
-    return (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= (8, 9)
+    capability 8.9+, 9.0+ for row scales; every dimension a multiple of 16; not both operands
+    e5m2)."""
+    need = (9, 0) if rowwise else (8, 9)
+    return (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= need
             and all(d % GEMM_MULTIPLE == 0 for d in (*qa.shape, qb.shape[1]))
             and not qa.dtype == qb.dtype == torch.float8_e5m2)
 
