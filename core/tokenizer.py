@@ -85,6 +85,11 @@ class Tokenizer:
     def _decode_checked(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and each token's `[start, end)` character span in `text` (what a chat
+        template's assistant spans are mapped through to tokens)."""
+        raise NotImplementedError
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`. Raises ValueError for an id outside `[0, vocab_size)`."""
         ids = [int(i) for i in ids]
@@ -140,6 +145,18 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _decode_checked(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+        # sentencepiece reports byte offsets into the UTF-8 text: map them to characters.
+        char_at = [0] * (len(text.encode("utf-8")) + 1)
+        position = 0
+        for index, char in enumerate(text):
+            width = len(char.encode("utf-8"))
+            char_at[position: position + width] = [index] * width
+            position += width
+        char_at[position] = len(text)
+        return [p.id for p in pieces], [(char_at[p.begin], char_at[p.end]) for p in pieces]
 
     def model_bytes(self) -> bytes:
         return self._proto
@@ -200,6 +217,10 @@ class HFTokenizer(Tokenizer):
 
     def _decode_checked(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
 
     def model_bytes(self) -> bytes:
         return self._json.encode("utf-8")

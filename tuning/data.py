@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tessera.core.chat_template import ChatTemplate
 from tessera.core.config import ConfigError
 from tessera.core.tokenizer import Tokenizer
 
@@ -114,6 +115,8 @@ class Example:
     answer: list[int]  # answer tokens, plus EOS when the run adds it
     answer_text: str
     where: str  # "file:line"
+    # A conversation: per token of prompt + answer, whether it has a loss (else: the answer's)
+    trained: list[bool] | None = None
 
 
 @dataclass
@@ -161,6 +164,8 @@ def discover_tasks(path: str | Path) -> list[str]:
 
 def _task_of(where: str, obj: dict[str, Any]) -> str:
     task = obj.get("task")
+    if task is None and "messages" in obj:
+        return "chat"  # a conversation (tuning.chat_data)
     if task is None:
         raise DataError(f"{where}: missing field 'task' (which task this example belongs to)")
     if not isinstance(task, str):
@@ -169,17 +174,31 @@ def _task_of(where: str, obj: dict[str, Any]) -> str:
 
 
 def load_examples(path: str | Path, specs: dict[str, TaskSpec], n_virtual: dict[str, int],
-                  tokenizer: Tokenizer, context: int, add_eos: bool) -> TaskData:
+                  tokenizer: Tokenizer, context: int, add_eos: bool,
+                  chat_template: ChatTemplate | None = None,
+                  all_tokens: bool = False) -> TaskData:
     """Tokenize every example of `path`; tasks must be among `specs`.
 
     `context` is the longest sequence allowed (virtual tokens + prompt + answer + EOS).
+    Conversations (`{"messages": [...]}` rows) are rendered by `chat_template` (the built-in
+    one when None), their loss on the assistant's tokens, or on all with `all_tokens`
+    (`tuning.chat_data`).
     """
+    from tessera.tuning.chat_data import conversation_example  # it builds on `Example`
+
     data = TaskData([])
     for where, obj in read_jsonl(path):
         task = _task_of(where, obj)
         if task not in specs:
             raise DataError(f"{where}: unknown task {task!r}; this run knows "
                             f"{', '.join(sorted(specs))}")
+        if "messages" in obj:
+            example, cut = conversation_example(where, obj, task,
+                                                chat_template or ChatTemplate(), tokenizer,
+                                                context, n_virtual[task], all_tokens)
+            data.truncated[task] += cut
+            data.examples.append(example)
+            continue
         spec = specs[task]
         values = {}
         for name in spec.fields():
@@ -245,9 +264,18 @@ def make_batch(examples: list[Example], task_index: dict[str, int], n_virtual: d
         full = sequence(ex, task_index[ex.task], n)
         inputs = full[:-1]
         tokens[row, : len(inputs)] = torch.tensor(inputs)
-        start = n + len(ex.prompt) - 1  # the position whose next token is the answer's first
-        labels[row, start: len(inputs)] = torch.tensor(full[start + 1:])
+        labels[row, : len(inputs)] = torch.tensor(_targets(ex, full, n))
     return tokens, labels
+
+
+def _targets(ex: Example, full: list[int], n_virtual: int) -> list[int]:
+    """Next-token targets of `full[:-1]`: the answer's (or a conversation's trained) tokens,
+    -100 elsewhere."""
+    if ex.trained is None:
+        trained = [False] * (n_virtual + len(ex.prompt)) + [True] * len(ex.answer)
+    else:
+        trained = [False] * n_virtual + ex.trained
+    return [token if keep else -100 for token, keep in zip(full[1:], trained[1:])]
 
 
 def longest(examples: list[Example], n_virtual: dict[str, int]) -> int:
