@@ -67,6 +67,13 @@ class TuneConfig:
                              "tokens) | text (the embeddings of --init-text, tiled)")
     init_text: str = opt("", "with --init text: the text whose token embeddings start the prompt")
     add_eos: bool = opt(True, "end every answer with EOS, so generation stops after it")
+    chat_template: str = opt("", "conversations ({\"messages\": [...]} rows): a Jinja chat "
+                                 "template file (default: the base checkpoint's, the one "
+                                 "tessera serve uses)")
+    all_tokens: bool = opt(False, "conversations: train on every token, not only on the "
+                                  "assistant's turns")
+    pack: bool = opt(False, "pack several examples into each row, each its own document "
+                            "(positions restart, no attention across examples); LoRA only")
     lora_rank: int = opt(8, "LoRA: rank r of each adapted layer's update B A", range=positive_int)
     lora_alpha: float = opt(16.0, "LoRA: the update is scaled by alpha / rank",
                             range=positive_float)
@@ -138,6 +145,11 @@ class TuneRunConfig:
                 problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
                                 f"{data_parallel!r} (its adapter is small: "
                                 "sharding its optimizer state saves little)")
+        if t.pack and t.method != "lora":
+            problems.append("--pack needs --method lora (virtual tokens sit at the start of "
+                            "each row, so prompt-tuned rows hold one example each)")
+        if self.parallel.train_schedule().cp_dynamic and t.pack:
+            problems.append("--pack runs with fixed --cp (drop --cp-dynamic)")
         if t.encoder_hidden < 0:
             problems.append(f"encoder_hidden must be >= 0, got {t.encoder_hidden}")
         if self.train.seq_len < 0:

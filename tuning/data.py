@@ -264,11 +264,11 @@ def make_batch(examples: list[Example], task_index: dict[str, int], n_virtual: d
         full = sequence(ex, task_index[ex.task], n)
         inputs = full[:-1]
         tokens[row, : len(inputs)] = torch.tensor(inputs)
-        labels[row, : len(inputs)] = torch.tensor(_targets(ex, full, n))
+        labels[row, : len(inputs)] = torch.tensor(targets(ex, full, n))
     return tokens, labels
 
 
-def _targets(ex: Example, full: list[int], n_virtual: int) -> list[int]:
+def targets(ex: Example, full: list[int], n_virtual: int) -> list[int]:
     """Next-token targets of `full[:-1]`: the answer's (or a conversation's trained) tokens,
     -100 elsewhere."""
     if ex.trained is None:

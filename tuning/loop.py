@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.core.chat_template import ChatTemplate, ChatTemplateError, stored_chat_template
 from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
 from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.flops import model_flops_per_token
@@ -73,6 +74,7 @@ from tessera.tuning.data import (
 )
 from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
 from tessera.tuning.lora_state import gather_adapter, load_lora_checkpoint, save_lora_checkpoint
+from tessera.tuning.packing import make_packed_batch, pack
 from tessera.tuning.prompts import (
     build_prompts,
     initial_embeddings,
@@ -112,6 +114,7 @@ class Inputs:
     seq_len: int
     modules: tuple[str, ...] = ()  # LoRA: the adapted modules (`--lora-targets` resolved)
     model: ModelConfig | None = None  # the base checkpoint's
+    packs: list[list[int]] | None = None  # --pack: the training examples of each row
 
 
 def base_tokenizer(checkpoint: str) -> Tokenizer:
@@ -161,15 +164,39 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         if n >= context:
             raise ConfigError(f"task {name!r}: {n} virtual tokens leave no room in the context "
                               f"of {context} tokens; use fewer virtual tokens")
+    template = chat_template_for(t)
     train_data, valid_data = (
-        load_examples(path, specs, n_virtual, tokenizer, context, t.add_eos) if path else None
+        load_examples(path, specs, n_virtual, tokenizer, context, t.add_eos, template,
+                      t.all_tokens) if path else None
         for path in (train, valid))
     examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
     multiple = math.lcm(8, layout.tp)  # sequence parallelism splits it over tp
     if layout.cp > 1:  # context parallelism cuts it into 2 x cp chunks (each split over tp)
         multiple = math.lcm(multiple, 2 * layout.cp * layout.tp)
     seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
-    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules, model)
+    packs = None
+    if t.pack and train_data is not None:
+        # Packed rows fill the context (a multiple of what the layout splits), not the longest.
+        seq_len = max(context // multiple * multiple, seq_len)
+        packs = pack(train_data.examples, n_virtual, seq_len)
+    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules, model,
+                  packs)
+
+
+def chat_template_for(t: TuneConfig) -> ChatTemplate:
+    """The template conversations are rendered by: `--chat-template FILE`, else the base
+    checkpoint's (as `tessera serve` picks it), else the built-in one."""
+    if t.chat_template:
+        path = Path(t.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat-template {path} does not exist")
+        source = path.read_text()
+    else:
+        source = stored_chat_template(t.checkpoint)[0]
+    try:
+        return ChatTemplate(source)
+    except ChatTemplateError as exc:
+        raise ConfigError(f"{t.chat_template or t.checkpoint}: {exc}") from None
 
 
 def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | None = None,
@@ -230,14 +257,29 @@ def _initial_prompts(t: TuneConfig, inputs: Inputs, seed: int) -> VirtualPrompts
 
 
 def train_batch(t: Tuning, data: TaskData, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's share of global batch `step`."""
+    """This data-parallel rank's share of global batch `step`, one example per row."""
+    tokens, labels, _ = train_inputs(t, data, step)
+    return tokens, labels
+
+
+def train_inputs(t: Tuning, data: TaskData, step: int, packs: list[list[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
+    """This data-parallel rank's share of global batch `step`: tokens, labels, and with
+    `packs` (rows of example indices, `tuning.packing`) the rows' `document_ids`."""
     g, plan = t.job.groups, t.job.plan
     gb = plan.data.global_batch
-    idx = step_indices(step, len(data.examples), gb, plan.run.seed)
+    idx = step_indices(step, len(packs) if packs else len(data.examples), gb, plan.run.seed)
     per_dp = plan.data.per_dp_batch
-    mine = [data.examples[i] for i in idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]]
-    tokens, labels = make_batch(mine, t.task_index, t.n_virtual, t.seq_len, t.tokenizer.pad_id)
-    return tokens.to(t.job.device), labels.to(t.job.device)
+    mine = idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]
+    device = t.job.device
+    if packs:
+        rows = [[data.examples[i] for i in packs[r]] for r in mine]
+        tokens, labels, documents = make_packed_batch(rows, t.task_index, t.n_virtual, t.seq_len,
+                                                      t.tokenizer.pad_id)
+        return tokens.to(device), labels.to(device), {"document_ids": documents.to(device)}
+    tokens, labels = make_batch([data.examples[i] for i in mine], t.task_index, t.n_virtual,
+                                t.seq_len, t.tokenizer.pad_id)
+    return tokens.to(device), labels.to(device), None
 
 
 def _rank0() -> bool:
@@ -325,8 +367,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     t.job.step_clock = StepClock()
     for step in range(start, run.steps):
         with t.job.step_clock.step(), watchdog.step(step + 1):
-            tokens, labels = train_batch(t, inputs.train, step)
-            window.add(step + 1, pretrain_step(t.job, step, tokens, labels))
+            tokens, labels, extra = train_inputs(t, inputs.train, step, inputs.packs)
+            window.add(step + 1, pretrain_step(t.job, step, tokens, labels, extra))
         done = step + 1 == run.steps
         evaluate_now = bool(inputs.valid and loop.eval_interval
                             and (step + 1) % loop.eval_interval == 0 and not done)

@@ -141,3 +141,16 @@ def test_the_server_renders_with_the_same_template():
     row = CONVERSATIONS["system"]["messages"][:2]
     served = ServedTemplate(STYLES[0].template).render([ChatMessage(**m) for m in row])
     assert served == ChatTemplate(STYLES[0].template).render(row)
+
+
+def test_sentencepiece_offsets_map_every_token_to_its_text(tmp_path):
+    from tests.serving_helper import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(tmp_path)
+    text = "user: café naïve 日本語\nassistant:  ok 🙂"
+    ids, offsets = tok.encode_with_offsets(text)
+    assert ids == tok.encode(text)
+    assert all(0 <= a < b <= len(text) for a, b in offsets)
+    assert [a for a, _ in offsets] == sorted(a for a, _ in offsets)
+    # A multi-byte character split into byte pieces: every piece points at that character.
+    assert [text[a:b] for a, b in offsets].count("🙂") >= 2
