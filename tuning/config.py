@@ -43,7 +43,7 @@ from tessera.training.config import (
 if TYPE_CHECKING:  # the task data module imports torch; --help should not
     from tessera.tuning.data import TaskSpec
 
-METHODS = ("prompt-tuning", "p-tuning", "lora")
+METHODS = ("prompt-tuning", "p-tuning", "lora", "full")
 ENCODERS = ("mlp", "lstm")
 INITS = ("vocab", "text")
 
@@ -57,7 +57,8 @@ class TuneConfig:
     method: str = opt("p-tuning", "prompt-tuning (learn the virtual embeddings) | p-tuning "
                                   "(learn them through an encoder, baked into a table at the end) "
                                   "| lora (learn low-rank updates B A of chosen linear layers, "
-                                  "written as an adapter directory OUTPUT/adapter)")
+                                  "written as an adapter directory OUTPUT/adapter) | full "
+                                  "(train every weight, written as a checkpoint OUTPUT/model)")
     virtual_tokens: int = opt(10, "virtual tokens per task (a task in the YAML may set its own)",
                               range=positive_int)
     encoder: str = opt("mlp", "p-tuning encoder: mlp | lstm (bidirectional, then an MLP head)")
@@ -73,7 +74,7 @@ class TuneConfig:
     all_tokens: bool = opt(False, "conversations: train on every token, not only on the "
                                   "assistant's turns")
     pack: bool = opt(False, "pack several examples into each row, each its own document "
-                            "(positions restart, no attention across examples); LoRA only")
+                            "(positions restart, no attention across examples); LoRA or full")
     lora_rank: int = opt(8, "LoRA: rank r of each adapted layer's update B A", range=positive_int)
     lora_alpha: float = opt(16.0, "LoRA: the update is scaled by alpha / rank",
                             range=positive_float)
@@ -145,9 +146,9 @@ class TuneRunConfig:
                 problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
                                 f"{data_parallel!r} (its adapter is small: "
                                 "sharding its optimizer state saves little)")
-        if t.pack and t.method != "lora":
-            problems.append("--pack needs --method lora (virtual tokens sit at the start of "
-                            "each row, so prompt-tuned rows hold one example each)")
+        if t.pack and t.method not in ("lora", "full"):
+            problems.append("--pack needs --method lora or full (virtual tokens sit at the "
+                            "start of each row, so prompt-tuned rows hold one example each)")
         if self.parallel.train_schedule().cp_dynamic and t.pack:
             problems.append("--pack runs with fixed --cp (drop --cp-dynamic)")
         if t.encoder_hidden < 0:
