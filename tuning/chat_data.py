@@ -12,53 +12,70 @@ end-of-turn token; with `all_tokens` every token after the first is.
 encodes it back to the EOS id; a sentencepiece tokenizer would split that spelling into plain
 pieces, so for it `eos_token` renders empty.
 
-As an `Example`, a conversation's `prompt` is its tokens before the last assistant turn and its
-`answer` the rest (so validation generates the last turn), and `trained` marks the tokens with
-a loss. A conversation longer than the context is cut at the context and counted as truncated;
-one that keeps no trained token is an error naming file and line.
+As a tuning example (`render_row`), a conversation's `prompt` is its tokens before the last
+assistant turn and its `answer` the rest (so validation generates the last turn), and `trained`
+marks the tokens with a loss. A conversation longer than the context is cut at the context and
+counted as truncated; one that keeps no trained token is a `ConversationError` (`tuning.data`
+adds file and line).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tessera.core.chat_template import ChatTemplate, ChatTemplateError
 from tessera.core.tokenizer import Tokenizer
-from tessera.tuning.data import DataError, Example
 
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_TASK = "chat"
+
+
+class ConversationError(ValueError):
+    """A chat row that cannot be a tuning example; the caller adds where it is."""
+
+
+@dataclass
+class Conversation:
+    """A rendered chat row: `prompt` + `answer` are its tokens, split before the last
+    assistant turn; `trained` marks, per token, the ones with a loss."""
+
+    prompt: list[int]
+    answer: list[int]
+    answer_text: str
+    trained: list[bool]
+    cut: bool  # shortened to fit the context
 
 
 def is_chat_row(obj: dict[str, Any]) -> bool:
     return "messages" in obj
 
 
-def check_messages(where: str, obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """The row's messages, or a `DataError` saying what is wrong with them."""
+def check_messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row's messages, or a `ConversationError` saying what is wrong with them."""
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of "
+        raise ConversationError("'messages' must be a non-empty list of "
                         '{"role": ..., "content": ...} objects')
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise DataError(f"{where}: messages[{i}] must be an object, got {m!r}")
+            raise ConversationError(f"messages[{i}] must be an object, got {m!r}")
         if m.get("role") not in ROLES:
-            raise DataError(f"{where}: messages[{i}] has role {m.get('role')!r}; use one of "
+            raise ConversationError(f"messages[{i}] has role {m.get('role')!r}; use one of "
                             f"{', '.join(ROLES)}")
         content = m.get("content")
         if content is None and not m.get("tool_calls"):
-            raise DataError(f"{where}: messages[{i}] ({m['role']}) has no 'content' (only an "
+            raise ConversationError(f"messages[{i}] ({m['role']}) has no 'content' (only an "
                             "assistant turn with 'tool_calls' may leave it out)")
         if content is not None and not isinstance(content, str):
-            raise DataError(f"{where}: messages[{i}].content must be text, got "
+            raise ConversationError(f"messages[{i}].content must be text, got "
                             f"{type(content).__name__}")
         if "tool_calls" in m and (m["role"] != "assistant" or not isinstance(m["tool_calls"], list)):
-            raise DataError(f"{where}: messages[{i}].tool_calls must be a list, on an "
+            raise ConversationError(f"messages[{i}].tool_calls must be a list, on an "
                             "assistant turn")
     tools = obj.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise DataError(f"{where}: 'tools' must be a list of tool (function) schemas")
+        raise ConversationError("'tools' must be a list of tool (function) schemas")
     return messages
 
 
@@ -87,27 +104,26 @@ def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
     return any(start < span_end and end > span_start for span_start, span_end in spans)
 
 
-def conversation_example(where: str, obj: dict[str, Any], task: str, template: ChatTemplate,
-                         tokenizer: Tokenizer, context: int, n_virtual: int,
-                         all_tokens: bool) -> tuple[Example, bool]:
-    """The row as an `Example` (see the module docstring) and whether it was cut to fit."""
-    messages = check_messages(where, obj)
+def render_row(obj: dict[str, Any], template: ChatTemplate, tokenizer: Tokenizer,
+               context: int, n_virtual: int, all_tokens: bool) -> Conversation:
+    """A chat row as a tuning example (see the module docstring)."""
+    messages = check_messages(obj)
     try:
         ids, trained = render_conversation(template, tokenizer, messages, obj.get("tools"),
                                            all_tokens)
     except ChatTemplateError as exc:
-        raise DataError(f"{where}: {exc}") from None
+        raise ConversationError(str(exc)) from None
     keep = context - n_virtual + 1  # the last token is only a target
     cut = len(ids) > keep
     ids, trained = ids[:keep], trained[:keep]
     if not any(trained[1:]):
         why = " within the context (cut)" if cut else ""
-        raise DataError(f"{where}: the conversation has no assistant tokens to train on{why}; "
-                        "add an assistant turn, or use --all-tokens")
+        raise ConversationError(f"the conversation has no assistant tokens to train on{why}; "
+                                "add an assistant turn, or use --all-tokens")
     start = _last_run_start(trained)
     answer = ids[start:]
     answer_text = tokenizer.decode(answer[:-1] if answer[-1] == tokenizer.eos_id else answer)
-    return Example(task, ids[:start], answer, answer_text, where, trained=trained), cut
+    return Conversation(ids[:start], answer, answer_text, trained, cut)
 
 
 def _last_run_start(trained: list[bool]) -> int:

@@ -37,6 +37,7 @@ import torch
 from tessera.core.chat_template import ChatTemplate
 from tessera.core.config import ConfigError
 from tessera.core.tokenizer import Tokenizer
+from tessera.tuning.chat_data import ConversationError, render_row
 
 DEFAULT_TEMPLATE = "{input} {answer}"
 _TASK_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -184,8 +185,6 @@ def load_examples(path: str | Path, specs: dict[str, TaskSpec], n_virtual: dict[
     one when None), their loss on the assistant's tokens, or on all with `all_tokens`
     (`tuning.chat_data`).
     """
-    from tessera.tuning.chat_data import conversation_example  # it builds on `Example`
-
     data = TaskData([])
     for where, obj in read_jsonl(path):
         task = _task_of(where, obj)
@@ -193,11 +192,14 @@ def load_examples(path: str | Path, specs: dict[str, TaskSpec], n_virtual: dict[
             raise DataError(f"{where}: unknown task {task!r}; this run knows "
                             f"{', '.join(sorted(specs))}")
         if "messages" in obj:
-            example, cut = conversation_example(where, obj, task,
-                                                chat_template or ChatTemplate(), tokenizer,
-                                                context, n_virtual[task], all_tokens)
-            data.truncated[task] += cut
-            data.examples.append(example)
+            try:
+                chat = render_row(obj, chat_template or ChatTemplate(), tokenizer, context,
+                                  n_virtual[task], all_tokens)
+            except ConversationError as exc:
+                raise DataError(f"{where}: {exc}") from None
+            data.truncated[task] += chat.cut
+            data.examples.append(Example(task, chat.prompt, chat.answer, chat.answer_text,
+                                         where, trained=chat.trained))
             continue
         spec = specs[task]
         values = {}
