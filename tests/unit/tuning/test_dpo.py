@@ -214,3 +214,15 @@ def test_thirty_steps_raise_the_preference_for_chosen_answers(setting, tmp_path,
 def test_dpo_refuses_a_parallel_layout(setting):
     with pytest.raises(ConfigError, match="one process"):
         prepare_dpo(load_config(_argv(setting, "--tp", "2"))[0])
+
+
+def test_the_command_line_runs_dpo_and_names_bad_pairs(setting, tmp_path, capsys):
+    from tessera.tuning import cli
+
+    out = tmp_path / "cli"
+    assert cli.main(_argv(setting, "--steps", "2", "--output", str(out))) == 0
+    config, tensors = load_adapter(out / "adapter")
+    assert config.modules and any(t.any() for n, t in tensors.items() if "lora_B" in n)
+    bad = _write(tmp_path / "bad.jsonl", [{"prompt": "hi", "chosen": "yes"}])
+    assert cli.main(_argv(setting, "--data", str(bad), "--output", str(tmp_path / "x"))) == 2
+    assert f"{bad}:1" in capsys.readouterr().err
