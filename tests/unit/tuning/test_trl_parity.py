@@ -1,7 +1,7 @@
 """LoRA SFT on conversations matches TRL: over 20 steps on the same random-weight model (a
 Tessera base and its Hugging Face export), the same conversations in the same order, the same
 initial adapter, AdamW and hyperparameters, Tessera's per-step losses equal TRL `SFTTrainer`'s
-(with `peft`, loss on the assistant's tokens) within 1e-4 relative."""
+(with `peft`, loss on the assistant's tokens) within 1e-4 relative, unpacked and packed."""
 
 from __future__ import annotations
 
@@ -147,3 +147,87 @@ def test_lora_sft_losses_equal_trl(setting):
     # them, and the adapter has learned in between (so the updates are compared too).
     assert len(setting["rows"]) == 4 * BATCH
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05
+
+
+def test_packed_lora_sft_losses_equal_trl(setting):
+    """TRL packs the conversations (best fit decreasing, padding-free rows whose positions
+    restart per conversation); Tessera trains on the same packs, each conversation its own
+    document, and the 20 losses agree as unpacked."""
+    import datasets
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    from tessera.converters.hf_io import export_hf
+    from tessera.tuning.packing import make_packed_batch
+
+    s, width, batch = setting, 512, 2
+    cfg, _ = load_config(tune_argv(
+        s["base"], s["root"] / "tessera-packed", s["data"], None, "--method", "lora",
+        "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+        "--lora-targets", ",".join(t.split(".")[-1] for t in TARGETS), "--lr", str(LR),
+        "--warmup-steps", "0", "--decay", "constant", "--global-batch", str(batch),
+        "--steps", str(STEPS), "--pack", "true", "--seq-len", str(width)))
+    inputs = prepare_inputs(cfg, train=cfg.tune.data)
+    t = setup(cfg, inputs)
+    initial = {n: p.detach().clone() for n, p in t.job.stages[0].named_parameters()
+               if "lora_A" in n}
+    ids = [e.prompt + e.answer for e in inputs.train.examples]
+
+    hf_dir = s["root"] / "hf"
+    if not hf_dir.exists():
+        export_hf(s["base"], hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tokenizer = hf_tokenizer(QWEN25, s["raw"])
+    tokenizer.pad_token = "<|endoftext|>"
+    dataset = datasets.Dataset.from_list([{"messages": r["messages"], "tools": r.get("tools")}
+                                          for r in s["rows"]])
+    args = SFTConfig(
+        output_dir=str(s["root"] / "trl-packed"), per_device_train_batch_size=batch,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,
+        optim="adamw_torch", assistant_only_loss=True, packing=True, packing_strategy="bfd",
+        max_length=width, bf16=False, fp16=False, use_cpu=True, report_to="none",
+        logging_steps=1, save_strategy="no", gradient_checkpointing=False, seed=0,
+        dataloader_num_workers=0, train_sampling_strategy="sequential")
+    lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                           target_modules=[h.split(".")[-1] for h in TARGETS.values()],
+                           task_type="CAUSAL_LM")
+    losses: list[float] = []
+
+    class Recording(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float((out[0] if return_outputs else out).detach()))
+            return out
+
+    trainer = Recording(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                        peft_config=lora)
+    # TRL's packs, as conversations of Tessera's data (each found by its tokens).
+    packs = []
+    for row in trainer.train_dataset:
+        at, pack = 0, []
+        for n in row["seq_lengths"]:
+            pack.append(ids.index(row["input_ids"][at: at + n]))
+            at += n
+        packs.append(pack)
+    assert max(len(p) for p in packs) > 1 and sorted(sum(packs, [])) == list(range(len(ids)))
+    modules = dict(trainer.model.named_modules())
+    for name, a in initial.items():
+        layer, rest = name.split(".")[1], ".".join(name.split(".")[2:-2])
+        with torch.no_grad():
+            modules[f"base_model.model.model.layers.{layer}.{TARGETS[rest]}"] \
+                .lora_A["default"].weight.copy_(a)
+    trainer.train()
+
+    got = []
+    # TRL reads its packs in order, epoch after epoch; an epoch's last batch may be short.
+    batches = [packs[i: i + batch] for i in range(0, len(packs), batch)]
+    for step in range(STEPS):
+        rows = [[inputs.train.examples[i] for i in pack] for pack in batches[step % len(batches)]]
+        tokens, labels, documents = make_packed_batch(rows, t.task_index, t.n_virtual, width,
+                                                      t.tokenizer.pad_id)
+        metrics = train_step(t.job, step, tokens, labels, {"document_ids": documents})
+        got.append(float(metrics["loss"]))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, losses))
+    print(f"packed: tessera {got}\ntrl     {losses}\nworst relative difference {worst:.2e}")
+    assert len(losses) == STEPS and worst <= 1e-4, (worst, got, losses)
