@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.core.arg_types import non_negative_int, port, positive_float, positive_int
+from tessera.core.chat_template import stored_chat_template
 from tessera.core.help import HelpFormatter
 
 DEFAULT_SERVED_NAME = "tessera"  # what the README's client examples send as `model`
@@ -339,20 +340,3 @@ def chat_template_of(args: argparse.Namespace) -> tuple[str | None, str]:
         return None, ("the built-in 'role: content' lines (the checkpoint has none; give "
                       "--chat-template FILE for an instruct model)")
     return template, f"the checkpoint's {origin}"
-
-
-def stored_chat_template(checkpoint: str) -> tuple[str | None, str]:
-    """The chat template kept with the model and the file it is in: `chat_template.jinja`
-    (what transformers saves), `chat_template.json`, or `tokenizer_config.json`'s
-    `chat_template` (all carried over by `tessera convert --from hf`); (None, "") if none."""
-    import json
-
-    root = Path(checkpoint)
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text(), "chat_template.jinja"
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        if (root / name).is_file():
-            template = json.loads((root / name).read_text()).get("chat_template")
-            if isinstance(template, str):
-                return template, name
-    return None, ""
