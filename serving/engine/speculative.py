@@ -254,6 +254,8 @@ class Speculator:
         for seq, (draft, q) in zip(chosen, self.proposer.propose(chosen, ks)):
             grammar = getattr(seq, "grammar", None)
             seq.draft = list(draft) if grammar is None else grammar.valid_prefix(draft)
+            if len(seq.draft) < len(draft):  # the draft's cache keeps only what may be verified
+                self.proposer.accepted(seq, len(seq.tokens), len(seq.draft))
             if q is not None:
                 self._q[seq] = q
 
