@@ -35,11 +35,14 @@ class StructuredOutput:
     kind "json": any JSON value (`spec` unused); "json_schema": `spec` is a JSON schema (dict),
     `strict` forbids properties the schema does not name; "regex": `spec` is a regular
     expression; "choice": `spec` is a list of strings, one of which is the whole output;
-    "grammar": `spec` is an EBNF (GBNF) grammar with a `root` rule."""
+    "grammar": `spec` is an EBNF (GBNF) grammar with a `root` rule. A "json_schema" output may
+    be wrapped in fixed text, `prefix` + JSON + `suffix` (a tool call's tags)."""
 
     kind: StructuredKind
     spec: Any = None
     strict: bool = True
+    prefix: str = ""
+    suffix: str = ""
 
 
 @dataclass

@@ -75,7 +75,6 @@ def _choice_grammar(choices: Any) -> str:
     if (not isinstance(choices, list) or not choices
             or not all(isinstance(c, str) and c for c in choices)):
         raise RequestError("guided_choice takes a non-empty list of non-empty strings")
-    # JSON string literals are valid EBNF literals (same escapes).
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
@@ -86,7 +85,8 @@ _JSON_STRING_CHARS = r'[^\"\\\0-\x1f]'
 
 
 def _json_schema_ebnf(xgr: Any, schema: Any, strict: bool) -> str:
-    """The EBNF of `schema` (compact separators), with JSON's string characters."""
+    """The EBNF of `schema` (compact separators, rule `root`), with JSON's string characters.
+    JSON string literals are valid EBNF literals (same escapes), which the callers use."""
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
                                            strict_mode=strict)
     return str(grammar).replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
@@ -129,7 +129,13 @@ class GrammarCompiler:
             if kind == "json_schema":
                 if not isinstance(spec, (dict, bool)):
                     raise RequestError("a JSON schema must be an object")
-                return compiler.compile_grammar(_json_schema_ebnf(xgr, spec, constraint.strict))
+                ebnf = _json_schema_ebnf(xgr, spec, constraint.strict)
+                if not constraint.prefix and not constraint.suffix:
+                    return compiler.compile_grammar(ebnf)
+                # JSON string literals are valid EBNF literals (same escapes).
+                wrapped = (f"{ebnf}\nwrapped_root ::= {json.dumps(constraint.prefix)} root "
+                           f"{json.dumps(constraint.suffix)}\n")
+                return compiler.compile_grammar(wrapped, root_rule_name="wrapped_root")
             if kind == "regex":
                 if not isinstance(spec, str) or not spec:
                     raise RequestError("a regex constraint must be a non-empty string")
