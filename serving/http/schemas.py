@@ -75,6 +75,8 @@ PRIORITY_DOC = "scheduling priority: lower runs first; equal priorities run in a
 CACHE_SALT_DOC = ("prefix-cache isolation: KV blocks are shared only between requests with "
                   "the same salt (e.g. one per tenant)")
 ADAPTER_DOC = "a LoRA adapter loaded on this server, by name (default: none)"
+STRUCTURED_DOC = ("constrain the output: vLLM's structured_outputs object (one of json, regex, "
+                  "choice, grammar, json_object), or that object as JSON text")
 
 
 class SamplingFields(_Request):
@@ -429,6 +431,8 @@ class MegatronRequest(_Request):
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
     cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    structured_outputs: StructuredOutputs | str | None = Field(
+        None, description=STRUCTURED_DOC)
 
     @model_validator(mode="after")
     def _sampling_is_exclusive(self) -> MegatronRequest:
@@ -490,6 +494,8 @@ class TritonInputs(_Request):
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
     cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    structured_outputs: StructuredOutputs | str | None = Field(
+        None, description=STRUCTURED_DOC)
 
     @model_validator(mode="after")
     def _one_task(self) -> TritonInputs:

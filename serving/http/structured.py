@@ -51,6 +51,20 @@ def structured_from_object(obj: S.StructuredOutputs | None,
     return StructuredOutput(name, value)  # regex, choice, grammar
 
 
+def structured_from_field(value: S.StructuredOutputs | str | None,
+                          param: str = "structured_outputs") -> StructuredOutput | None:
+    """The Triton / Megatron `structured_outputs` field: the object, or the object as JSON
+    text (a BYTES tensor of `infer`)."""
+    if isinstance(value, str):
+        try:
+            value = S.StructuredOutputs.model_validate_json(value)
+        except ValueError as exc:
+            reason = str(exc).splitlines()[-1].strip() if str(exc).strip() else "not valid"
+            raise ApiError(400, f"{param} is not a structured_outputs object: {reason}",
+                           param=param) from None
+    return structured_from_object(value, param)
+
+
 def structured_output(body: S.SamplingFields) -> StructuredOutput | None:
     """The constraint an OpenAI-dialect body asks for, if any."""
     found: list[tuple[str, StructuredOutput]] = []
