@@ -61,18 +61,20 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["llama3_tools.jinja", "qwen25_tools.jinja"])
-def server(request, checkpoint):
+def server(request, checkpoint, tmp_path_factory):
     """`tessera serve` with one template; yields (openai client, template format)."""
     port = _free_port()
     template = TEMPLATES / request.param
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tessera", "serve", "--checkpoint", str(checkpoint),
-         "--chat-template", str(template), "--port", str(port), "--dtype", "fp32",
-         "--max-batch", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+    with log.open("wb") as err:  # a file, not a pipe nobody drains
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tessera", "serve", "--checkpoint", str(checkpoint),
+             "--chat-template", str(template), "--port", str(port), "--dtype", "fp32",
+             "--max-batch", "4"], stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert proc.poll() is None, log.read_text()[-2000:]
         assert time.monotonic() < deadline, "tessera serve did not start"
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
