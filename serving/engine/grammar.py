@@ -195,10 +195,15 @@ class RequestGrammar:
         for j, token in enumerate(draft, 1):
             if not m.accept_token(int(token)):
                 raise RuntimeError(f"draft token {token} breaks the request's grammar")
-            m.fill_next_token_bitmask(bitmask, row + j)
+            if not m.is_terminated():  # after EOS nothing follows: the row is never used
+                m.fill_next_token_bitmask(bitmask, row + j)
         if draft:
             m.rollback(len(draft))
         return 1 + len(draft)
+
+    def masks_coming(self, pending: Future) -> None:
+        """This step's masks are being filled by `pending` (`MaskFiller.start`)."""
+        self._pending = pending
 
     def step_masks(self, n_rows: int) -> torch.Tensor:
         """This step's masks `(n_rows, words)`: those `MaskFiller.start` filled, else now."""
@@ -231,7 +236,7 @@ class MaskFiller:
         jobs = [(seq.grammar, list(draft)) for seq, draft in rows]
         future = self._pool.submit(_fill_all, jobs)
         for grammar, _ in jobs:
-            grammar._pending = future
+            grammar.masks_coming(future)
 
     def close(self) -> None:
         if self._pool is not None:

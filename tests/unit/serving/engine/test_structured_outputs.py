@@ -209,3 +209,33 @@ def test_without_xgrammar_a_constraint_is_refused_with_the_install_command(
         (plain,) = collect(engine, [GenerationRequest("p", [1, 5, 6], SamplingParams(
             max_tokens=3, temperature=0))])
         assert len(plain.token_ids) == 3
+
+
+def test_a_draft_that_ends_with_eos_is_masked_and_verified(tokenizer):
+    """A draft may propose EOS where the grammar is complete: masks stop there (filling past
+    EOS is an error in xgrammar), and the matcher's state is left as it was."""
+    from tessera.serving.engine.grammar import GrammarCompiler, mask_logits
+
+    grammar = GrammarCompiler(tokenizer, 512, tokenizer.eos_id).matcher(
+        StructuredOutput("choice", ["yes"]))
+    words = 16  # 512 tokens / 32 bits
+    path = []
+    while True:  # the first allowed token each time, up to EOS
+        mask = torch.full((1, words), -1, dtype=torch.int32)
+        grammar.fill(mask, 0)
+        token = int(mask_logits(torch.zeros(1, 512), mask).isfinite()[0].nonzero()[0])
+        path.append(token)
+        if token == tokenizer.eos_id:
+            break
+        grammar.accept(token)
+    grammar.matcher.rollback(len(path) - 1)
+    assert tokenizer.decode(path[:-1]) == "yes"
+    draft = grammar.valid_prefix([*path, 5])
+    assert draft == path  # nothing after EOS
+    bitmask = torch.full((len(draft) + 1, words), -1, dtype=torch.int32)
+    assert grammar.fill(bitmask, 0, draft) == len(draft) + 1
+    allowed = mask_logits(torch.zeros(len(draft) + 1, 512), bitmask).isfinite()
+    for j, token in enumerate(draft):  # each position allows its draft token
+        assert allowed[j, token]
+    assert allowed[len(draft) - 1].sum() == 1  # only EOS once "yes" is complete
+    grammar.accept(path[0])  # the state was left at the start
