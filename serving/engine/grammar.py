@@ -244,15 +244,23 @@ class MaskFiller:
 
 
 def _fill_all(jobs: list[tuple[RequestGrammar, list[int]]]) -> dict[RequestGrammar, torch.Tensor]:
-    """Every job's masks in one bitmask tensor (a view per grammar)."""
+    """Every job's masks in one bitmask tensor (a view per grammar): the rows of the jobs
+    without drafts in one batched xgrammar call, then each speculative job's rows."""
     xgr = _xgrammar()
-    total = sum(1 + len(draft) for _, draft in jobs)
+    starts, total = [], 0
+    for _, draft in jobs:
+        starts.append(total)
+        total += 1 + len(draft)
     bitmask = xgr.allocate_token_bitmask(total, jobs[0][0].vocab_size)
-    out, row = {}, 0
-    for grammar, draft in jobs:
-        n = grammar.fill(bitmask, row, draft)
-        out[grammar] = bitmask[row:row + n]
-        row += n
+    plain = [(grammar, row) for (grammar, draft), row in zip(jobs, starts) if not draft]
+    if plain:
+        xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask(
+            [grammar.matcher for grammar, _ in plain], bitmask, [row for _, row in plain])
+    out = {}
+    for (grammar, draft), row in zip(jobs, starts):
+        if draft:
+            grammar.fill(bitmask, row, draft)
+        out[grammar] = bitmask[row:row + 1 + len(draft)]
     return out
 
 
