@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
@@ -23,6 +23,26 @@ class RequestError(ValueError):
 
 class Overloaded(RuntimeError):
     """The engine's queue is full; the HTTP layer answers 429 (or 503) with Retry-After."""
+
+
+StructuredKind = Literal["json", "json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token (`serving.engine.grammar`).
+
+    kind "json": any JSON value (`spec` unused); "json_schema": `spec` is a JSON schema (dict),
+    `strict` forbids properties the schema does not name; "regex": `spec` is a regular
+    expression; "choice": `spec` is a list of strings, one of which is the whole output;
+    "grammar": `spec` is an EBNF (GBNF) grammar with a `root` rule. A "json_schema" output may
+    be wrapped in fixed text, `prefix` + JSON + `suffix` (a tool call's tags)."""
+
+    kind: StructuredKind
+    spec: Any = None
+    strict: bool = True
+    prefix: str = ""
+    suffix: str = ""
 
 
 @dataclass
@@ -43,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob + top-k
     prompt_logprobs: bool = False  # also score the prompt tokens (echo for evaluation)
+    structured: StructuredOutput | None = None  # constrain the output (JSON, regex, grammar)
 
 
 @dataclass

@@ -66,6 +66,8 @@ class EngineCore:
                 self.stats.observe("queue_time_seconds", now - seq.arrival)
         if self.speculator is not None:
             self.speculator.fit(plan.rows, self.scheduler.running + plan.preempted)
+        # Grammar masks of the rows that sample, filled while the forward pass runs.
+        self.outputs.sampler.prepare_masks(plan.rows)
         self.stats.count("steps_total")
         output = self.executor.execute_model(plan, self.pad_id)
         self.outputs.update_from_output(output)

@@ -28,6 +28,7 @@ from tessera.serving.engine.adapter_ops import AdapterOps
 from tessera.serving.engine.bridge import RequestStream, Sink
 from tessera.serving.engine.core import EngineCore
 from tessera.serving.engine.executor import Executor, LocalExecutor
+from tessera.serving.engine.grammar import GrammarCompiler
 from tessera.serving.engine.kv_config import KVCacheConfig
 from tessera.serving.engine.kv_space import kv_space_for
 from tessera.serving.engine.outputs import OutputProcessor
@@ -102,6 +103,7 @@ class LLMEngine:
             kv_limit=min(self.context, kv_tokens or self.context), blocks=self.blocks,
             adapters=self.adapters, seed=seed)
         self.scheduler = Scheduler(space, self.max_batch, max(max_step_tokens, self.max_batch))
+        self.grammars = GrammarCompiler(tokenizer, self.config.vocab_size, self.eos_id)
         speculator = None if speculative is None else build_speculator(
             speculative, vocab_size=self.config.vocab_size, max_batch=self.max_batch,
             context=self.context, pad_id=self.pad_id, tokenizer=tokenizer,
@@ -167,7 +169,11 @@ class LLMEngine:
         `Overloaded` (queue full, or the engine is stopping) at once, before any work.
         """
         self.validate(request)
+        structured = request.params.structured
+        grammar = None if structured is None else self.grammars.matcher(
+            structured, request.params.stop_token_ids)
         seq = self.requests.build(request, Sink(asyncio.get_running_loop()))
+        seq.grammar = grammar
         stream = RequestStream(request.request_id, seq.sink, lambda: self._abort(seq))
         with self.core.lock:
             if self.core.closing or not self.core.alive:

@@ -14,6 +14,7 @@ from tessera.serving.engine.adapter_ops import AdapterOps
 from tessera.serving.engine.block_manager import BlockHasher, BlockManager
 from tessera.serving.engine.bridge import Sink
 from tessera.serving.engine.detokenize import OutputText
+from tessera.serving.engine.grammar import RequestGrammar
 from tessera.serving.engine.kv_space import SeqState
 from tessera.serving.types import GenerationRequest, SamplingParams, TokenLogprob
 
@@ -44,6 +45,7 @@ class EngineRequest(SeqState):
     aborted: bool = False
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     adapter: int = -1  # per-request LoRA: the adapter's slot (serving.engine.adapters), -1 for none
+    grammar: RequestGrammar | None = None  # structured outputs: the allowed continuations
 
     @property
     def params(self) -> SamplingParams:

@@ -4,7 +4,9 @@ and the per-request state penalties need.
 Rows never interact (`core.sampling`): each row's token comes from its own uniform number,
 drawn from its request's generator, so a request's tokens do not depend on its batch. The
 sequences passed in need `params` (`SamplingParams`), `n_generated`, `stop_ids`, `tokens`,
-`n_virtual`, `n_input`, `seen` and `counts` (the engine's sequences have them).
+`n_virtual`, `n_input`, `seen` and `counts` (the engine's sequences have them), and may have
+`grammar` (`serving.engine.grammar.RequestGrammar`): such rows sample only the tokens their
+grammar allows (logprobs stay those of the raw distribution).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from tessera.core.sampling import RowSettings, apply_penalties, choose_tokens, token_logprobs
+from tessera.serving.engine.grammar import MaskFiller, mask_logits
 from tessera.serving.engine.transfer import to_device
 from tessera.serving.types import TokenLogprob
 
@@ -29,6 +32,14 @@ class Sampler:
         self.vocab_size, self.eos_id, self.device = vocab_size, eos_id, torch.device(device)
         self._batch: tuple[Any, ...] = ()  # the requests `_settings` was built for, in order
         self._settings: RowSettings | None = None
+        self.masks = MaskFiller()
+
+    def prepare_masks(self, rows: Sequence[tuple[Any, int]]) -> None:
+        """Start filling the grammar masks of a scheduled step's rows `(seq, tokens run)` that
+        sample (their prompt done by this step), to overlap the forward pass."""
+        self.masks.start([(seq, seq.draft) for seq, n in rows
+                          if getattr(seq, "grammar", None) is not None
+                          and seq.cached + n >= len(seq.tokens)])
 
     def settings(self, seqs: Sequence[Any], device: torch.device) -> RowSettings:
         """The rows' `RowSettings` on `device`: reused while the same requests come in the same
@@ -79,6 +90,11 @@ class Sampler:
                         banned = torch.zeros(len(seqs), vocab, dtype=torch.bool)
                     banned[i, sorted(ban)] = True
         logits = logits.float()
+        constrained = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+        if constrained:  # one masking op for the batch's constrained rows
+            masks = torch.cat([seqs[i].grammar.step_masks(1) for i in constrained])
+            index = torch.tensor(constrained, device=device)
+            logits = logits.index_copy(0, index, mask_logits(logits[index], masks))
         if seen is not None or counts is not None:
             logits = apply_penalties(logits, settings, seen, counts)
         return choose(logits, settings, to_device(uniforms, device),
@@ -143,8 +159,10 @@ class Sampler:
                 int(targets[j]), chosen[j], dict(zip(ids[j][:k], values[j][:k])))
 
     def track(self, seq: Any, token: int) -> None:
-        """Update `seq`'s penalty state with its new `token`."""
+        """Update `seq`'s penalty and grammar state with its new `token`."""
         p = seq.params
+        if getattr(seq, "grammar", None) is not None:
+            seq.grammar.accept(token)
         if p.repetition_penalty != 1.0:
             if seq.seen is None:
                 seq.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)

@@ -24,7 +24,9 @@ What falls back to plain decoding (per request, every step it applies): repetiti
 or frequency penalties (their values depend on the tokens before each position; not
 implemented position by position), and steps where `min_tokens` still bans EOS or stop tokens.
 Everything else speculates (`logprobs` too: each emitted token's come from the raw logits of
-its own position), and greedy output equals plain greedy output.
+its own position), and greedy output equals plain greedy output. A request with a grammar
+(structured outputs) keeps only the drafts its grammar allows, and each position is verified
+against the grammar's mask after the drafts before it, so only allowed tokens are emitted.
 
 Reproducibility: a seeded request draws every number from its own generator, so its tokens do
 not depend on its batch as long as each of its steps gets its full K drafts; when the step's
@@ -48,6 +50,7 @@ from tessera.core.speculative_sampling import (
     verify_greedy,
     verify_sampled,
 )
+from tessera.serving.engine.grammar import mask_logits
 
 log = logging.getLogger("tessera.serving")
 
@@ -249,7 +252,10 @@ class Speculator:
         if not chosen:
             return
         for seq, (draft, q) in zip(chosen, self.proposer.propose(chosen, ks)):
-            seq.draft = list(draft)
+            grammar = getattr(seq, "grammar", None)
+            seq.draft = list(draft) if grammar is None else grammar.valid_prefix(draft)
+            if len(seq.draft) < len(draft):  # the draft's cache keeps only what may be verified
+                self.proposer.accepted(seq, len(seq.tokens), len(seq.draft))
             if q is not None:
                 self._q[seq] = q
 
@@ -269,6 +275,10 @@ class Speculator:
         the row's positions."""
         p = seq.params
         q = self._q.pop(seq, None)
+        grammar = getattr(seq, "grammar", None)
+        if grammar is not None:
+            rows = len(draft) + 1
+            logits = mask_logits(logits[:rows].float(), grammar.step_masks(rows))
         if p.temperature <= 0:
             return verify_greedy(logits, draft)
         target = processed_probs(logits, p.temperature, p.top_k, p.top_p)

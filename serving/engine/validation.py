@@ -75,6 +75,9 @@ def request_problems(request: GenerationRequest, limits: Limits) -> list[str]:
         out.append("stop strings must be non-empty strings")
     elif p.stop and not limits.has_tokenizer:
         out.append("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+    if p.structured is not None and p.ignore_eos:
+        out.append("ignore_eos cannot be combined with structured outputs: a constrained "
+                   "output ends with EOS once its grammar is complete")
     if request.timeout_s is not None and not request.timeout_s > 0:
         out.append(f"timeout_s must be > 0, got {request.timeout_s}")
     priority = request.priority

@@ -22,6 +22,7 @@ from tessera.serving.http import schemas as S
 from tessera.serving.http.errors import ApiError, body_doc, parse_body
 from tessera.serving.http.security import read_body
 from tessera.serving.http.service import Result, Service, json_logprob, raise_failures
+from tessera.serving.http.structured import structured_from_field
 from tessera.serving.http.token_text import TokenTexts, fit_to, prompt_texts
 from tessera.serving.types import GenerationRequest, SamplingParams
 
@@ -42,7 +43,8 @@ def decode_request(service: Service, body: S.MegatronRequest) -> list[Generation
         params = SamplingParams(
             max_tokens=body.tokens_to_generate, temperature=body.temperature, top_k=body.top_k,
             top_p=body.top_p if body.top_p > 0 else 1.0, seed=seed, stop=stop,
-            logprobs=0 if body.logprobs else None, prompt_logprobs=body.logprobs)
+            logprobs=0 if body.logprobs else None, prompt_logprobs=body.logprobs,
+            structured=structured_from_field(body.structured_outputs))
         ids = service.encode(prompt, add_bos=body.add_BOS)
         requests.append(GenerationRequest(f"{base_id}-{i}", ids, params, body.task,
                                           priority=body.priority, cache_salt=body.cache_salt,

@@ -38,21 +38,39 @@ from tessera.serving.http.service import (
     raise_failures,
     sse,
 )
+from tessera.serving.http.structured import structured_output
 from tessera.serving.http.token_text import TokenTexts, fit_to, prompt_texts
+from tessera.serving.http.tool_calls import (
+    FORMATS,
+    ToolCallStream,
+    forced_call,
+    format_of,
+    parse_tool_calls,
+    template_messages,
+    template_tools,
+)
 from tessera.serving.types import GenerationRequest, SamplingParams, TokenLogprob
 
 router = APIRouter(tags=["OpenAI"])
 
-class ChatTemplate(CoreChatTemplate):
-    """The core chat template over the request's `ChatMessage`s; a failure is a 400."""
 
-    def render(self, messages: list[S.ChatMessage]) -> str:  # type: ignore[override]
+class ChatTemplate(CoreChatTemplate):
+    """The core chat template over the request's `ChatMessage`s (and `tools`); a failure is a
+    400. `tool_format` is the tool-call format the template writes (`serving.http.tool_calls`),
+    None if it has none."""
+
+    def __init__(self, source: str | None = None) -> None:
+        super().__init__(source)
+        self.tool_format = format_of(self.source)
+
+    def render(self, messages: list[S.ChatMessage],  # type: ignore[override]
+               tools: list[S.Tool] | None = None) -> str:
         try:
-            turns = [{"role": m.role, "content": m.text()} for m in messages]
+            turns = template_messages(messages)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         try:
-            return super().render(turns)
+            return super().render(turns, tools=template_tools(tools) if tools else None)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
 
@@ -72,6 +90,7 @@ class Plan:
     logprobs: int | None = None  # alternatives per position; None: no logprobs
     echo: bool = False
     created: int = 0
+    tool_format: str | None = None  # chat with tools: the format its output is parsed in
 
     def prompt_of(self, choice: int) -> int:
         return choice // self.n
@@ -161,7 +180,8 @@ def decode_completion(service: Service, body: S.CompletionRequest) -> Plan:
     prompts = [service.encode(p) if isinstance(p, str) else service.check_prompt(list(p)) for p in raw]
     texts = [p if isinstance(p, str) else service.engine.decode(ids) for p, ids in zip(raw, prompts)]
     plan_id = f"cmpl-{uuid.uuid4().hex}"
-    extra = {"logprobs": body.logprobs, "prompt_logprobs": body.echo and body.logprobs is not None}
+    extra = {"logprobs": body.logprobs, "prompt_logprobs": body.echo and body.logprobs is not None,
+             "structured": structured_output(body)}
     return Plan(plan_id, body.model or service.model_name, False,
                 _requests(service, prompts, body, body.max_tokens, plan_id, task, adapter,
                           **extra),
@@ -172,14 +192,28 @@ def decode_completion(service: Service, body: S.CompletionRequest) -> Plan:
 def decode_chat(service: Service, body: S.ChatCompletionRequest, template: ChatTemplate) -> Plan:
     task, adapter = service.choose(body.model)
     service.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
-    text = template.render(body.messages)
+    structured = structured_output(body)
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    tools = body.tools if choice != "none" else None
+    if tools and template.tool_format is None:
+        raise ApiError(400, "this server's chat template has no tool-call format (one of "
+                            f"{', '.join(FORMATS)}: Llama 3.x JSON, Qwen2.5 <tool_call>, Mistral "
+                            "[TOOL_CALLS]); serve a tool-calling template with --chat-template",
+                       param="tools")
+    if tools and choice != "auto":  # required or a named function: the grammar forces a call
+        if structured is not None:
+            raise ApiError(400, "tool_choice 'required' or a named function already constrains "
+                                "the output: drop response_format / guided_*", param="tool_choice")
+        structured = forced_call(template.tool_format, tools, choice)
+    text = template.render(body.messages, tools)
     ids = service.encode(text)
     plan_id = f"chatcmpl-{uuid.uuid4().hex}"
     k = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(plan_id, body.model or service.model_name, True,
                 _requests(service, [ids], body, body.token_budget, plan_id, task, adapter,
-                          logprobs=k),
-                [text], body.n, body.stream, _include_usage(body), k, False, int(time.time()))
+                          logprobs=k, structured=structured),
+                [text], body.n, body.stream, _include_usage(body), k, False, int(time.time()),
+                tool_format=template.tool_format if tools else None)
 
 
 def _include_usage(body: S.SamplingFields) -> bool:
@@ -305,14 +339,27 @@ def _join(a: S.CompletionLogprobs, b: S.CompletionLogprobs) -> S.CompletionLogpr
                                 text_offset=a.text_offset + [o + shift for o in b.text_offset])
 
 
+def _message(plan: Plan, result: Result) -> tuple[S.AssistantMessage, str | None]:
+    """A choice's message (its tool calls parsed out when tools were offered) and its
+    finish reason ("tool_calls" when it called)."""
+    if plan.tool_format is None:
+        return S.AssistantMessage(content=result.text), result.finish_reason
+    content, calls = parse_tool_calls(plan.tool_format, result.text)
+    if not calls:
+        return S.AssistantMessage(content=result.text), result.finish_reason
+    reason = "tool_calls" if result.finish_reason == "stop" else result.finish_reason
+    return S.AssistantMessage(content=content, tool_calls=calls), reason
+
+
 def encode_chat(service: Service, plan: Plan, results: list[Result]) -> S.ChatCompletionResponse:
     k = plan.logprobs
-    choices = [
-        S.ChatChoice(index=i, message=S.AssistantMessage(content=r.text),
-                     logprobs=None if k is None else chat_logprobs(
-                         r.logprobs, k, _generated_texts(service, r), target=r.text),
-                     finish_reason=r.finish_reason)
-        for i, r in enumerate(results)]
+    choices = []
+    for i, r in enumerate(results):
+        message, reason = _message(plan, r)
+        choices.append(S.ChatChoice(
+            index=i, message=message, finish_reason=reason,
+            logprobs=None if k is None else chat_logprobs(
+                r.logprobs, k, _generated_texts(service, r), target=r.text)))
     return S.ChatCompletionResponse(id=plan.id, created=plan.created, model=plan.model,
                                     choices=choices, usage=_usage(plan, results))
 
@@ -324,6 +371,8 @@ async def stream_events(service: Service, plan: Plan, batch: Batch) -> AsyncIter
     started: set[int] = set()
     offsets = [0] * len(plan.requests)
     texts: dict[int, TokenTexts] = {}
+    calls = ({i: ToolCallStream(plan.tool_format) for i in range(len(plan.requests))}
+             if plan.tool_format else {})
 
     def chunk(choice: dict) -> str:
         return sse(json.dumps({**head, "choices": [choice]}))
@@ -359,6 +408,26 @@ async def stream_events(service: Service, plan: Plan, batch: Batch) -> AsyncIter
             if not (text or logprobs or out.finished):
                 continue
             reason = out.finish_reason if out.finished else None
+            if plan.chat and i in calls:  # content until a call may begin; calls at the end
+                text = calls[i].feed(text)
+                if out.finished:
+                    rest, deltas = calls[i].finish()
+                    text += rest
+                    if deltas:
+                        if text or logprobs:
+                            yield chunk({"index": i, "delta": {"content": text},
+                                         "logprobs": logprobs, "finish_reason": None})
+                            text, logprobs = "", None
+                        for delta in deltas:
+                            yield chunk({"index": i, "delta": {"tool_calls": [delta]},
+                                         "logprobs": None, "finish_reason": None})
+                        if reason == "stop":
+                            reason = "tool_calls"
+                        yield chunk({"index": i, "delta": {}, "logprobs": None,
+                                     "finish_reason": reason})
+                        continue
+                if not (text or logprobs or out.finished):
+                    continue
             if plan.chat:
                 yield chunk({"index": i, "delta": {"content": text}, "logprobs": logprobs,
                              "finish_reason": reason})

@@ -75,6 +75,8 @@ PRIORITY_DOC = "scheduling priority: lower runs first; equal priorities run in a
 CACHE_SALT_DOC = ("prefix-cache isolation: KV blocks are shared only between requests with "
                   "the same salt (e.g. one per tenant)")
 ADAPTER_DOC = "a LoRA adapter loaded on this server, by name (default: none)"
+STRUCTURED_DOC = ("constrain the output: vLLM's structured_outputs object (one of json, regex, "
+                  "choice, grammar, json_object), or that object as JSON text")
 
 
 class SamplingFields(_Request):
@@ -101,7 +103,13 @@ class SamplingFields(_Request):
     best_of: int | None = None
     user: str | None = None
     response_format: ResponseFormat | None = Field(
-        None, description="only {'type': 'text'}: constrained (JSON) decoding is not supported")
+        None, description="constrain the output: text (none), json_object, or json_schema")
+    # vLLM's guided decoding (at most one constraint per request, response_format included)
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema")
+    guided_regex: str | None = Field(None, description="a regular expression")
+    guided_choice: list[str] | None = Field(None, description="the output is one of these")
+    guided_grammar: str | None = Field(None, description="an EBNF (GBNF) grammar, rule root")
+    structured_outputs: StructuredOutputs | None = None
     # Scheduling and prefix-cache isolation (vLLM's names), passed to the engine as they are.
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
     cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
@@ -110,10 +118,6 @@ class SamplingFields(_Request):
     def _refuse_unsupported(self) -> SamplingFields:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported by "
-                             "this server: it does not constrain decoding to JSON (use 'text', "
-                             "or ask for JSON in the prompt and validate the answer)")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported (leave it unset or equal to n)")
         if self.stop is not None and len(self.stop) > 16:
@@ -125,11 +129,70 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: `strict` forbids properties the schema does not name."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    """OpenAI's `response_format`; `json_schema` / `json_object` are refused (see above)."""
+    """OpenAI's `response_format`."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs json_schema: {name, schema}")
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` object: one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 # --------------------------------------------------------------------------- OpenAI: requests
@@ -160,6 +223,8 @@ class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def text(self) -> str:
         """The content as one string (text parts joined); other part types are refused."""
@@ -179,12 +244,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0, description="newer name of max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(None, description="accepted; one call per turn "
+                                                               "when the choice is forced")
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by this server")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name \
+                not in {t.function.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is "
+                             "not among tools")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -250,6 +323,7 @@ class ChatLogprobs(_Response):
 class AssistantMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Response):
@@ -275,6 +349,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(_Response):
@@ -356,6 +431,8 @@ class MegatronRequest(_Request):
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
     cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    structured_outputs: StructuredOutputs | str | None = Field(
+        None, description=STRUCTURED_DOC)
 
     @model_validator(mode="after")
     def _sampling_is_exclusive(self) -> MegatronRequest:
@@ -417,6 +494,8 @@ class TritonInputs(_Request):
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
     cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    structured_outputs: StructuredOutputs | str | None = Field(
+        None, description=STRUCTURED_DOC)
 
     @model_validator(mode="after")
     def _one_task(self) -> TritonInputs:

@@ -39,6 +39,7 @@ from tessera.serving.http.service import (
     raise_failures,
     sse,
 )
+from tessera.serving.http.structured import structured_from_field
 from tessera.serving.http.triton_codec import decode_request, encode_response
 from tessera.serving.http.version import SERVER_VERSION
 from tessera.serving.types import GenerationRequest, SamplingParams
@@ -235,7 +236,8 @@ def to_request(service: Service, inputs: S.TritonInputs, task: str | None, reque
         repetition_penalty=inputs.repetition_penalty, presence_penalty=inputs.presence_penalty,
         frequency_penalty=inputs.frequency_penalty, stop=list(inputs.stop_words),
         stop_token_ids=[] if inputs.end_id is None else [inputs.end_id],
-        logprobs=0 if (logprobs or inputs.return_log_probs) else None)
+        logprobs=0 if (logprobs or inputs.return_log_probs) else None,
+        structured=structured_from_field(inputs.structured_outputs))
     for name in ("end_id", "pad_id"):
         value = getattr(inputs, name)
         if value is not None:

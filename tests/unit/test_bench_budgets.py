@@ -18,7 +18,8 @@ BENCHES = ["bench_async_save", "bench_compile", "bench_convert", "bench_convert_
            "bench_cp", "bench_cross_entropy", "bench_fp8", "bench_fp8_export", "bench_generate",
            "bench_lora", "bench_lora_batched",
            "bench_memory", "bench_mm_layout", "bench_moe", "bench_parallel",
-           "bench_serving_paged", "bench_speculative", "bench_train", "bench_tune", "gpu_check",
+           "bench_serving_paged", "bench_speculative", "bench_structured", "bench_train",
+           "bench_tune", "gpu_check",
            "serve_load"]
 
 # Every script's `--help` in one interpreter: one torch import instead of one per script.

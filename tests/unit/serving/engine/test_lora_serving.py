@@ -11,6 +11,7 @@ continuations by argmax of the full forward pass, with the chosen tokens' logpro
 from __future__ import annotations
 
 import functools
+import json
 
 import httpx
 import numpy as np
@@ -205,6 +206,35 @@ def test_speculative_rows_are_verified_with_their_own_adapter(world):
         assert result.token_ids == _reference(world, which, prompt)[0], which
         if which != "base":  # the adapter matters here, so the check above can fail
             assert result.token_ids != _reference(world, "base", prompt)[0], which
+
+
+def test_structured_outputs_follow_each_requests_adapter(world):
+    """Constrained rows of different adapters in one batch: each output validates, is its
+    adapter's (the same alone), and the adapter changes it."""
+    pytest.importorskip("xgrammar")
+    from tessera.serving.types import StructuredOutput
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"enum": ["x", "yy", "zzz"]}, "c": {"type": "string", "maxLength": 4}},
+        "required": ["a", "b", "c"], "additionalProperties": False}
+
+    def req(rid, adapter):
+        return GenerationRequest(rid, _prompt(4), SamplingParams(
+            max_tokens=60, temperature=0, structured=StructuredOutput("json_schema", schema)),
+            adapter=adapter)
+
+    engine = _engine(world, preload=(("pf", str(world["peft"])), ("nat", str(world["nat"]))))
+    with engine:
+        mixed = collect(engine, [req("pf", "pf"), req("nat", "nat"), req("base", None)])
+        alone = [collect(engine, [req(r.final.request_id, a)])[0]
+                 for r, a in zip(mixed, ("pf", "nat", None))]
+    for r in mixed:
+        assert r.finish_reason == "stop", r.text
+        value = json.loads(r.text)
+        assert set(value) == {"a", "b", "c"} and 0 <= value["a"] <= 999
+    assert [r.token_ids for r in mixed] == [r.token_ids for r in alone]
+    assert len({tuple(r.token_ids) for r in mixed}) > 1  # the adapters change the answer
 
 
 def test_registry_limits_names_ranks_and_refuses_to_unload_in_use(world):

@@ -31,14 +31,16 @@ def test_tensorrt_llm_generate_bodies_are_accepted(client, engine):
     assert r.status_code == 400 and "bad_words is not supported" in r.json()["error"]
 
 
-def test_response_format_json_is_refused_not_ignored(client):
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+def test_response_format_json_reaches_the_engine_as_a_constraint_not_ignored(client, engine):
+    for fmt, kind in (({"type": "json_object"}, "json"),
+                      ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema")):
         for path, body in (("/v1/completions", {"prompt": "abc"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
             r = client.post(path, json={**body, "response_format": fmt})
-            assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+            assert r.status_code == 200, r.text
+            assert engine.started[-1].params.structured.kind == kind
     r = client.post("/v1/completions", json={"prompt": "abc", "response_format": {"type": "text"}})
-    assert r.status_code == 200
+    assert r.status_code == 200 and engine.started[-1].params.structured is None
 
 
 def test_whole_number_floats_are_integers(client, engine):
