@@ -19,6 +19,7 @@ from tessera.core.expert_config import expert_layout_problems
 from tessera.core.flat_model_fields import FLAT_MOE, FLAT_OPTIONS, as_dict, nest_flat_fields
 from tessera.core.models.registry import family as model_family
 from tessera.core.moe.config import MoEConfig
+from tessera.core.rope_config import RopeScaling, rope_scaling_problems
 
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
@@ -48,7 +49,11 @@ class ModelConfig:
     position: Position = "rope"
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0  # share of each head's dims that rotate (Nemotron: 0.5)
+    # The RoPE variant (llama3, linear, dynamic, yarn, longrope) and its fields (core.rope_config).
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bias: bool = False  # biases on the linear layers (norms of layernorm kind always have one)
+    # Biases on the fused q/k/v projection alone (Qwen2): None means the same as `bias`.
+    qkv_bias: bool | None = None
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
@@ -64,6 +69,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -83,6 +90,15 @@ class ModelConfig:
             )
         if not isinstance(self.moe, MoEConfig):
             raise ConfigError(f"moe must be a MoEConfig (core.moe.config), got {self.moe!r}")
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling (core.rope_config), got "
+                              f"{self.rope_scaling!r}")
+        if self.rope_scaling.type != "default" and self.position != "rope":
+            raise ConfigError(f"rope_scaling.type {self.rope_scaling.type!r} scales RoPE, but "
+                              f"position is {self.position!r}; set position='rope' or drop it")
+        problems = rope_scaling_problems(self.rope_scaling, self.rotary_dim)
+        if problems:
+            raise ConfigError("invalid rope_scaling: " + "; ".join(problems))
         self._check_options(model_family(self).options)
         problems = model_family(self).problems(self)  # what this family cannot take
         if problems:
@@ -134,6 +150,8 @@ class ModelConfig:
             raise ConfigError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
         if "moe" in data:
             data["moe"] = _sub_config(MoEConfig, data["moe"], "moe")
+        if "rope_scaling" in data:
+            data["rope_scaling"] = _sub_config(RopeScaling, data["rope_scaling"], "rope_scaling")
         if data.get("options") is not None and options is not None:
             data["options"] = _sub_config(options, data["options"], "options")
         return cls(**data)
@@ -147,7 +165,7 @@ class ModelConfig:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         data = {**PRESETS[name], "name": name}
         for key, value in overrides.items():
-            if key in ("moe", "options") and isinstance(value, dict):
+            if key in ("moe", "options", "rope_scaling") and isinstance(value, dict):
                 value = {**as_dict(data.get(key)), **value}
             data[key] = value
         return cls.from_dict(data)
@@ -158,8 +176,9 @@ class ModelConfig:
         `moe.<field>` and `options.<field>` (the family's options), and the flat names of older
         manifests (`num_experts`, `moe_top_k`, ...)."""
         types = {k: v for k, v in typing.get_type_hints(cls).items()
-                 if k not in ("moe", "options")}
-        subs = {"moe": MoEConfig, "options": model_family(family).options}
+                 if k not in ("moe", "options", "rope_scaling")}
+        subs = {"moe": MoEConfig, "options": model_family(family).options,
+                "rope_scaling": RopeScaling}
         for prefix, kind in subs.items():
             if kind is not None:
                 types.update({f"{prefix}.{k}": v for k, v in typing.get_type_hints(kind).items()})

@@ -49,7 +49,7 @@ from tessera.converters.hf.family import (
     require,
     with_shared_fields,
 )
-from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_config
+from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_config, rope_to_hf
 from tessera.converters.hf.qwen3 import QK_NORM_NAMES, qwen3_base
 from tessera.core.config import ModelConfig
 from tessera.core.moe.config import MoEConfig
@@ -225,7 +225,7 @@ def _checker(qk_norm: bool, problems: Callable[[ModelConfig], list[str]]
 
 def _common_fields(c: ModelConfig) -> dict[str, Any]:
     """The `config.json` fields every MoE family writes alike."""
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    rope = rope_to_hf(c)
     return dict(
         model_type=c.family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
