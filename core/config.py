@@ -265,8 +265,7 @@ PRESETS["t5-base"] = {**_T5, "vocab_size": 32128, "hidden_size": 768, "num_layer
                       "options": dict(num_decoder_layers=12)}
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
 # Mixture-of-Experts (`MoEConfig` fields under "moe"): tiny sizes for tests, real ones (Mixtral
-# 8x7B, Qwen1.5-MoE-A2.7B) for planning. Qwen1.5-MoE's q/k/v biases (and no others) have no
-# Tessera equivalent: left out.
+# 8x7B, Qwen1.5-MoE-A2.7B, whose q/k/v projections alone have biases) for planning.
 _MIXTRAL_MOE = dict(num_experts=8, top_k=2, norm_topk=True, aux_loss_coef=0.02)
 _QWEN_MOE = dict(top_k=4, norm_topk=False, aux_loss_coef=0.001)
 _MIXTRAL = dict(_LLAMA, family="mixtral")
@@ -285,7 +284,7 @@ PRESETS.update({
     "qwen1.5-moe-a2.7b": {**_LLAMA, "family": "qwen2_moe", "vocab_size": 151936,
                           "hidden_size": 2048, "num_layers": 24, "num_heads": 16,
                           "ffn_hidden_size": 5632, "max_position_embeddings": 8192,
-                          "rope_theta": 1e6, "norm_eps": 1e-6,
+                          "rope_theta": 1e6, "norm_eps": 1e-6, "qkv_bias": True,
                           "moe": {**_QWEN_MOE, "num_experts": 60, "ffn_hidden_size": 1408,
                                   "shared_ffn_hidden_size": 5632}},
 })

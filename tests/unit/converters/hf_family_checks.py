@@ -72,6 +72,8 @@ def export_matches(ckpt: Path, out: Path, hf_model, tokens: torch.Tensor, transf
     want, got = hf_model.config.to_dict(), reloaded.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         want.pop(key, None), got.pop(key, None)
+    if want.get("head_dim") is None and "head_dim" in got:  # unset: hidden / heads
+        want["head_dim"] = want["hidden_size"] // want["num_attention_heads"]
     assert got == want, {k: (want.get(k), got.get(k)) for k in set(want) | set(got)
                          if want.get(k) != got.get(k)}
     with torch.no_grad():
