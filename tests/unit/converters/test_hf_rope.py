@@ -167,3 +167,15 @@ def test_model_config_validates_its_rope_fields():
                                                     "short_factor": [1.0] * 8,
                                                     "long_factor": [2.0] * 8}})
     assert ModelConfig.from_dict(saved.to_dict()) == saved  # what a manifest stores
+
+
+def test_fingerprints_change_only_where_the_new_fields_say_something():
+    """The flat form digests hash (`core.fingerprint`) holds rope_scaling and qkv_bias only when
+    they differ from what older configs meant, so existing bases keep their fingerprints."""
+    from tessera.core.flat_model_fields import flat_fields
+
+    plain = flat_fields(ModelConfig().to_dict())
+    assert "rope_scaling" not in plain and "qkv_bias" not in plain
+    scaled = flat_fields(ModelConfig.from_dict(
+        {"rope_scaling": {"type": "linear", "factor": 2.0}, "qkv_bias": True}).to_dict())
+    assert scaled["rope_scaling"]["factor"] == 2.0 and scaled["qkv_bias"] is True
