@@ -252,6 +252,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
 }
 PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
+# Llama 3.2 1B and Qwen2.5 0.5B at their real sizes (their config.json): tied output; Llama 3's
+# rope scaling; Qwen2's biases on q/k/v alone.
+PRESETS["llama3.2-1b"] = {
+    **_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "num_layers": 16, "num_heads": 32,
+    "num_kv_heads": 8, "head_dim": 64, "ffn_hidden_size": 8192, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0, "norm_eps": 1e-5, "tied_embeddings": True,
+    "rope_scaling": {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+PRESETS["qwen2.5-0.5b"] = {
+    **_LLAMA, "family": "qwen2", "vocab_size": 151936, "hidden_size": 896, "num_layers": 24,
+    "num_heads": 14, "num_kv_heads": 2, "ffn_hidden_size": 4864,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "norm_eps": 1e-6,
+    "tied_embeddings": True, "qkv_bias": True}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",
