@@ -135,3 +135,27 @@ def test_export_refuses_biases_qwen2_does_not_have(tmp_path):
         check_exportable(ModelConfig(family="qwen2", bias=True))
     with pytest.raises(ConversionError, match="qkv_bias must be False"):
         check_exportable(ModelConfig.from_name("qwen3-moe-tiny", qkv_bias=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharded_half_precision_files_import_exactly(tmp_path, dtype):
+    """A checkpoint as the Hub ships it: half precision, sharded behind
+    model.safetensors.index.json. Imported as stored, every tensor is HF's bit for bit; cast to
+    fp32 it gives the logits of transformers loading those files in fp32 (not of the model cast
+    back to fp32, whose rotary frequencies the half-precision cast has coarsened)."""
+    torch.manual_seed(0)
+    hf_model = check.perturbed(transformers.AutoModelForCausalLM.from_config(_hf_config("qwen2")))
+    hf_model.to(dtype).save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model = load_checkpoint(tmp_path / "ckpt")
+    assert model.tok_embeddings.weight.dtype == dtype
+    assert torch.equal(model.layers["1"].attention.wqkv.bias,
+                       torch.cat([hf_model.model.layers[1].self_attn.q_proj.bias,
+                                  hf_model.model.layers[1].self_attn.k_proj.bias,
+                                  hf_model.model.layers[1].self_attn.v_proj.bias]))
+    import_hf(tmp_path / "hf", tmp_path / "fp32", dtype="fp32")
+    tokens = check.ids(VOCAB, 16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32).eval()
+    assert check.logit_diff(reference, load_checkpoint(tmp_path / "fp32").eval(), tokens) <= 1e-4
