@@ -179,3 +179,22 @@ def test_fingerprints_change_only_where_the_new_fields_say_something():
     scaled = flat_fields(ModelConfig.from_dict(
         {"rope_scaling": {"type": "linear", "factor": 2.0}, "qkv_bias": True}).to_dict())
     assert scaled["rope_scaling"]["factor"] == 2.0 and scaled["qkv_bias"] is True
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL),
+    dict(rope_type="longrope", original_max_position_embeddings=ORIGINAL,
+         short_factor=[1.0, 1.2], long_factor=[1.0, 3.0]),
+])
+def test_partial_rotary_with_a_variant_matches(tmp_path, rope):
+    """Nemotron's partial rotary (half of each head rotates): the variant scales the rotated
+    dims only, its factors one per rotated pair, as transformers does."""
+    config = transformers.NemotronConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        partial_rotary_factor=0.5, rope_parameters={**rope, "rope_theta": 10000.0})
+    hf_model = check.perturbed(transformers.AutoModelForCausalLM.from_config(config))
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = load_checkpoint(import_hf(tmp_path / "hf", tmp_path / "ckpt")).eval()
+    assert (model.config.rotary_dim, model.config.rope_scaling.type) == (4, rope["rope_type"])
+    assert check.logit_diff(hf_model, model, check.ids(VOCAB, 40)) <= 1e-4
