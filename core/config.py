@@ -19,6 +19,7 @@ from tessera.core.expert_config import expert_layout_problems
 from tessera.core.flat_model_fields import FLAT_MOE, FLAT_OPTIONS, as_dict, nest_flat_fields
 from tessera.core.models.registry import family as model_family
 from tessera.core.moe.config import MoEConfig
+from tessera.core.rope_config import RopeScaling, rope_scaling_problems
 
 Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
@@ -48,7 +49,11 @@ class ModelConfig:
     position: Position = "rope"
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0  # share of each head's dims that rotate (Nemotron: 0.5)
+    # The RoPE variant (llama3, linear, dynamic, yarn, longrope) and its fields (core.rope_config).
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bias: bool = False  # biases on the linear layers (norms of layernorm kind always have one)
+    # Biases on the fused q/k/v projection alone (Qwen2): None means the same as `bias`.
+    qkv_bias: bool | None = None
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
@@ -64,6 +69,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -83,6 +90,15 @@ class ModelConfig:
             )
         if not isinstance(self.moe, MoEConfig):
             raise ConfigError(f"moe must be a MoEConfig (core.moe.config), got {self.moe!r}")
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(f"rope_scaling must be a RopeScaling (core.rope_config), got "
+                              f"{self.rope_scaling!r}")
+        if self.rope_scaling.type != "default" and self.position != "rope":
+            raise ConfigError(f"rope_scaling.type {self.rope_scaling.type!r} scales RoPE, but "
+                              f"position is {self.position!r}; set position='rope' or drop it")
+        problems = rope_scaling_problems(self.rope_scaling, self.rotary_dim)
+        if problems:
+            raise ConfigError("invalid rope_scaling: " + "; ".join(problems))
         self._check_options(model_family(self).options)
         problems = model_family(self).problems(self)  # what this family cannot take
         if problems:
@@ -134,6 +150,8 @@ class ModelConfig:
             raise ConfigError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
         if "moe" in data:
             data["moe"] = _sub_config(MoEConfig, data["moe"], "moe")
+        if "rope_scaling" in data:
+            data["rope_scaling"] = _sub_config(RopeScaling, data["rope_scaling"], "rope_scaling")
         if data.get("options") is not None and options is not None:
             data["options"] = _sub_config(options, data["options"], "options")
         return cls(**data)
@@ -147,7 +165,7 @@ class ModelConfig:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         data = {**PRESETS[name], "name": name}
         for key, value in overrides.items():
-            if key in ("moe", "options") and isinstance(value, dict):
+            if key in ("moe", "options", "rope_scaling") and isinstance(value, dict):
                 value = {**as_dict(data.get(key)), **value}
             data[key] = value
         return cls.from_dict(data)
@@ -158,8 +176,9 @@ class ModelConfig:
         `moe.<field>` and `options.<field>` (the family's options), and the flat names of older
         manifests (`num_experts`, `moe_top_k`, ...)."""
         types = {k: v for k, v in typing.get_type_hints(cls).items()
-                 if k not in ("moe", "options")}
-        subs = {"moe": MoEConfig, "options": model_family(family).options}
+                 if k not in ("moe", "options", "rope_scaling")}
+        subs = {"moe": MoEConfig, "options": model_family(family).options,
+                "rope_scaling": RopeScaling}
         for prefix, kind in subs.items():
             if kind is not None:
                 types.update({f"{prefix}.{k}": v for k, v in typing.get_type_hints(kind).items()})
@@ -233,6 +252,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "num_heads": 96, "ffn_hidden_size": 49152, "max_position_embeddings": 2048},
 }
 PRESETS["gpt2-124m"] = PRESETS["gpt2-small"]
+# Llama 3.2 1B and Qwen2.5 0.5B at their real sizes (their config.json): tied output; Llama 3's
+# rope scaling; Qwen2's biases on q/k/v alone.
+PRESETS["llama3.2-1b"] = {
+    **_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "num_layers": 16, "num_heads": 32,
+    "num_kv_heads": 8, "head_dim": 64, "ffn_hidden_size": 8192, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0, "norm_eps": 1e-5, "tied_embeddings": True,
+    "rope_scaling": {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+PRESETS["qwen2.5-0.5b"] = {
+    **_LLAMA, "family": "qwen2", "vocab_size": 151936, "hidden_size": 896, "num_layers": 24,
+    "num_heads": 14, "num_kv_heads": 2, "ffn_hidden_size": 4864,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "norm_eps": 1e-6,
+    "tied_embeddings": True, "qkv_bias": True}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",
@@ -246,8 +278,7 @@ PRESETS["t5-base"] = {**_T5, "vocab_size": 32128, "hidden_size": 768, "num_layer
                       "options": dict(num_decoder_layers=12)}
 PRESETS["gpt2-355m"] = PRESETS["gpt2-medium"]
 # Mixture-of-Experts (`MoEConfig` fields under "moe"): tiny sizes for tests, real ones (Mixtral
-# 8x7B, Qwen1.5-MoE-A2.7B) for planning. Qwen1.5-MoE's q/k/v biases (and no others) have no
-# Tessera equivalent: left out.
+# 8x7B, Qwen1.5-MoE-A2.7B, whose q/k/v projections alone have biases) for planning.
 _MIXTRAL_MOE = dict(num_experts=8, top_k=2, norm_topk=True, aux_loss_coef=0.02)
 _QWEN_MOE = dict(top_k=4, norm_topk=False, aux_loss_coef=0.001)
 _MIXTRAL = dict(_LLAMA, family="mixtral")
@@ -266,7 +297,7 @@ PRESETS.update({
     "qwen1.5-moe-a2.7b": {**_LLAMA, "family": "qwen2_moe", "vocab_size": 151936,
                           "hidden_size": 2048, "num_layers": 24, "num_heads": 16,
                           "ffn_hidden_size": 5632, "max_position_embeddings": 8192,
-                          "rope_theta": 1e6, "norm_eps": 1e-6,
+                          "rope_theta": 1e6, "norm_eps": 1e-6, "qkv_bias": True,
                           "moe": {**_QWEN_MOE, "num_experts": 60, "ffn_hidden_size": 1408,
                                   "shared_ffn_hidden_size": 5632}},
 })

@@ -13,6 +13,9 @@ import dataclasses
 from typing import Any
 
 from tessera.core.errors import ConfigError
+from tessera.core.rope_config import RopeScaling
+
+_PLAIN_ROPE = dataclasses.asdict(RopeScaling())
 
 # flat name -> `MoEConfig` field
 FLAT_MOE: dict[str, str] = {
@@ -68,8 +71,13 @@ def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig.to_dict()` output in the flat form (what `to_dict` wrote before the
     sub-configs: every MoE field under its flat name, every family option present, with the
     flat default where the family has no such option). Digests of a config hash this form,
-    so they stay what they were (`core.fingerprint`)."""
+    so they stay what they were (`core.fingerprint`): the fields added since (`rope_scaling`,
+    `qkv_bias`) appear only where they say something the older fields do not."""
     out = {k: v for k, v in data.items() if k not in ("moe", "options")}
+    if as_dict(out.get("rope_scaling")) in ({}, _PLAIN_ROPE):
+        out.pop("rope_scaling", None)
+    if out.get("qkv_bias") in (None, out.get("bias")):
+        out.pop("qkv_bias", None)
     moe = as_dict(data.get("moe"))
     out.update({flat: moe[name] for flat, name in FLAT_MOE.items() if name in moe})
     options = as_dict(data.get("options"))

@@ -12,6 +12,7 @@ from typing import Any
 
 from tessera.core.config import PRESETS, ConfigError, ModelConfig
 from tessera.core.field_values import coerce_field
+from tessera.core.models.registry import registered
 from tessera.core.units import human_count
 
 DEFAULT_PRESET = "llama-demo"
@@ -84,15 +85,17 @@ def preset_rows() -> list[tuple[str, ...]]:
 
 
 def presets_table() -> str:
-    """Every preset with its sizes, as aligned text columns under a header."""
+    """Every preset with its sizes, as aligned text columns under a header, then the
+    families."""
     rows = [COLUMNS, *preset_rows()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + ("\n\nUse one with --model NAME; change any field with "
-                               "--model-overrides KEY=VALUE.")
+    families = ", ".join(registered())
+    return "\n".join(lines) + (f"\n\nFamilies: {families}.\nUse one with --model NAME; change "
+                               "any field with --model-overrides KEY=VALUE.")
 
 
 def main(argv: list[str]) -> int:

@@ -4,12 +4,15 @@ a Llama with an optional sliding window, accepted only when the window covers ev
 Also the Llama-like pieces the other RoPE decoders build on (Nemotron, Qwen3, the MoE
 families): the attention/norm/embedding name map, the shared config fields and RoPE. q/k/v are
 stacked into the fused `attention.wqkv`, gate/up into the fused SwiGLU `feed_forward.w1`; the
-split sizes on the way back come from `sharding.shard_spec`. Rope scaling, a real sliding
-window and separate attention/MLP bias flags are errors that name the field.
+split sizes on the way back come from `sharding.shard_spec`. The RoPE variants (llama3, linear,
+dynamic, yarn, longrope) are read as transformers reads them (`rope_parameters`); an unknown
+variant or rope key, a real sliding window and separate attention/MLP bias flags are errors
+that name the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tessera.converters.hf.family import (
@@ -21,6 +24,7 @@ from tessera.converters.hf.family import (
     with_shared_fields,
 )
 from tessera.core.config import ModelConfig
+from tessera.core.rope_config import ROPE_TYPES, RopeScaling, rope_scaling_problems
 
 LLAMA_LIKE: NameMap = {
     "tok_embeddings.weight": ("model.embed_tokens.weight",),
@@ -55,19 +59,66 @@ ROTARY_BUFFERS = r"\.rotary_emb\.inv_freq$"
 
 
 
-def rope(hf: dict[str, Any], default_fraction: float) -> tuple[float, float]:
-    """(rope_theta, partial rotary fraction) from transformers v5 `rope_parameters` or the
-    older top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` fields."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConversionError(f"rope scaling type {kind!r} is not supported (only plain RoPE); "
-                              "the Tessera model has no scaled rotary embedding")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor",
-                                                          default_fraction))
-    return float(theta), float(fraction)
+# The rope-parameter keys transformers reads; any other key is refused (never ignored).
+_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+_ROPE_FIELDS = tuple(f.name for f in dataclasses.fields(RopeScaling) if f.name != "type")
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rope parameters of a config.json as transformers standardizes them: v5's
+    `rope_parameters` or v4's `rope_scaling` (which wins when both are set), the top-level
+    `rope_theta` / `partial_rotary_factor` as defaults, `rope_type` from the older `type`, and
+    for llama3/yarn/longrope an `original_max_position_embeddings` taken from the top level when
+    the config has one there (Phi-3), else from the dict, else `max_position_embeddings`."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if hf.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        if hf.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
+    return params
+
+
+def rope(hf: dict[str, Any], default_fraction: float) -> tuple[float, float, RopeScaling]:
+    """(rope_theta, partial rotary fraction, the RoPE variant) of a config.json; a variant or
+    a key Tessera does not compute is a ConversionError naming it and what is supported."""
+    params = rope_parameters(hf)
+    kind = params["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise ConversionError(f"{hf.get('model_type')} config: rope type {kind!r} is not "
+                              f"supported (supported: {', '.join(ROPE_TYPES)})")
+    unknown = sorted(set(params) - set(_ROPE_KEYS) - set(_ROPE_FIELDS))
+    if unknown:
+        raise ConversionError(
+            f"{hf.get('model_type')} config: rope parameter {unknown[0]}="
+            f"{params[unknown[0]]!r} is not supported (the keys Tessera reads: "
+            f"{', '.join(_ROPE_KEYS + _ROPE_FIELDS)})")
+    fields = {k: params[k] for k in _ROPE_FIELDS if params.get(k) is not None}
+    for name in ("short_factor", "long_factor"):
+        if name in fields:
+            fields[name] = [float(v) for v in fields[name]]
+    try:
+        scaling = RopeScaling(type=kind, **fields)
+        fraction = params.get("partial_rotary_factor", default_fraction)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        problems = rope_scaling_problems(scaling, int(head_dim * fraction))
+    except TypeError as e:
+        raise ConversionError(f"{hf.get('model_type')} config: bad rope parameters: {e}") from e
+    if problems:
+        raise ConversionError(f"{hf.get('model_type')} config: " + "; ".join(problems))
+    return float(params["rope_theta"]), float(fraction), scaling
+
+
+def rope_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The `rope_parameters` of a config.json for `c` (its set fields only, as transformers
+    writes them)."""
+    fields = {k: v for k, v in dataclasses.asdict(c.rope_scaling).items()
+              if k != "type" and v is not None}
+    return {"rope_type": c.rope_scaling.type, "rope_theta": c.rope_theta, **fields}
 
 
 def llama_like_fields(hf: dict[str, Any], default_fraction: float) -> dict[str, Any]:
@@ -77,14 +128,15 @@ def llama_like_fields(hf: dict[str, Any], default_fraction: float) -> dict[str, 
         raise ConversionError(
             f"{hf['model_type']} config: attention_bias={attention_bias} but mlp_bias={mlp_bias}; "
             "Tessera has one `bias` flag for every linear layer, so both must be equal")
-    theta, fraction = rope(hf, default_fraction)
+    theta, fraction, scaling = rope(hf, default_fraction)
     return dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf["max_position_embeddings"], position="rope",
-        rope_theta=theta, rotary_fraction=fraction, bias=bool(attention_bias),
+        rope_theta=theta, rotary_fraction=fraction, rope_scaling=scaling,
+        bias=bool(attention_bias),
         tied_embeddings=hf.get("tie_word_embeddings", False),
         dropout=hf.get("attention_dropout", 0.0), init_std=hf.get("initializer_range", 0.02))
 
@@ -117,9 +169,8 @@ def rope_decoder_fields(c: ModelConfig, architecture: str, hidden_act: str) -> d
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
-    rope_fields = {"rope_type": "default", "rope_theta": c.rope_theta}
     fields = {**rope_decoder_fields(c, "LlamaForCausalLM", "silu"),
-              "rope_parameters": rope_fields, "rope_theta": c.rope_theta,
+              "rope_parameters": rope_to_hf(c), "rope_theta": c.rope_theta,
               "rms_norm_eps": c.norm_eps}  # top-level keys: for v4
     return with_shared_fields(fields, c, **shared)
 

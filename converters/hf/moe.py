@@ -18,8 +18,8 @@ transformers 5.x `save_pretrained` writes, and what every version loads):
   Tessera's `w1` and `w2` as they are. Mixtral's router is then `mlp.gate.weight`.
 So both directions remain pure re-arrangements: HF -> Tessera -> HF is bit-identical.
 
-Config fields Tessera cannot compute exactly are errors that name the field: Mixtral's router
-jitter noise, Qwen's q/k/v-only biases (Tessera has one bias flag for every linear layer), its
+Qwen2-MoE's `qkv_bias` (biases on q/k/v alone) is `ModelConfig.qkv_bias`. Config fields Tessera
+cannot compute exactly are errors that name the field: Mixtral's router jitter noise, Qwen's
 `mlp_only_layers` and sliding windows (Qwen3-MoE's `mlp_only_layers` converts only when it
 names layers that are dense anyway: Tessera places MoE layers only by `decoder_sparse_step`,
 its `moe.layer_freq`). Qwen's dense layers (`decoder_sparse_step > 1`) use the
@@ -49,7 +49,8 @@ from tessera.converters.hf.family import (
     require,
     with_shared_fields,
 )
-from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_config
+from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_config, rope_to_hf
+from tessera.converters.hf.qwen2 import full_attention_only
 from tessera.converters.hf.qwen3 import QK_NORM_NAMES, qwen3_base
 from tessera.core.config import ModelConfig
 from tessera.core.moe.config import MoEConfig
@@ -126,14 +127,11 @@ def _pairs(names: NameMap) -> Callable[[ModelConfig, Set[str] | None], TensorPai
 # ------------------------------------------------------------------------------------ config
 
 
-def _moe_base(hf: dict[str, Any]) -> dict[str, Any]:
-    qkv_bias = hf.get("qkv_bias", False)
-    config = llama_config({**hf, "attention_bias": qkv_bias, "mlp_bias": qkv_bias})
-    if config.bias:
-        raise ConversionError(f"{hf['model_type']} config: qkv_bias=True puts biases on q/k/v "
-                              "only; Tessera has one bias flag for every linear layer, so only "
-                              "qkv_bias=False converts")
-    return {**config.to_dict(), "name": hf["model_type"], "family": hf["model_type"]}
+def _moe_base(hf: dict[str, Any], qkv_bias: bool = False) -> dict[str, Any]:
+    """The Llama-like fields of an MoE config.json; `qkv_bias`: biases on q/k/v alone."""
+    config = llama_config({**hf, "attention_bias": False, "mlp_bias": False})
+    return {**config.to_dict(), "name": hf["model_type"], "family": hf["model_type"],
+            "qkv_bias": qkv_bias}
 
 
 def _mixtral_config(hf: dict[str, Any]) -> ModelConfig:
@@ -146,7 +144,7 @@ def _mixtral_config(hf: dict[str, Any]) -> ModelConfig:
 
 def _qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
     require(hf, "mlp_only_layers", ([], None), [])
-    require(hf, "use_sliding_window", (False, None), False)
+    full_attention_only(hf)
     moe = MoEConfig(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                     ffn_hidden_size=hf["moe_intermediate_size"],
                     shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or 0,
@@ -154,7 +152,9 @@ def _qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
                     norm_topk=bool(hf.get("norm_topk_prob", False)),
                     aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                     aux_loss_pooling=HF_AUX_LOSS_POOLING)
-    return ModelConfig.from_dict({**_moe_base({**hf, "sliding_window": None}), "moe": moe})
+    qkv_bias = bool(hf.get("qkv_bias", False))
+    return ModelConfig.from_dict({**_moe_base({**hf, "sliding_window": None}, qkv_bias),
+                                  "moe": moe})
 
 
 def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
@@ -176,7 +176,7 @@ def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_dict({**qwen3_base(hf), "moe": moe})
 
 
-def _common_problems(c: ModelConfig, qk_norm: bool) -> list[str]:
+def _common_problems(c: ModelConfig, qk_norm: bool, qkv_bias: bool = False) -> list[str]:
     """What keeps `c` from being any of these HF MoE models (empty: nothing)."""
     out = []
     if c.moe.num_experts == 0:
@@ -190,6 +190,8 @@ def _common_problems(c: ModelConfig, qk_norm: bool) -> list[str]:
         out.append("router must be softmax, dropless, without expert bias or z-loss")
     if c.qk_norm != qk_norm:  # Qwen3's per-head q/k norm (core.qk_norm)
         out.append(f"qk_norm must be {qk_norm} for {c.family}")
+    if c.qkv_bias and not qkv_bias:
+        out.append(f"{c.family} has no q/k/v biases: qkv_bias must be False")
     return out
 
 
@@ -213,10 +215,10 @@ def _qwen3_moe_problems(c: ModelConfig) -> list[str]:
     return []
 
 
-def _checker(qk_norm: bool, problems: Callable[[ModelConfig], list[str]]
+def _checker(qk_norm: bool, problems: Callable[[ModelConfig], list[str]], qkv_bias: bool
              ) -> Callable[[ModelConfig], None]:
     def check(c: ModelConfig) -> None:
-        found = _common_problems(c, qk_norm) + problems(c)
+        found = _common_problems(c, qk_norm, qkv_bias) + problems(c)
         if found:
             raise ConversionError(f"this {c.family} model cannot be written as a Hugging Face "
                                   f"{c.family} model: {'; '.join(found)}")
@@ -225,7 +227,7 @@ def _checker(qk_norm: bool, problems: Callable[[ModelConfig], list[str]]
 
 def _common_fields(c: ModelConfig) -> dict[str, Any]:
     """The `config.json` fields every MoE family writes alike."""
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    rope = rope_to_hf(c)
     return dict(
         model_type=c.family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
@@ -246,7 +248,7 @@ def _qwen2_moe_fields(c: ModelConfig) -> dict[str, Any]:
                 moe_intermediate_size=c.moe.ffn_hidden_size or c.ffn_hidden_size,
                 shared_expert_intermediate_size=c.moe.shared_ffn_hidden_size,
                 decoder_sparse_step=c.moe.layer_freq, mlp_only_layers=[],
-                norm_topk_prob=c.moe.norm_topk, qkv_bias=False, use_sliding_window=False)
+                norm_topk_prob=c.moe.norm_topk, qkv_bias=c.qkv_bias, use_sliding_window=False)
 
 
 def _qwen3_moe_fields(c: ModelConfig) -> dict[str, Any]:
@@ -265,9 +267,11 @@ def _writer(fields: Callable[[ModelConfig], dict[str, Any]]) -> Callable[..., di
 
 def _moe_family(family: str, config_from_hf: Callable[[dict[str, Any]], ModelConfig],
                 names: NameMap, qk_norm: bool, problems: Callable[[ModelConfig], list[str]],
-                fields: Callable[[ModelConfig], dict[str, Any]]) -> HfFamily:
+                fields: Callable[[ModelConfig], dict[str, Any]],
+                qkv_bias: bool = False) -> HfFamily:
     return HfFamily(family=family, config_from_hf=config_from_hf,
-                    check_exportable=_checker(qk_norm, problems), config_to_hf=_writer(fields),
+                    check_exportable=_checker(qk_norm, problems, qkv_bias),
+                    config_to_hf=_writer(fields),
                     name_map=names, pairs=_pairs(names), ignored=ROTARY_BUFFERS,
                     fp8_refusal="its experts are grouped weights, not the linears the FP8 "
                                 "loaders quantize")
@@ -276,6 +280,6 @@ def _moe_family(family: str, config_from_hf: Callable[[dict[str, Any]], ModelCon
 MIXTRAL = _moe_family("mixtral", _mixtral_config, _MIXTRAL_NAMES, False, _mixtral_problems,
                       _mixtral_fields)
 QWEN2_MOE = _moe_family("qwen2_moe", _qwen2_moe_config, _QWEN2_MOE_NAMES, False,
-                        _qwen2_moe_problems, _qwen2_moe_fields)
+                        _qwen2_moe_problems, _qwen2_moe_fields, qkv_bias=True)
 QWEN3_MOE = _moe_family("qwen3_moe", _qwen3_moe_config, _QWEN3_MOE_NAMES, True,
                         _qwen3_moe_problems, _qwen3_moe_fields)

@@ -12,6 +12,7 @@ from tessera.converters.hf.llama import (
     ROTARY_BUFFERS,
     llama_like_fields,
     rope_decoder_fields,
+    rope_to_hf,
 )
 from tessera.core.config import ModelConfig
 
@@ -24,8 +25,7 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
-    rope_fields = {"rope_type": "default", "rope_theta": c.rope_theta,
-                   "partial_rotary_factor": c.rotary_fraction}
+    rope_fields = {**rope_to_hf(c), "partial_rotary_factor": c.rotary_fraction}
     fields = {**rope_decoder_fields(c, "NemotronForCausalLM", "relu2"),
               "rope_parameters": rope_fields, "rope_theta": c.rope_theta,
               "partial_rotary_factor": c.rotary_fraction,

@@ -20,7 +20,13 @@ from tessera.converters.hf.family import (
     require,
     with_shared_fields,
 )
-from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, SWIGLU_MLP, llama_config
+from tessera.converters.hf.llama import (
+    LLAMA_LIKE,
+    ROTARY_BUFFERS,
+    SWIGLU_MLP,
+    llama_config,
+    rope_to_hf,
+)
 from tessera.core.config import ModelConfig
 
 QK_NORM_NAMES: dict[str, tuple[str, ...]] = {
@@ -50,7 +56,7 @@ def qwen3_config(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    rope = rope_to_hf(c)
     fields = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=c.vocab_size,
                   hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,

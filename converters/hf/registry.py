@@ -15,6 +15,7 @@ _FAMILIES: dict[str, str] = {
     "gpt2": _P + "gpt2:GPT2",
     "llama": _P + "llama:LLAMA",
     "nemotron": _P + "nemotron:NEMOTRON",
+    "qwen2": _P + "qwen2:QWEN2",
     "qwen3": _P + "qwen3:QWEN3",
     "mixtral": _P + "moe:MIXTRAL",
     "qwen2_moe": _P + "moe:QWEN2_MOE",
@@ -27,7 +28,8 @@ _FAMILIES: dict[str, str] = {
 # list them).
 _MODEL_TYPES: dict[str, str] = {
     "gpt2": "gpt2", "llama": "llama", "mistral": "llama", "nemotron": "nemotron", "t5": "t5",
-    "bert": "bert", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
+    "bert": "bert", "mixtral": "mixtral", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
+    "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
 }
 

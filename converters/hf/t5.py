@@ -4,11 +4,17 @@
 splits and pipeline split of T5 weights live in `core.models.t5.sharding`).
 
 Config: `feed_forward_proj` "gated-gelu" (v1.1, `activation="geglu"`: transformers' gelu_new is
-the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and scaled
-by d_model ** -0.5 is one question in the original T5 and v1.1 alike: transformers v5 records it
-as `scale_decoder_outputs` (and always writes `tie_word_embeddings: true`), v4 as
-`tie_word_embeddings`. So `options.scaled_output = tied_embeddings = that flag`. Other activations
-(gated-silu, ...) are refused, as is `options.num_decoder_layers` 0.
+the tanh GELU) or "relu" (the original). Whether the output is tied to the embedding and whether
+the decoder output is scaled by d_model ** -0.5 are two facts:
+- scaled (`options.scaled_output`): transformers v5's `scale_decoder_outputs`; a v4 config has
+  only `tie_word_embeddings`, which meant both;
+- tied (`tied_embeddings`): v5 ties every T5 in memory (it always writes `tie_word_embeddings:
+  true`) and stores `lm_head.weight` only when it differs from the embedding, so the files say
+  it: tied when they hold no `lm_head.weight`, else untied (`_tied_from_weights`). A v4 config's
+  `tie_word_embeddings: false` with no `lm_head.weight` reads tied too, as v5 loads it.
+The export writes both (`tie_word_embeddings`, `scale_decoder_outputs`) and `lm_head.weight`
+only when untied. Other activations (gated-silu, ...) are refused, as is
+`options.num_decoder_layers` 0.
 
 Tensors: q/k/v are stacked into `attention.wqkv`, cross-attention k/v into `wkv`, gated
 `wi_0`/`wi_1` into `feed_forward.w1` ([gate; up]); the relative position bias of block 0 of
@@ -67,7 +73,10 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("num_decoder_layers") == 0:
         raise ConversionError("t5 config: num_decoder_layers=0 (an encoder only) is not a "
                               "T5ForConditionalGeneration")
-    tied = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
+    v4_tied = bool(hf.get("tie_word_embeddings", True))
+    scaled = bool(hf.get("scale_decoder_outputs", v4_tied))
+    # v5 always writes tie_word_embeddings true: there the weights decide (`_tied_from_weights`).
+    tied = v4_tied if "scale_decoder_outputs" not in hf else False
     layers = hf.get("num_layers", 6)
     start = hf.get("decoder_start_token_id")
     return ModelConfig(
@@ -79,7 +88,7 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         dropout=hf.get("dropout_rate", 0.0),
         init_std=hf.get("initializer_factor", 1.0) * 0.05,
         options=T5Options(
-            num_decoder_layers=hf.get("num_decoder_layers") or layers, scaled_output=tied,
+            num_decoder_layers=hf.get("num_decoder_layers") or layers, scaled_output=scaled,
             relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
             relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
             decoder_start_token_id=hf.get("pad_token_id", 0) if start is None else start))
@@ -87,10 +96,8 @@ def _config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def _check_exportable(config: ModelConfig) -> None:
     """Raise ConversionError when `config` computes what no transformers T5 does."""
-    want = dict(norm="rmsnorm", position="relative", bias=False,
-                scaled_output=config.tied_embeddings, num_kv_heads=config.num_heads)
-    have = {**dataclasses.asdict(config.options), **{k: getattr(config, k) for k in want
-                                                    if k != "scaled_output"}}
+    want = dict(norm="rmsnorm", position="relative", bias=False, num_kv_heads=config.num_heads)
+    have = {**dataclasses.asdict(config.options), **{k: getattr(config, k) for k in want}}
     clash = {k: have[k] for k, v in want.items() if have[k] != v}
     if config.activation not in ("geglu", "relu"):
         clash["activation"] = config.activation
@@ -150,6 +157,14 @@ def _unread(config: ModelConfig) -> set[str]:
     return out
 
 
+def _tied_from_weights(config: ModelConfig, hf_names: Set[str]) -> ModelConfig:
+    """`config` tied when the files hold no `lm_head.weight` (transformers v5 then ties it to
+    the embedding in memory), untied when they hold one and the config did not say tied."""
+    tied = config.tied_embeddings or "lm_head.weight" not in hf_names
+    return dataclasses.replace(config, tied_embeddings=tied)
+
+
 T5 = HfFamily(
     family="t5", config_from_hf=_config_from_hf, check_exportable=_check_exportable,
-    config_to_hf=_config_to_hf, pairs=_tensor_pairs, unread=_unread)
+    config_to_hf=_config_to_hf, pairs=_tensor_pairs, unread=_unread,
+    from_weights=_tied_from_weights)

@@ -17,6 +17,7 @@ FAMILIES: dict[str, str] = {
     "gpt2": f"{_DECODER}:GPT2",
     "llama": f"{_DECODER}:LLAMA",
     "nemotron": f"{_DECODER}:NEMOTRON",
+    "qwen2": f"{_DECODER}:QWEN2",
     "qwen3": f"{_DECODER}:QWEN3",
     "mixtral": f"{_DECODER}:MIXTRAL",
     "qwen2_moe": f"{_DECODER}:QWEN2_MOE",

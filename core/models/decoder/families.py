@@ -29,6 +29,8 @@ GPT2 = decoder_family("gpt2", traits=dict(norm="layernorm", position="learned", 
 LLAMA = decoder_family("llama", traits=_LLAMA)
 NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation="squared_relu",
                                                   position="rope"))
+# Qwen2 / Qwen2.5: biases on q/k/v only.
+QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
 QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)

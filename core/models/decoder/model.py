@@ -40,6 +40,7 @@ from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
 from tessera.core.qk_norm import HeadNorm
+from tessera.core.rope_scaling import rotary_angles
 from tessera.core.stage import init_stage
 
 
@@ -68,23 +69,26 @@ def make_norm(config: ModelConfig, sequence_parallel: bool) -> nn.Module:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half convention) over the first `rotary_dim` dims.
+    """Rotary position embedding (rotate-half convention) over the first `rotary_dim` dims,
+    scaled as `config.rope_scaling` says (`core.rope_scaling`).
 
     The frequencies are computed in fp32 on every call (a few dozen numbers) rather than kept
-    as a buffer, so casting the model to bf16 can never coarsen the angles.
+    as a buffer, so casting the model to bf16 can never coarsen the angles, and the variants
+    that depend on the sequence length see each call's.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.dim, self.theta = config.rotary_dim, config.rope_theta
+        self.config = config
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and sin of shape `(B, 1, T, rotary_dim)` for integer `positions (B, T)`."""
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=positions.device)
-        inv_freq = 1.0 / (self.theta ** (exponents / self.dim))
+        inv_freq, scale = rotary_angles(self.config, positions)  # (B, 1, rotary_dim / 2)
         freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if scale == 1.0:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 class Attention(nn.Module):
@@ -99,7 +103,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv = config.num_heads // tp, local_kv_heads(config, tp)
         self.dropout, self.selective_recompute = config.dropout, selective_recompute
         qkv_rows = local_shape(f"layers.{layer}.attention.wqkv.weight", config, tp)[0]
-        self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.bias,
+        self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.qkv_bias,
                                          groups.tp_group, sp)
         self.wo = RowParallelLinear(self.n_heads * self.head_dim, config.hidden_size, config.bias,
                                     groups.tp_group, sp)

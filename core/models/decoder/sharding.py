@@ -30,9 +30,9 @@ def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.position == "learned":
         shapes["pos_embeddings.weight"] = (config.max_position_embeddings, c)
 
-    def linear(prefix: str, out_f: int, in_f: int) -> None:
+    def linear(prefix: str, out_f: int, in_f: int, bias: bool = config.bias) -> None:
         shapes[f"{prefix}.weight"] = (out_f, in_f)
-        if config.bias:
+        if bias:
             shapes[f"{prefix}.bias"] = (out_f,)
 
     def norm(prefix: str) -> None:
@@ -40,7 +40,7 @@ def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     for i in range(config.num_layers):
         norm(f"layers.{i}.attention_norm")
-        linear(f"layers.{i}.attention.wqkv", qkv_rows, c)
+        linear(f"layers.{i}.attention.wqkv", qkv_rows, c, config.qkv_bias)
         linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
         if config.qk_norm:  # Qwen3 per-head q/k RMSNorm (core.qk_norm): replicated over tp
             shapes[f"layers.{i}.attention.q_norm.weight"] = (hd,)

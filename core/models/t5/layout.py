@@ -85,9 +85,6 @@ def t5_model_problems(config: ModelConfig) -> list[str]:
             "bias": (False,), "num_kv_heads": (config.num_heads,)}
     out = [f"T5 takes {field} in {list(allowed)}, got {getattr(config, field)!r}"
            for field, allowed in want.items() if getattr(config, field) not in allowed]
-    if config.options.scaled_output and not config.tied_embeddings:
-        out.append("scaled_output (the original T5's hidden_size ** -0.5 before the output) "
-                   "goes with tied_embeddings; set both or neither")
     if decoder_layers(config) < 1 or config.num_layers < 1:
         out.append(f"T5 needs encoder and decoder layers, got {config.num_layers} and "
                    f"{decoder_layers(config)}")

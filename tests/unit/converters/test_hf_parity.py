@@ -265,9 +265,11 @@ def test_config_fields_and_their_errors():
     assert config_from_hf({**nemotron, "partial_rotary_factor": 0.25}).rotary_fraction == 0.25
     assert config_from_hf(nemotron).rotary_fraction == 0.5  # transformers' Nemotron default
     cases = {
-        "rope scaling type 'llama3'": {"rope_parameters": {"rope_type": "llama3",
-                                                           "rope_theta": 1.0, "factor": 8.0}},
-        "'linear'": {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2}},
+        # (llama3, linear, dynamic, yarn, longrope are read: test_hf_rope.py)
+        "rope type 'proportional'": {"rope_parameters": {"rope_type": "proportional",
+                                                         "rope_theta": 1.0, "factor": 8.0}},
+        "'linear' needs rope_scaling.factor": {"rope_parameters": None,
+                                               "rope_scaling": {"type": "linear"}},
         "mlp_bias=False": {"attention_bias": True},
         "hidden_act='gelu'": {"hidden_act": "gelu"},
     }

@@ -40,7 +40,7 @@ def test_a_family_without_a_mapping_is_refused_naming_those_with_one(monkeypatch
                          position="rope", vocab_size=64, hidden_size=32, num_layers=2,
                          num_heads=4, max_position_embeddings=16)
     with pytest.raises(ConversionError, match=r"family 'nemotron' has no Hugging Face mapping; "
-                                              r"families with one: gpt2, llama, qwen3"):
+                                              r"families with one: gpt2, llama, qwen2, qwen3"):
         config_to_hf(config)
 
 

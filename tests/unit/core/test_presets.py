@@ -29,3 +29,20 @@ def test_bad_model_fields_are_one_line_errors(spec, overrides, message):
     with pytest.raises(ConfigError, match=message):
         model_from_spec(spec, None, overrides)
 
+
+
+def test_real_size_presets_of_llama3_2_and_qwen2_5_and_the_families_listed():
+    """The presets hold the published parameter counts of their Hugging Face config.json."""
+    from tessera.core.parallel.sharding import num_parameters
+    from tessera.core.presets import presets_table
+
+    llama = ModelConfig.from_name("llama3.2-1b")
+    assert (llama.rope_scaling.type, llama.rope_scaling.factor, llama.tied_embeddings) == (
+        "llama3", 32.0, True)
+    assert num_parameters(llama) == 1_235_814_400
+    qwen = ModelConfig.from_name("qwen2.5-0.5b")
+    assert (qwen.family, qwen.qkv_bias, qwen.bias, qwen.tied_embeddings) == (
+        "qwen2", True, False, True)
+    assert num_parameters(qwen) == 494_032_768
+    table = presets_table()
+    assert "llama3.2-1b" in table and "Families: gpt2, llama, nemotron, qwen2," in table
