@@ -48,3 +48,37 @@ def test_the_server_answers_as_its_openapi_document_says(case):
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 def test_the_openapi_document_holds_under_a_long_run(case):
     _check(case)
+
+
+# The document and the server agree on each of these bodies: both refuse it (the schema says
+# why, and the server answers 400), where once one of them took it.
+DISAGREED = [
+    ("post", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": ""}),
+    ("put", "/api", {"prompts": ["hi"], "tokens_to_generate": 1, "cache_salt": ""}),
+    ("post", "/v2/models/{model}/generate", {"text_input": "hi", "max_tokens": 1,
+                                             "cache_salt": ""}),
+    ("post", "/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                           "add_generation_prompt": False}),
+    ("post", "/detokenize", {"tokens": [1, -1]}),
+    ("post", "/v2/models/{model}/generate_stream",
+     {"text_input": "hi", "max_tokens": 1, "embedding_bias_words": [""] * 17}),
+    ("post", "/v2/models/{model}/generate", {"text_input": "hi", "max_tokens": 1,
+                                             "stop_words": [""] * 17}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), DISAGREED)
+def test_the_document_and_the_server_refuse_the_same_bodies(method, path, body):
+    import jsonschema
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as client:
+        doc = client.get("/openapi.json", headers=HEADERS).json()
+        schema = doc["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+        validator = jsonschema.Draft202012Validator({**schema, "components": doc["components"]})
+        assert not validator.is_valid(body), "the document accepts it"
+        r = client.request(method.upper(), path.replace("{model}", "fake"), json=body,
+                           headers=HEADERS)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert list(body)[-1] in (error["message"] if isinstance(error, dict) else error)
