@@ -5,7 +5,8 @@ answer, or lm-eval's `token_logprobs[ctxlen:-1]` drops the last continuation tok
 
 A tiny Llama is edited so that EOS wins by a wide margin everywhere (a constant direction in
 every embedding, read by EOS's output row), exported to Hugging Face, and given a PEFT adapter
-(random nonzero B plus two Adam steps). References: transformers on the export for the base,
+on every linear with random nonzero A and B (no training steps: training on ordinary text would
+teach it to undo the edit). References: transformers on the export for the base,
 peft's `PeftModel` for the adapter (served by its name). Every log-likelihood lm-eval reports,
 multiple-choice and rolling, equals the reference within 1e-4.
 """
@@ -76,13 +77,14 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("eos-first")
     tokenizer = train_tiny_tokenizer(root)
     model = build_model(CONFIG, seed=0)
+    torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
         # Dimension 0 of the residual stream is large and positive at every position, and EOS's
         # output row reads it: EOS is the argmax after any context (checked below).
-        model.tok_embeddings.weight[:, 0] += 1.0
-        model.output.weight[tokenizer.eos_id, 0] = 1.5
+        model.tok_embeddings.weight[:, 0] += 3.0
+        model.output.weight[tokenizer.eos_id, 0] = 2.5
     ckpt = save_checkpoint(root / "ckpt", model, tokenizer=root / "tokenizer.model")
     export_hf(ckpt, root / "hf")
     torch.manual_seed(3)
@@ -91,12 +93,6 @@ def world(tmp_path_factory):
         transformers.AutoModelForCausalLM.from_pretrained(root / "hf"),
         peft.LoraConfig(r=4, lora_alpha=16, target_modules=PEFT_TARGETS,
                         init_lora_weights=False, task_type="CAUSAL_LM"))
-    optimizer = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(4))
-    for _ in range(2):
-        optimizer.zero_grad()
-        pm(ids, labels=ids).loss.backward()
-        optimizer.step()
     pm.save_pretrained(root / "peft")
     return dict(ckpt=ckpt, tokenizer=tokenizer, hf=hf, peft=root / "peft", pm=pm.eval())
 
@@ -143,16 +139,19 @@ def test_lm_eval_loglikelihoods_equal_the_reference_when_eos_comes_next(world, u
     tokenizer = world["tokenizer"]
     forward = world["hf"] if served == "tessera" else world["pm"]
     samples = _evaluate(url, served, tmp_path)
-    checked = 0
+    checked, adapter_effect = 0, 0.0
     for sample in samples["eos_mc"]:
         for (context, choice), resp in zip(sample["arguments"], sample["resps"]):
             # lm-eval's split: the context alone, then the rest of context + choice.
             whole, ctx = tokenizer.encode(context + choice), tokenizer.encode(context)
             expected, next_token = _score(forward, ctx, whole[len(ctx):])
-            assert next_token == tokenizer.eos_id  # the request ends on EOS
+            assert next_token == tokenizer.eos_id, (context, choice)  # the request ends on EOS
+            adapter_effect = max(adapter_effect,
+                                 abs(expected - _score(world["hf"], ctx, whole[len(ctx):])[0]))
             assert abs(resp[0][0] - expected) < 1e-4, (served, context, choice, resp, expected)
             checked += 1
     assert checked == 12
+    assert (adapter_effect > 0.1) == (served == "pf")  # the adapter changes the scores
     # Rolling: one window per (short) document, scored after lm-eval's prefix token (BOS).
     for sample in samples["eos_rolling"]:
         (text,) = sample["arguments"][0][:1]
