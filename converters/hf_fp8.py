@@ -95,11 +95,11 @@ def check_fp8_exportable(config: ModelConfig, spec: Fp8Export) -> None:
             f"{config.family!r}: {family.fp8_refusal}; export it without --fp8")
     if spec.block_shape is None:
         return
-    for name, targets in tensor_pairs(config):
-        if quantizable(name):
-            meta = torch.empty(global_param_shapes(config)[name], device="meta")
-            for hf_name, part in hf_parts(config, name, meta, targets):
-                check_blocks(part.shape, spec.block_shape, hf_name)
+    parts = [(hf_name, part.shape) for name, targets in tensor_pairs(config) if quantizable(name)
+             for hf_name, part in hf_parts(config, name, torch.empty(
+                 global_param_shapes(config)[name], device="meta"), targets)]
+    for hf_name, shape in parts:
+        check_blocks(shape, spec.block_shape, hf_name, [s for _, s in parts])
 
 
 def _module(hf_name: str) -> str:

@@ -20,6 +20,9 @@ dequantizes the weight for each product. `_scaled_mm` also runs on CPU when aske
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,17 +37,32 @@ E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 Block = tuple[int, int]  # (rows, columns) of one scale block of a 2-D weight
 
 
-def check_blocks(shape: tuple[int, ...] | torch.Size, block: Block, name: str = "weight") -> None:
+def fitting_blocks(shapes: Iterable[tuple[int, ...] | torch.Size], below: int) -> list[int]:
+    """The (at most three) largest square block sizes under `below` that divide every
+    dimension of every 2-D shape in `shapes`, largest first; [] when only 1 does."""
+    common = math.gcd(*(d for shape in shapes for d in shape))
+    return [b for b in range(min(common, below - 1), 1, -1) if common % b == 0][:3]
+
+
+def check_blocks(shape: tuple[int, ...] | torch.Size, block: Block, name: str = "weight",
+                 all_shapes: Iterable[tuple[int, ...] | torch.Size] | None = None) -> None:
     """Raise ValueError unless a 2-D `shape` splits into whole `block`s.
 
     Ragged edge blocks are refused: transformers' dequantization derives the block size from
-    the scale grid (`rows // scale_rows`), which is wrong for a ragged grid.
+    the scale grid (`rows // scale_rows`), which is wrong for a ragged grid. The message
+    suggests block sizes that divide `all_shapes` (every weight being quantized; default:
+    `shape` alone).
     """
     rows, cols = shape
     if rows % block[0] or cols % block[1]:
-        raise ValueError(f"{name} of shape {tuple(shape)} does not divide into {block[0]}x{block[1]} "
-                         f"FP8 blocks; choose a block size that divides every linear layer's "
-                         f"dimensions (e.g. --fp8-block 64, 32 or 16), or use --fp8 tensor")
+        fits = fitting_blocks(list(all_shapes) if all_shapes is not None else [shape],
+                              min(block))
+        hint = ("choose a block size that divides every linear layer's dimensions (e.g. "
+                f"--fp8-block {', '.join(map(str, fits[:-1]))}{' or ' if len(fits) > 1 else ''}"
+                f"{fits[-1]}), or use --fp8 tensor" if fits else
+                "no block size above 1 divides every linear layer: use --fp8 tensor")
+        raise ValueError(f"{name} of shape {tuple(shape)} does not divide into "
+                         f"{block[0]}x{block[1]} FP8 blocks; {hint}")
 
 
 def expand_blocks(scale: torch.Tensor, block: Block) -> torch.Tensor:

@@ -118,6 +118,12 @@ class OutputText:
             self.cut = find_stop(text, self.stops, self.sent, before)
         return self.cut is not None
 
+    def add_silent(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        """Append a token that adds no text (a stop token or EOS that ends the request): its
+        id and logprob are released after every token before it."""
+        end = len(self.decoder.text)
+        self._pending.append(_Pending(token_id, logprob, end, end))
+
     def take(self, final: bool = False) -> tuple[list[int], str, list[TokenLogprob | None]]:
         """Release what is final: `(token ids, text delta, their logprobs)`."""
         text = self.decoder.text

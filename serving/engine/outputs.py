@@ -8,7 +8,8 @@
    and only the failing request ends;
 4. verifies speculative drafts (`serving.engine.speculative`) and rolls the KV cache back to the
    accepted tokens;
-5. per token: stop tokens, stop strings, lengths, incremental text, and an output event.
+5. per token: stop tokens, stop strings, lengths, incremental text, and an output event. A stop
+   token or EOS ends the request without text, but its id and logprob are still released.
 
 `finish` ends a request for any reason (also the engine's aborts, timeouts and failures): it
 frees its KV, counts it and sends the final event.
@@ -167,6 +168,7 @@ class OutputProcessor:
         seq.last_token_at = now
         self.sampler.track(seq, token)
         if (token == self.eos_id and not p.ignore_eos) or token in seq.stop_ids:
+            seq.text.add_silent(token, lp)  # no text, but its id and logprob are released
             self.finish(seq, "stop")
             return
         if seq.text.add(token, lp, check_stop=seq.n_generated >= p.min_tokens):

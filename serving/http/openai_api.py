@@ -39,7 +39,7 @@ from tessera.serving.http.service import (
     sse,
 )
 from tessera.serving.http.structured import structured_output
-from tessera.serving.http.token_text import TokenTexts, fit_to, prompt_texts
+from tessera.serving.http.token_text import TokenTexts, fit_to, key_bytes, prompt_texts
 from tessera.serving.http.tool_calls import (
     FORMATS,
     ToolCallStream,
@@ -230,13 +230,12 @@ def _usage(plan: Plan, results: list[Result]) -> S.Usage:
 
 
 def _top(texts: TokenTexts, entry: TokenLogprob, k: int) -> dict[str, float]:
-    """The top-k alternatives at a position as {text: logprob} (the argmax among them), or,
-    for `logprobs: 0`, the chosen token alone (never null). Texts that collide keep the
-    larger logprob."""
+    """The top-k alternatives at a position as {key: logprob} (`TokenTexts.key`), and the
+    chosen token always (so `logprobs: 0` gives it alone, never null)."""
     out: dict[str, float] = {}
-    for token_id, lp in _best(entry.top, k) if k else [(entry.token_id, entry.logprob)]:
-        text, value = texts.alternative(token_id), json_logprob(lp)
-        out[text] = max(out.get(text, value), value)
+    for token_id, lp in [*_best(entry.top, k), (entry.token_id, entry.logprob)]:
+        key, value = texts.key(token_id), json_logprob(lp)
+        out[key] = max(out.get(key, value), value)
     return out
 
 
@@ -270,14 +269,14 @@ def chat_logprobs(entries: list[TokenLogprob], k: int, texts: TokenTexts, final:
     concatenate to the message, each with its top-k alternatives."""
     tops, tokens = [], []
     for e in entries:
-        tops.append([(texts.alternative(t), lp) for t, lp in _best(e.top, k)])
+        tops.append(list(_top(texts, e, k).items()) if k else [])
         tokens += texts.push(e.token_id)
     tokens += texts.end(final)
     if target is not None:
         tokens = fit_to(tokens, target)
 
     def item(token: str, lp: float) -> dict:
-        return {"token": token, "logprob": json_logprob(lp), "bytes": list(token.encode())}
+        return {"token": token, "logprob": json_logprob(lp), "bytes": key_bytes(token)}
 
     return S.ChatLogprobs(content=[
         S.ChatTokenLogprob(**item(token, e.logprob),
@@ -301,7 +300,7 @@ def _echo_prefix(service: Service, plan: Plan, choice: int,
         out.text_offset.append(offset)
         offset += len(token)
     # The alternatives at position i are scored after tokens [0, i): a fresh pass in context.
-    texts = TokenTexts(service.engine.decode)
+    texts = TokenTexts.of(service.engine)
     for token_id, entry in zip(ids, entries):
         out.top_logprobs.append(None if entry is None else _top(texts, entry, plan.logprobs))
         texts.push(token_id)
@@ -310,7 +309,7 @@ def _echo_prefix(service: Service, plan: Plan, choice: int,
 
 def _generated_texts(service: Service, result: Result) -> TokenTexts:
     """Token texts continuing `result`'s prompt."""
-    return TokenTexts(service.engine.decode, result.prompt_ids)
+    return TokenTexts.of(service.engine, result.prompt_ids)
 
 
 def encode_completion(service: Service, plan: Plan, results: list[Result]) -> S.CompletionResponse:

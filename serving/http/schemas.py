@@ -52,12 +52,17 @@ def _as_stop_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+MAX_WORDS = 16  # strings in a stop or word list
+
+
 def _as_word_list(value: Any) -> Any:
-    """TensorRT-LLM word lists: a string or a list of strings, empty strings dropped ("" and
-    [""] mean none, as its clients send them)."""
+    """TensorRT-LLM word lists: a string or a list of at most `MAX_WORDS` strings, empty strings
+    dropped ("" and [""] mean none, as its clients send them)."""
     if isinstance(value, str):
         value = [value]
     if isinstance(value, list):
+        if len(value) > MAX_WORDS:
+            raise ValueError(f"takes at most {MAX_WORDS} strings, got {len(value)}")
         return [w for w in value if w != ""]
     return value
 
@@ -65,7 +70,8 @@ def _as_word_list(value: Any) -> Any:
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
 # What clients may send (a string stands for a list of one), not the validated type.
 _STRING_OR_LIST = {"anyOf": [{"type": "string"},
-                              {"type": "array", "items": {"type": "string"}, "maxItems": 16}]}
+                              {"type": "array", "items": {"type": "string"},
+                               "maxItems": MAX_WORDS}]}
 StopStrings = Annotated[list[str] | None, BeforeValidator(_as_stop_list),
                         WithJsonSchema({"anyOf": [*_STRING_OR_LIST["anyOf"], {"type": "null"}]})]
 WordList = Annotated[list[str], BeforeValidator(_as_word_list), WithJsonSchema(_STRING_OR_LIST)]
@@ -77,6 +83,7 @@ CACHE_SALT_DOC = ("prefix-cache isolation: KV blocks are shared only between req
 ADAPTER_DOC = "a LoRA adapter loaded on this server, by name (default: none)"
 STRUCTURED_DOC = ("constrain the output: vLLM's structured_outputs object (one of json, regex, "
                   "choice, grammar, json_object), or that object as JSON text")
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=256, description=CACHE_SALT_DOC)]
 
 
 class SamplingFields(_Request):
@@ -112,7 +119,7 @@ class SamplingFields(_Request):
     structured_outputs: StructuredOutputs | None = None
     # Scheduling and prefix-cache isolation (vLLM's names), passed to the engine as they are.
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
-    cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    cache_salt: CacheSalt = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingFields:
@@ -430,7 +437,7 @@ class MegatronRequest(_Request):
     # Per-request LoRA and scheduling
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
-    cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    cache_salt: CacheSalt = None
     structured_outputs: StructuredOutputs | str | None = Field(
         None, description=STRUCTURED_DOC)
 
@@ -493,7 +500,7 @@ class TritonInputs(_Request):
     # Per-request LoRA (or name it in the URL: /v2/models/BASE:ADAPTER/...) and scheduling
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
-    cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)
+    cache_salt: CacheSalt = None
     structured_outputs: StructuredOutputs | str | None = Field(
         None, description=STRUCTURED_DOC)
 
@@ -527,15 +534,13 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(True, description="add BOS, as the completion routes do")
-    add_generation_prompt: bool = Field(True, description="only true (as chat completions)")
+    add_generation_prompt: Literal[True] = Field(True, description="only true (as chat completions)")
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
-        if not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt: false is not supported")
         return self
 
 
@@ -548,7 +553,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(description="token ids (in the vocabulary)")
 
 
 class DetokenizeResponse(_Response):

@@ -13,21 +13,43 @@ detokenizer (`serving.engine.detokenize`) builds the output text:
 
 `TokenTexts` works over any `decode(ids) -> str` (the `Engine` protocol's), one instance per
 sequence, fed in order (a stream feeds it chunk by chunk).
+
+`top_logprobs` keys (`TokenTexts.key`) are the text a token would add, except where that text
+is not a whole character or is empty (a byte-fallback piece, a special token): then distinct
+keys, as vLLM spells them, `bytes:\\xNN` for a byte piece and `token_id:N` otherwise, so no two
+alternatives share a key.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 REPLACEMENT = "\ufffd"
 ANCHOR = 4  # tokens of left context decoded along (as serving.engine.detokenize does)
 
 
-class TokenTexts:
-    """Per-token texts of a sequence that continues `context` (token ids already decoded)."""
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte-fallback pieces
+BYTES_PREFIX = "bytes:"
 
-    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
-        self._decode = decode
+
+def key_bytes(key: str) -> list[int]:
+    """The UTF-8 bytes a `top_logprobs` key stands for (`bytes:\\xNN`: that byte)."""
+    if key.startswith(BYTES_PREFIX):
+        return [int(h, 16) for h in re.findall(r"\\x([0-9a-f]{2})", key)]
+    return [] if key.startswith("token_id:") else list(key.encode())
+
+
+class TokenTexts:
+    """Per-token texts of a sequence that continues `context` (token ids already decoded).
+
+    `piece(token_id)` is the vocabulary's spelling of a token (`Tokenizer.token_text`), used
+    only for the keys of tokens that are not text alone."""
+
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = (),
+                 piece: Callable[[int], str] | None = None) -> None:
+        self._decode, self._piece_of = decode, piece
         self._pending: list[int] = []
         self._reported = 0  # pending tokens already answered with "" (by a non-final `texts`)
         self._set_anchor(list(context))
@@ -50,6 +72,20 @@ class TokenTexts:
         """The text `token_id` would add at the next position (for `top_logprobs` keys)."""
         return self._piece(self._pending + [token_id])[len(self._piece(self._pending)):] \
             if self._pending else self._piece([token_id])
+
+    @classmethod
+    def of(cls, engine: Any, context: Sequence[int] = ()) -> TokenTexts:
+        """Token texts over an `Engine` (its tokenizer's spellings when it has one)."""
+        tokenizer = getattr(engine, "tokenizer", None)
+        return cls(engine.decode, context, getattr(tokenizer, "token_text", None))
+
+    def key(self, token_id: int) -> str:
+        """The `top_logprobs` key of `token_id` at the next position (module docstring)."""
+        text = self.alternative(token_id)
+        if text and REPLACEMENT not in text:
+            return text
+        match = _BYTE_PIECE.fullmatch(self._piece_of(token_id)) if self._piece_of else None
+        return f"{BYTES_PREFIX}\\x{match.group(1).lower()}" if match else f"token_id:{token_id}"
 
     def push(self, token_id: int) -> list[str]:
         """Append a token; the texts of the tokens this completes (none while a character is

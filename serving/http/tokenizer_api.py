@@ -58,8 +58,8 @@ async def tokenizer_info(request: Request) -> S.TokenizerInfo:
 @router.post("/tokenize", response_model=S.TokenizeResponse, openapi_extra=body_doc(S.TokenizeRequest))
 async def tokenize(request: Request) -> S.TokenizeResponse:
     service = _service(request)
+    body = parse_body(await read_body(request), S.TokenizeRequest)  # a bad body is a 400 first
     tokenizer = _tokenizer(service)
-    body = parse_body(await read_body(request), S.TokenizeRequest)
     if body.messages is not None:
         text = request.app.state.chat_template.render(body.messages)
         ids = service.engine.encode(text, add_bos=True)
@@ -91,7 +91,7 @@ def _encode_with_specials(service: Service, tokenizer: Any, text: str, add_bos: 
              openapi_extra=body_doc(S.DetokenizeRequest))
 async def detokenize(request: Request) -> S.DetokenizeResponse:
     service = _service(request)
-    _tokenizer(service)
     body = parse_body(await read_body(request), S.DetokenizeRequest)
+    _tokenizer(service)
     ids = service.check_token_ids(body.tokens, "tokens")
     return S.DetokenizeResponse(prompt=service.engine.decode(ids))

@@ -106,6 +106,24 @@ def _json_elements(data: Any, datatype: str, name: str) -> np.ndarray:
         raise ApiError(400, f"input {name!r}: a value is out of range for {datatype}") from None
 
 
+def _check_header(header: Any) -> None:
+    """A 400 unless `header` has the v2 request's shape: an object with an `inputs` list of
+    `{"name": str, ...}` objects, optional `outputs` of the same kind, and objects (or null) for
+    every `parameters`."""
+    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
+        raise ApiError(400, "the inference request must be a JSON object with an 'inputs' list")
+    if not isinstance(header.get("outputs") or [], list):
+        raise ApiError(400, "'outputs' must be a list of {\"name\": ...} objects")
+    if not isinstance(header.get("parameters") or {}, dict):
+        raise ApiError(400, "'parameters' must be a JSON object")
+    for kind in ("inputs", "outputs"):
+        for i, spec in enumerate(header.get(kind) or []):
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ApiError(400, f"{kind}[{i}] must be an object with a string 'name'")
+            if not isinstance(spec.get("parameters") or {}, dict):
+                raise ApiError(400, f"{kind}[{i}].parameters must be a JSON object")
+
+
 def decode_request(body: bytes, headers: Mapping[str, str], limit: int) -> tuple[dict, dict[str, np.ndarray]]:
     """(JSON header, {input name: array of its shape}); BYTES arrays hold `bytes` objects.
     `body` is already decompressed (`security.read_body` removes the Content-Encoding)."""
@@ -116,14 +134,11 @@ def decode_request(body: bytes, headers: Mapping[str, str], limit: int) -> tuple
         if not declared.isdigit() or int(declared) > len(body):
             raise ApiError(400, f"{HEADER_LENGTH} {declared!r} does not fit the body of {len(body)} bytes")
         header, binary = decode_json(body[:int(declared)]), body[int(declared):]
-    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
-        raise ApiError(400, "the inference request must be a JSON object with an 'inputs' list")
+    _check_header(header)
     tensors, offset = {}, 0
     for spec in header["inputs"]:
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise ApiError(400, "each input must be an object with a 'name'")
         name, datatype = spec["name"], spec.get("datatype")
-        if datatype not in NUMPY_TYPES:
+        if not isinstance(datatype, str) or datatype not in NUMPY_TYPES:
             raise ApiError(400, f"input {name!r}: unsupported datatype {datatype!r}; "
                                 f"expected one of {sorted(NUMPY_TYPES)}")
         shape = _shape(spec.get("shape"), name)

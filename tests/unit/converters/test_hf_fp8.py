@@ -11,6 +11,7 @@ originals (which a scale stored as a divisor instead of a multiplier would miss 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,14 @@ def test_dequantize_hf_ragged_blocks_and_errors():
         dequantize_hf(q, s, (3, 3))
 
 
+def _linear_shapes(ckpt: Path) -> list[tuple[int, ...]]:
+    """The shapes of the HF linear weights an FP8 export quantizes."""
+    model = load_checkpoint(ckpt)
+    state = model.state_dict()
+    return [tuple(t.shape) for name, t in export_tensors(model.config, state.__getitem__)
+            if name.endswith(tuple(f"{leaf}.weight" for leaf in LINEARS))]
+
+
 def _fails(capsys, *argv, code: int = 1) -> str:
     assert main([*map(str, argv)]) == code
     return capsys.readouterr().err
@@ -221,6 +230,12 @@ def test_bad_input_is_refused_and_nothing_is_written(root, tmp_path, capsys):
     err = _fails(capsys, "--to", "hf", "--fp8", "block", "--fp8-block", 64, "--input", ckpt,
                  "--output", out)
     assert "model.layers.0.self_attn.k_proj.weight of shape (32, 64) does not divide into 64x64" in err
+    # The sizes suggested divide every layer, and the refused one is not among them.
+    assert "--fp8-block 64" not in err
+    suggested = [int(b) for b in re.search(r"--fp8-block ([\d, or]+)\)", err).group(1)
+                 .replace(" or ", ", ").split(", ")]
+    assert suggested and all(b < 64 for b in suggested)
+    assert all(d % b == 0 for b in suggested for shape in _linear_shapes(ckpt) for d in shape)
     err = _fails(capsys, "--to", "hf", "--fp8", "block", "--input", ckpt, "--output", out)
     assert "(64, 64) does not divide into 128x128" in err  # the default block
     (tmp_path / "empty.txt").write_text(" \n")

@@ -138,7 +138,7 @@ def test_stop_strings_are_cut_and_never_streamed(engine, tokenizer):
 
 def _greedy_with_ban(model, prompt, n, banned_token, min_tokens):
     """Full-forward greedy where `banned_token` may not come before `min_tokens` tokens and
-    ends the sequence (excluded) when it comes."""
+    ends the sequence (as its last token: no text, but its id and logprob) when it comes."""
     ids = list(prompt)
     for j in range(n):
         logits = model(torch.tensor([ids]))[0, -1]
@@ -146,7 +146,7 @@ def _greedy_with_ban(model, prompt, n, banned_token, min_tokens):
             logits[banned_token] = float("-inf")
         token = int(logits.argmax())
         if token == banned_token:
-            return ids[len(prompt):], "stop"
+            return ids[len(prompt):] + [token], "stop"
         ids.append(token)
     return ids[len(prompt):], "length"
 
@@ -161,7 +161,8 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(llama, tokenizer):
             _req(prompt, "a", max_tokens=8, temperature=0),
             _req(prompt, "b", max_tokens=8, temperature=0, ignore_eos=True),
             _req(prompt, "c", max_tokens=8, temperature=0, min_tokens=4)])
-    assert (plain.token_ids, plain.finish_reason, plain.final.completion_tokens) == ([], "stop", 1)
+    assert (plain.token_ids, plain.finish_reason, plain.final.completion_tokens) == ([x], "stop", 1)
+    assert plain.text == ""
     assert ignore.token_ids == full_forward_greedy(llama, prompt, 8)[0]
     assert ignore.finish_reason == "length" and ignore.token_ids[0] == x
     expected, reason = _greedy_with_ban(llama, prompt, 8, x, 4)
@@ -172,7 +173,7 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(llama, tokenizer):
             _req(prompt, "d", max_tokens=8, temperature=0, stop_token_ids=[x]),
             _req(prompt, "e", max_tokens=8, temperature=0, stop_token_ids=[x], min_tokens=4,
                  ignore_eos=True)])
-    assert (stopped.token_ids, stopped.finish_reason) == ([], "stop")
+    assert (stopped.token_ids, stopped.finish_reason, stopped.text) == ([x], "stop", "")
     assert (late.token_ids, late.finish_reason) == (expected, reason)
 
 
