@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from tessera.core.kv_cache import LayerKV
+
 
 class PagedKVCache:
     """Keys and values of the layers `layer_ids` in `num_blocks` blocks of `block_size` tokens.
@@ -106,14 +108,27 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache.update of {k.shape[0]} rows x {k.shape[2]} tokens, "
                                f"but the planned pass has {mask.shape[0]} x {mask.shape[2]}: "
                                "call PagedKVCache.begin(positions, tables) for every pass")
-        keys, values = self.keys[layer], self.values[layer]
+        return self.store_and_read(self.keys[layer], self.values[layer], k, v, positions, tables)
+
+    def layer(self, layer: int) -> LayerKV:
+        """Layer `layer`'s keys and values as a cache of their own (`core.kv_cache.LayerKV`)."""
+        return LayerKV(self, self.keys[layer], self.values[layer])
+
+    def store_and_read(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`update` on one layer's `keys` and `values` (tensors of this cache)."""
+        length, read, blocks, offsets, mask = self._pass  # type: ignore[misc]  # checked
         keys[blocks, offsets] = k.transpose(1, 2).to(keys.dtype)  # (B, T, nkv, hd)
         values[blocks, offsets] = v.transpose(1, 2).to(values.dtype)
-        B, W = read.shape
-        nkv, hd = keys.shape[2], keys.shape[3]
+        return (gather_blocks(keys, read, length).to(k.dtype),
+                gather_blocks(values, read, length).to(v.dtype), mask)
 
-        def gather(pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            rows = pool[read].view(B, W * self.block_size, nkv, hd)  # the one copy
-            return rows[:, :length].transpose(1, 2).to(dtype)  # (B, nkv, L, hd), a view
 
-        return gather(keys, k.dtype), gather(values, v.dtype), mask
+def gather_blocks(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of each row's blocks `tables (B, W)` of a pool
+    `(num_blocks, block_size, nkv, hd)`, as `(B, nkv, length, hd)`: one copy (the gather),
+    then a view."""
+    B, W = tables.shape
+    rows = pool[tables].view(B, W * pool.shape[1], pool.shape[2], pool.shape[3])
+    return rows[:, :length].transpose(1, 2)

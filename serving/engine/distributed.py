@@ -315,7 +315,7 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     `tasks` (prompt-tuned tables) must be given on every rank; `tokenizer` (rank 0) defaults to
     the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
     `compile_decode` (one process only) compiles the decode step (`serving.engine.compiled`);
-    `kv` is the KV cache (`serving.engine.kv_config`; paged by default, slots with `compile_decode`),
+    `kv` is the KV cache (`serving.engine.kv_config`; paged by default),
     with one block count for every rank (the smallest any rank's memory allows); `lora`
     serves per-request LoRA adapters (`serving.engine.adapters`; every rank loads its pieces of the
     adapters given at start, in the same slots);
@@ -332,7 +332,7 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     for stage in stages:
         quantize_model(stage, quantize)
     if kv is None:
-        kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
+        kv = KVCacheConfig(kind="paged")
     if kv.kind == "paged":
         kv = _agree_on_blocks(kv, stages, groups, max_batch)
     runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv,
