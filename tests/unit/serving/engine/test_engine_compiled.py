@@ -108,6 +108,7 @@ def test_prompt_tuned_tasks_decode_compiled_as_they_do_eagerly():
     assert len({tuple(t) for t in expected[:3]}) == 3  # each task changes the output
 
 
+@pytest.mark.slow  # two bf16 graphs: over a minute of compiling on a 2-core CPU
 def test_bf16_decode_logits_match_the_eager_model():
     # bf16 is what the benchmark's headline runs: rounding differs between the compiled and the
     # eager kernels, so logits are compared, not greedy tokens.

@@ -2,7 +2,8 @@
 
 - Greedy outputs are identical with the bucketed step on and off, over the paged cache with
   prefix caching and per-request LoRA adapters: uncompiled (the code path a CPU runs without
-  graphs) and compiled by Inductor (`--compile`).
+  graphs) and, with the slow tests (about 2 minutes of compiling here), compiled by Inductor
+  (`--compile`; test_engine_compiled.py compiles it in the default run, without adapters).
 - A thousand decode steps of varying batch size and cached length compile nothing after
   start-up (Dynamo's counters; its recompile decisions do not depend on the backend, so the
   fast "eager" backend stands in for Inductor there).
@@ -100,7 +101,8 @@ def eager_outputs(world):
     return outputs
 
 
-@pytest.mark.parametrize("compile_decode", ["static", True], ids=["uncompiled", "inductor"])
+@pytest.mark.parametrize("compile_decode", [
+    "static", pytest.param(True, marks=pytest.mark.slow)], ids=["uncompiled", "inductor"])
 def test_bucketed_decode_is_greedy_identical_with_paged_prefix_cache_and_lora(
         world, eager_outputs, compile_decode):
     assert _greedy(world, compile_decode) == eager_outputs
