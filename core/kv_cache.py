@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 class KVCache:
     """Keys and values for the layers `layer_ids`, shape `(slots, kv_heads, max_seq, head_dim)`."""
 
+    attends = False  # attention runs over the keys `update` returns (see PagedKVCache.attend)
+
     def __init__(self, layer_ids: list[int], num_slots: int, max_seq: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -119,6 +121,15 @@ class LayerKV:
     def __init__(self, cache: KVCache | PagedKVCache, keys: torch.Tensor, values: torch.Tensor):
         self.cache, self.keys, self.values = cache, keys, values
 
+    @property
+    def attends(self) -> bool:
+        return self.cache.attends
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.cache.store_and_read(self.keys, self.values, k, v, positions, rows)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.cache.store_and_attend(  # type: ignore[union-attr]  # only when attends
+            self.keys, self.values, q, k, v, positions, rows)

@@ -19,9 +19,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.core.paged_kv_cache import gather_blocks
-
 KERNELS = ("gather", "flex")
+
+
+def gather_blocks(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of each row's blocks `tables (B, W)` of a pool
+    `(num_blocks, block_size, nkv, hd)`, as `(B, nkv, length, hd)`: one copy (the gather),
+    then a view."""
+    B, W = tables.shape
+    rows = pool[tables].view(B, W * pool.shape[1], pool.shape[2], pool.shape[3])
+    return rows[:, :length].transpose(1, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -59,22 +66,37 @@ def block_owners(tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def _flex(q, keys, values, tables, positions):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = flex_block_mask(tables, positions, keys.shape[0], keys.shape[1])
+    return flex_decode(q, keys, values, mask)
 
-    num_blocks, block_size, nkv, hd = keys.shape
-    B, H = q.shape[0], q.shape[1]
+
+def flex_block_mask(tables: torch.Tensor, positions: torch.Tensor, num_blocks: int,
+                    block_size: int):
+    """FlexAttention's `BlockMask` for rows with block `tables (B, W)` at `positions (B,)` over
+    a pool of `num_blocks` blocks: one per pass, shared by every layer (`flex_decode`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     owners = block_owners(tables, num_blocks)
 
     def visible(b, h, q_idx, kv_idx):
         logical = owners[q_idx, kv_idx // block_size]
         return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[q_idx])
 
+    B = tables.shape[0]
+    return create_block_mask(visible, None, None, B, num_blocks * block_size,
+                             device=tables.device, BLOCK_SIZE=(B, block_size))
+
+
+def flex_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                block_mask) -> torch.Tensor:
+    """`paged_decode_attention(..., "flex")` with the pass's `flex_block_mask`."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    num_blocks, block_size, nkv, hd = keys.shape
     total = num_blocks * block_size
-    mask = create_block_mask(visible, None, None, B, total, device=q.device,
-                             BLOCK_SIZE=(max(B, 1), block_size))
     # Rows become the query sequence of one batch; the pool is one key sequence.
     qs = q.transpose(0, 2)  # (1, H, B, hd)
     k = keys.view(total, nkv, hd).transpose(0, 1).unsqueeze(0).to(q.dtype)
     v = values.view(total, nkv, hd).transpose(0, 1).unsqueeze(0).to(q.dtype)
-    out = flex_attention(qs, k, v, block_mask=mask, enable_gqa=H != nkv)
+    out = flex_attention(qs, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != nkv)
     return out.transpose(0, 2)  # (B, H, 1, hd)

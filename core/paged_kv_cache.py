@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from tessera.core.kv_cache import LayerKV
+from tessera.core.paged_attention import KERNELS, flex_block_mask, flex_decode, gather_blocks
 
 
 class PagedKVCache:
@@ -38,7 +39,10 @@ class PagedKVCache:
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, max_seq: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", decode_attention: str = "gather"):
+        if decode_attention not in KERNELS:
+            raise ValueError(f"paged decode attention {decode_attention!r} is not one of "
+                             f"{', '.join(KERNELS)}")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs at least one block of at least one token, "
                              f"got {num_blocks} blocks of {block_size}")
@@ -47,6 +51,8 @@ class PagedKVCache:
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_blocks, self.block_size, self.max_seq = num_blocks, block_size, max_seq
         self._pass: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.decode_attention = decode_attention
+        self._block_mask = None  # the planned one-token pass's, with decode_attention "flex"
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
@@ -85,6 +91,35 @@ class PagedKVCache:
         key_pos = torch.arange(length, device=positions.device)
         mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
         self._pass = (length, tables[:, :width], blocks, offsets, mask)
+        self._block_mask = None
+        if self.decode_attention == "flex" and positions.shape[1] == 1:
+            self._block_mask = flex_block_mask(tables[:, :width], positions[:, 0],
+                                               self.num_blocks, self.block_size)
+
+    @property
+    def attends(self) -> bool:
+        """Whether the planned pass's attention runs here (`attend`) rather than over the
+        keys `update` returns: one-token passes with `decode_attention="flex"`."""
+        return self._block_mask is not None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Store `k, v` as `update` does and return attention's output `(B, heads, 1, hd)` for
+        `q (B, heads, 1, hd)`, read from the blocks in place (`core.paged_attention`)."""
+        return self.store_and_attend(self.keys[layer], self.values[layer], q, k, v, positions,
+                                     tables)
+
+    def store_and_attend(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         tables: torch.Tensor) -> torch.Tensor:
+        """`attend` on one layer's `keys` and `values` (tensors of this cache)."""
+        if self._pass is None or self._block_mask is None:
+            raise RuntimeError("PagedKVCache.attend needs a one-token pass planned with "
+                               "decode_attention='flex' (PagedKVCache.begin)")
+        _, _, blocks, offsets, _ = self._pass
+        keys[blocks, offsets] = k.transpose(1, 2).to(keys.dtype)
+        values[blocks, offsets] = v.transpose(1, 2).to(values.dtype)
+        return flex_decode(q, keys, values, self._block_mask)
 
     @property
     def pass_length(self) -> int:
@@ -124,11 +159,3 @@ class PagedKVCache:
         return (gather_blocks(keys, read, length).to(k.dtype),
                 gather_blocks(values, read, length).to(v.dtype), mask)
 
-
-def gather_blocks(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of each row's blocks `tables (B, W)` of a pool
-    `(num_blocks, block_size, nkv, hd)`, as `(B, nkv, length, hd)`: one copy (the gather),
-    then a view."""
-    B, W = tables.shape
-    rows = pool[tables].view(B, W * pool.shape[1], pool.shape[2], pool.shape[3])
-    return rows[:, :length].transpose(1, 2)

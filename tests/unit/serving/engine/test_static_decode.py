@@ -4,6 +4,7 @@
   prefix caching and per-request LoRA adapters: uncompiled (the code path a CPU runs without
   graphs) and, with the slow tests (about 2 minutes of compiling here), compiled by Inductor
   (`--compile`; test_engine_compiled.py compiles it in the default run, without adapters).
+- FlexAttention over the paged cache decodes what the gathering path does.
 - A thousand decode steps of varying batch size and cached length compile nothing after
   start-up (Dynamo's counters; its recompile decisions do not depend on the backend, so the
   fast "eager" backend stands in for Inductor there).
@@ -79,12 +80,12 @@ def _requests() -> list[GenerationRequest]:
             for i, (p, n, a) in enumerate(zip(prompts, news, adapters))]
 
 
-def _greedy(world, compile_decode: bool | str) -> list[list[int]]:
+def _greedy(world, compile_decode: bool | str, kv: KVCacheConfig = KV) -> list[list[int]]:
     ckpt, adapter = world
     model = build_model(CONFIG, seed=0).eval()
-    runner = ModelRunner(model, 4, kv=KV, compile_decode=compile_decode,
+    runner = ModelRunner(model, 4, kv=kv, compile_decode=compile_decode,
                          lora=LoRAServing(checkpoint=str(ckpt), preload=(("a", str(adapter)),)))
-    with LLMEngine(LocalExecutor(runner), kv=KV) as engine:
+    with LLMEngine(LocalExecutor(runner), kv=kv) as engine:
         blocks = engine.blocks
         assert blocks is not None and blocks.prefix_caching
         hits, lookup = [], blocks.lookup
@@ -106,6 +107,14 @@ def eager_outputs(world):
 def test_bucketed_decode_is_greedy_identical_with_paged_prefix_cache_and_lora(
         world, eager_outputs, compile_decode):
     assert _greedy(world, compile_decode) == eager_outputs
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_paged_attention_decodes_what_the_gather_does(world, eager_outputs):
+    # FlexAttention reading the blocks in place (uncompiled here: torch's reference kernel of
+    # the same block mask), in the bucketed step.
+    flex = KVCacheConfig(kind="paged", block_size=4, decode_attention="flex")
+    assert _greedy(world, "static", flex) == eager_outputs
 
 
 def test_adapters_change_the_static_step_output(world, eager_outputs):
