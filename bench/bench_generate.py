@@ -38,6 +38,7 @@ from _common import Budget, Rows, best_time, device_time  # noqa: E402
 
 from tessera.core import ModelConfig, build_model, save_checkpoint  # noqa: E402
 from tessera.serving.engine import LLMEngine, run_beside  # noqa: E402
+from tessera.serving.engine.kv_config import KVCacheConfig  # noqa: E402
 from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -148,8 +149,9 @@ def run(args, rows: Rows) -> None:
         bound = hbm_bandwidth() / weight_bytes
 
     def engine(**kwargs) -> LLMEngine:
+        kv = KVCacheConfig(decode_attention=args.decode_attention)
         return LLMEngine.from_checkpoint(ckpt, max_batch=max(args.concurrency), dtype=dtype,
-                                         device=args.device,
+                                         device=args.device, kv=kv,
                                          max_step_tokens=max(args.concurrency) * args.prompt,
                                          background=False, **kwargs)
 
@@ -280,6 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--compile-backend", default="inductor",
                         help="the compiled decode step's torch.compile backend (eager: Dynamo "
                              "only; static: the bucketed step uncompiled)")
+    parser.add_argument("--decode-attention", choices=("gather", "flex"), default="gather",
+                        help="the paged cache's one-token attention (core/paged_attention.py)")
     parser.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure HF's compiled generate (static cache), as a peer of "
                              "the compiled decode step (last)")
