@@ -54,10 +54,6 @@ from tessera.serving.engine.block_manager import SCRATCH_BLOCK
 
 log = logging.getLogger(__name__)
 
-# Parts of a bucket's flat input buffer, each `(bucket,)` long except rows `(bucket, width)`.
-_FIELDS = ("ids", "positions", "rows", "tasks", "keep", "adapters")
-
-
 def batch_buckets(max_batch: int) -> list[int]:
     """The padded batch sizes: powers of two below `max_batch`, then `max_batch`."""
     if max_batch < 1:
@@ -79,7 +75,8 @@ def bucket_for(buckets: list[int], rows: int) -> int:
 
 @dataclass
 class StaticInputs:
-    """One bucket's input buffer on the device and its views (see `_FIELDS`)."""
+    """One bucket's flat input buffer on the device (long) and its views, in
+    `runner.StepBatch.tensors()` order, so a packed batch copies straight in."""
 
     flat: torch.Tensor
     ids: torch.Tensor  # (b, 1)
@@ -156,10 +153,6 @@ class CompiledDecode:
             key_compile_cache_by_isa()
             self._block = torch.compile(_run_block, backend=backend, dynamic=False)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-
-    def padded_rows(self) -> tuple[int, int]:
-        """What a padding row reads and writes: (scratch row, table width)."""
-        return self.scratch, self.width
 
     def _after_embedding(self, h: torch.Tensor, x: StaticInputs) -> torch.Tensor:
         """Logits `(b, 1, vocab)` from the embedded tokens `h (1, b, C)` (all device work)."""
