@@ -210,10 +210,11 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """Logits `(N, vocab)` fp32 of the kept positions where the last stage lives, else None
         (N: the batch's `keep`, padded to its bucket for a static pass)."""
+        if batch.static:
+            batch = self.place(batch)
         if self.hook is not None:
             self.hook.set_rows(batch.tasks)
         if batch.static:
-            batch = self.place(batch)
             assert self.decode is not None
             out = self.decode(self.decode.inputs[batch.ids.shape[0]])
             return out.reshape(-1, out.shape[-1])[batch.keep].float()
