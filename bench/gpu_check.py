@@ -82,7 +82,7 @@ def stages(args) -> list[Stage]:
                   "--concurrency", "2", "--no-int8", "--no-hf-compile", "--compile-backend",
                   "eager"]
         serve = [str(HERE / "serve_check.py"), "--device", args.device, "--tiny",
-                 "--concurrency", "1", "2", "--no-compile"]
+                 "--concurrency", "2", "--no-compile"]
         loss = [str(HERE / "bench_cross_entropy.py"), "--device", args.device, "--tiny",
                 "--vocabs", "2000", "--tokens", "256"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]

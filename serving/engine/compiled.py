@@ -173,9 +173,11 @@ class CompiledDecode:
 
     def __call__(self, x: StaticInputs) -> torch.Tensor:
         """Logits `(b, 1, vocab)` of the pass in `x` (one of `self.inputs`, filled)."""
-        # Normal (not inference-mode) tensors in every call, as at warm-up: graphs are guarded
-        # on their inputs' autograd keys.
-        with torch.inference_mode(False), torch.no_grad():
+        # Inference mode in every call, as at warm-up: graphs are guarded on their inputs'
+        # autograd keys, and every tensor made here (the embedding, the rotary tables) is then
+        # an inference tensor whoever calls. The buffers and the cache are the same tensors
+        # each call, writable in inference mode whatever mode made them.
+        with torch.inference_mode():
             h = self.model.embed(x.ids, x.positions).transpose(0, 1).contiguous()
             graph = self._graphs.get(x.ids.shape[0])
             if graph is None:
@@ -221,7 +223,7 @@ class CompiledDecode:
 
     def _capture(self, bucket: int, x: StaticInputs) -> None:
         """Record the step after the embedding for `bucket` as a CUDA graph."""
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode():
             h = self.model.embed(x.ids, x.positions).transpose(0, 1).contiguous()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

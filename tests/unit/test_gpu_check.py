@@ -26,6 +26,7 @@ def _run(tmp_path: Path, *args: str, timeout: int = 600) -> tuple[subprocess.Com
     return out, report
 
 
+@pytest.mark.timeout(600)  # as the run's own limit: minutes of stages on a busy 2-core CPU
 def test_cpu_tiny_check_measures_every_stage_and_reports(tmp_path):
     out, report = _run(tmp_path, "--stages", "env", "tests", "calibrate", "train", "loss",
                        "decode", "serve", "fp8", "fp8-train")
@@ -45,7 +46,7 @@ def test_cpu_tiny_check_measures_every_stage_and_reports(tmp_path):
                                                  "fp8-train"))
     # The static-shape decode step ran (Dynamo only, on the tiny CPU run) beside the eager one.
     assert "single stream, compiled decode" in {r["case"] for r in stages["decode"]["rows"]}
-    assert [r["completed"] for r in stages["serve"]["rows"]] == [4.0, 4.0]
+    assert [r["completed"] for r in stages["serve"]["rows"]] == [4.0]
     markdown = (tmp_path / "gpu_check-cpu.md").read_text()
     assert "## Stages" in markdown and "## train" in markdown
 
