@@ -2,7 +2,7 @@
 PYTHON = python3
 TORCH = torch==2.13.0
 
-.PHONY: install install-run lint test test-slow demo bench gpu-check
+.PHONY: install install-run lint docs test test-slow demo bench gpu-check
 .NOTPARALLEL:
 
 # torch pinned to the wheel CI holds. Running (the demo) needs only the package's own
@@ -27,6 +27,12 @@ lint:
 	$(PYTHON) -c 'import os; os.chdir("$(IMPORT_TREE)"); from importlinter.cli \
 	import lint_imports_command as lint; lint(["--config", "$(CURDIR)/pyproject.toml", "--no-cache"])'
 	$(PYTHON) tools/import_cycles.py $(IMPORT_TREE)
+	$(MAKE) docs
+
+# The documentation site (mkdocs.yml) into site/; `mkdocs serve` previews it live. Strict: a broken
+# link or anchor, or a `tessera VERB --flag` the parsers do not know, fails the build (and lint).
+docs:
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 # Exit code 5 means pytest collected nothing: a broken tree, never a pass.
 test: install lint

@@ -12,8 +12,8 @@ rank runs on one thread; with more ranks than cores the ranks share cores, which
 times pessimistic; the load average at the start is printed, as the machine may be shared.
 
 Dynamic against fixed cp (`--part dynamic`): micro-batches of one packed row of `--seq` tokens
-whose documents have lengths drawn log-uniformly in `--doc-min .. --doc-max` (the issue's
-64..8192 scaled by 1/4 to what two CPU cores run: 16..2048 in rows of 4096), documents isolated.
+whose documents have lengths drawn log-uniformly in `--doc-min .. --doc-max` (a target
+workload's 64..8192 scaled by 1/4 to what two CPU cores run: 16..2048 in rows of 4096), documents isolated.
 Fixed cp splits every row over all cp ranks; dynamic cp (`core.parallel.dynamic_cp_runtime`)
 keeps short documents whole on one rank and spreads long ones over a sub-group. Fixed cp
 runs one masked SDPA per rank over its chunks (masked-out pairs, across documents, are computed

@@ -11,9 +11,10 @@ gate/up with N = 2 x ffn, down) at M tokens. Meaningful on FP8 GPUs (Hopper: H10
 `_scaled_mm` is a slow reference kernel, so the CPU rows use a small model.
 
 `--train`: one training step (forward, backward, AdamW) of a model with its block linears in FP8
-(`enable_fp8_training`, tensorwise current scaling, torchao when it imports, else Tessera's own
-path, which on FP8 GPUs runs `torch._scaled_mm`) against the same model in bf16 autocast, from
-the same initial weights on the same batch: step time, speedup and the loss curves' distance.
+(`enable_fp8_training`, `--fp8-recipe`: tensorwise current scaling by default, or rowwise or
+delayed; torchao or TE when it imports and offers the recipe, else Tessera's own path, which
+on FP8 GPUs runs `torch._scaled_mm`) against the same model in bf16 autocast, from the same
+initial weights on the same batch: step time, speedup and the loss curves' distance.
 
     python bench/bench_fp8.py [--device cuda] [--budget-s 60] [--tiny] [--models llama-1b,...]
     python bench/bench_fp8.py --train [--device cuda] [--tiny]
@@ -130,13 +131,14 @@ def run(args) -> list[dict]:
 
 
 def train_recipe(args) -> Fp8Recipe:
-    """`--fp8-backend` as given; by default the backend `auto` picks, else Tessera's own."""
+    """`--fp8-backend` and `--fp8-recipe` as given; by default the backend `auto` picks for the
+    recipe, else Tessera's own."""
     try:
-        return resolve_fp8_recipe(args.device, args.fp8_backend or "auto", "tensorwise")
+        return resolve_fp8_recipe(args.device, args.fp8_backend or "auto", args.fp8_recipe)
     except ConfigError:
         if args.fp8_backend:
             raise
-        return resolve_fp8_recipe(args.device, "emulated", "tensorwise")
+        return resolve_fp8_recipe(args.device, "emulated", args.fp8_recipe)
 
 
 def time_training(args, recipe: Fp8Recipe | None) -> tuple[float, list[float]]:
@@ -217,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="--train: AdamW learning rate (no warm-up: keep it small)")
     parser.add_argument("--fp8-backend", choices=("torchao", "te", "emulated"), default=None,
                         help="--train: FP8 backend (default: auto's pick, else emulated)")
+    parser.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise", "delayed"),
+                        default="tensorwise",
+                        help="--train: FP8 scaling recipe (the names every backend shares)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if args.train:

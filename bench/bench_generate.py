@@ -193,8 +193,9 @@ def run(args, rows: Rows) -> None:
                  "tessera tok/s": n * args.new / t_ours, "HF tok/s": n * args.new / t_hf,
                  "ratio": t_hf / t_ours, "vs HF single stream": n * args.new / t_ours / hf_single},
                 n * args.new / t_ours, args.new / t_ours)
-        if args.int8 and not cuda and not budget.spent():
-            _int8_row(args, ckpt, single, eager, t_hf_single, ttft_hf, rows)
+        for method, wanted in (("int8", args.int8 and not cuda), ("fp8", args.fp8)):
+            if wanted and not budget.spent():
+                _quantized_row(args, method, ckpt, single, eager, t_hf_single, ttft_hf, rows)
         compiled_single = None
         if args.compile and not budget.spent():
             compiled_single = _compiled_rows(args, engine, single, batch_of=prompts,
@@ -210,22 +211,24 @@ def run(args, rows: Rows) -> None:
         print(f"budget of {args.budget_s} s spent: later rows skipped", file=sys.stderr)
 
 
-def _int8_row(args, ckpt: Path, single: list[list[int]], eager: LLMEngine, t_hf: float,
-              ttft_hf: float, rows: Rows) -> None:
-    """Weight-only int8 (core/quantize.py) against the same HF model: fewer weight bytes per
-    token, so a different precision; the logit error is reported beside it."""
-    quantized = LLMEngine.from_checkpoint(ckpt, max_batch=1, dtype=torch.bfloat16,
-                                          quantize_with="int8", background=False)
+def _quantized_row(args, method: str, ckpt: Path, single: list[list[int]], eager: LLMEngine,
+                   t_hf: float, ttft_hf: float, rows: Rows) -> None:
+    """Quantized weights (core/quantize.py: int8 in bf16, fp8 in the run's dtype) against the
+    same HF model: fewer weight bytes per token, so a different precision; the logit error is
+    reported beside it."""
+    dtype = torch.bfloat16 if method == "int8" else eager.executor.runner.dtype
+    quantized = LLMEngine.from_checkpoint(ckpt, max_batch=1, dtype=dtype, device=args.device,
+                                          quantize_with=method, background=False)
     run_beside(quantized, lambda: _engine_run(quantized, single, 4, []))
     t_q, ttft_q = _ours(quantized, single, args.new, args.device)
-    ids = torch.tensor(single)
+    ids = torch.tensor(single, device=args.device)
     reference = eager.executor.runner.stages[0](ids).float()
     error = (quantized.executor.runner.stages[0](ids).float() - reference).norm() \
         / reference.norm()
-    rows.add({"case": f"single stream, Tessera int8 weights vs HF {args.dtype}",
+    rows.add({"case": f"single stream, Tessera {method} weights vs HF {args.dtype}",
               "tessera tok/s": args.new / t_q, "HF tok/s": args.new / t_hf,
               "ratio": t_hf / t_q, "tessera TTFT s": ttft_q, "HF TTFT s": ttft_hf,
-              "int8 logit error": float(error)})
+              f"{method} logit error": float(error)})
     quantized.shutdown()
 
 
@@ -277,6 +280,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "so far are reported)")
     parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure weight-only int8 decoding (CPU; after the eager rows)")
+    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                        help="also measure FP8 (e4m3, per-channel) decoding, W8A8 on Hopper "
+                             "(default: on CUDA only; on CPU the weight is dequantized per "
+                             "product, correct but not faster)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure the engine with its compiled decode step (last)")
     parser.add_argument("--compile-backend", default="inductor",
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.fp8 = cuda if args.fp8 is None else args.fp8
     name = "generate" if args.device == "cpu" else f"generate-{args.device}"
     if args.dtype != "fp32" and not cuda:
         name += "-bf16"

@@ -14,7 +14,7 @@ drafted tokens), mean tokens per verified row, and whether greedy outputs equal 
 A mode's rows are printed once its interleaved runs are done; `--budget-s` (training included)
 stops starting modes once spent.
 
-    python bench/bench_speculative.py                     # the README's table
+    python bench/bench_speculative.py                     # the table in docs/benchmarks.md
     python bench/bench_speculative.py --k 2 4 --steps 300
 """
 

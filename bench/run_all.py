@@ -6,7 +6,7 @@
     python bench/run_all.py --only train generate
 
 Each part writes `bench/results/<part>.json` and `.md`; this script also writes
-`bench/results/summary.md` (the table the README shows) with the date and the machine.
+`bench/results/summary.md` (the table docs/benchmarks.md shows) with the date and the machine.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CPU_PARTS = {
     "serve_load": ["serve_load.py", "--self-test", "--compare-hf"],
     "serve_load-compiled": ["serve_load.py", "--self-test", "--compare-hf",
                             "--serve-arg=--compile", "--name", "serve_load-compiled"],
-    # paged + prefix cache vs wave 1's slots, and chunked prefill: tables in the README's
+    # paged + prefix cache vs wave 1's slots, and chunked prefill: tables in docs/benchmarks.md's
     # serving section (bench/results/serving_paged.md, serving_chunked_prefill.md)
     "serving_paged": ["bench_serving_paged.py", "--num-requests", "32", "--rate", "2", "inf"],
     "convert": ["bench_convert.py"],

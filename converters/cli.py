@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how stages sit on pipeline ranks: looped (1F1B, interleaved) or v "
                         "(two per rank, for the zbv / dualpipev schedules) (default: the "
                         "input's while pp is unchanged, else looped)")
-    # Mixture-of-Experts (issue 14): the expert grid (converters/expert_reshard.py).
+    # Mixture-of-Experts: the expert grid (converters/expert_reshard.py).
     layout.add_argument("--ep", type=positive_int, metavar="N",
                         help="expert-parallel size of a Mixture-of-Experts target: the expert "
                         "banks are written in the ep x etp pieces a training run of that "

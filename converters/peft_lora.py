@@ -5,43 +5,13 @@
 (`tessera convert --to hf`); `import_peft` reads a LoRA adapter trained with `peft` on that HF
 model into a Tessera adapter directory for a given Tessera base checkpoint.
 
-Modules. The HF modules a Tessera linear layer is made of come from the base weight map
-(`converters.hf`), so the adapter maps exactly as the base does: a fused Tessera module
-whose base weight stacks several HF weights along its rows (Llama's `attention.wqkv` =
-`[q_proj; k_proj; v_proj]`, SwiGLU's `feed_forward.w1` = `[gate_proj; up_proj]`) has B split by
-those rows (sizes from `sharding.shard_spec`) and A copied to each part, since
-`[B_q; B_k; B_v] A x` is `[B_q A x; B_k A x; B_v A x]`. The base map permutes no rows (Tessera's
-RoPE uses HF's rotate-half layout), so neither does this one. GPT-2's `Conv1D` stores its weight
-`(in, out)`, but PEFT's LoRA on a `Conv1D` keeps `lora_A (r, in)` and `lora_B (out, r)` like a
-`Linear` (`fan_in_fan_out` only transposes the merged delta), so A and B go across unchanged and
-the fused `c_attn` stays one module. Importing reverses it: q/k/v (or gate/up) factors become one
-fused module with `A = [A_q; A_k; A_v]` (the parts' ranks side by side) and a block-diagonal B
-(q's rows use only A_q's block); a part PEFT did not adapt (e.g. k when only q and v were
-targeted) gets zero rows. Exporting drops the all-zero columns of each part's B (with A's
-matching rows) and parts whose B is all zero (unless all of B is: a fresh adapter exports
-whole), so an imported adapter exports back with its original modules and ranks.
+Invariants: peft's model computes what Tessera's merged model computes (fused modules split
+onto HF's, scales carried by `rank_pattern` / `alpha_pattern`); an imported adapter exports back
+with its original modules and ranks; what has no Tessera equivalent, or factors that do not fit
+the base, are refused with the reason; `peft` is never imported; outputs are atomic.
 
-Scaling. Tessera scales every module by `alpha / rank`; PEFT by `lora_alpha / r` per module
-(`alpha_pattern` / `rank_pattern` override both per module, `use_rslora` divides by `sqrt(r)`).
-Export keeps B as it is: `r = rank`, `lora_alpha = alpha`, and every module whose rank differs
-from `rank` gets `rank_pattern[m] = r_m` and `alpha_pattern[m] = (alpha / rank) * r_m`, so PEFT's
-scale is Tessera's. Import takes `rank = r` and `alpha` = PEFT's default scale times `r`, and
-folds any module's other scale (a pattern, rsLoRA) into its B: `B * (s_m / s)`.
-
-Dropout (`lora_dropout` <-> `dropout`) acts only in training, and a little differently: Tessera
-drops a fused module's input once, PEFT each of q/k/v's separately. Inference is the same.
-
-Refused, with the reason: DoRA, LoRA biases (`bias` other than "none", `lora_bias`),
-`modules_to_save`, trainable tokens, layer replication, aLoRA, QA-LoRA, other PEFT types,
-initializations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), modules with
-no Tessera LoRA equivalent (embeddings, `lm_head`, norms, Mixture-of-Experts experts), and
-factors whose shapes do not fit the base (an adapter trained on another model). PEFT records no
-fingerprint of the base; export puts the Tessera base's fingerprint in the safetensors metadata
-(`tessera_base_fingerprint`, which peft ignores), so an exported adapter imported onto another
-same-shaped base is refused too. A LoRA saved by peft itself cannot be checked beyond its
-shapes; the Tessera adapter written gets the fingerprint of the base checkpoint given.
-
-Nothing here imports `peft`: both formats are JSON plus safetensors. Outputs are atomic.
+How modules, scales and dropout map, and what is refused: docs/guides/converting.md, "How the
+PEFT mapping works".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoint directories: a JSON manifest, the tokenizer, and safetensors weight files.
 
-Layout of `CKPT/` (see ARCHITECTURE.md, "Checkpoints"):
+Layout of `CKPT/` (see docs/architecture.md, "Checkpoint format"):
 - `manifest.json`: format name and version, model config, the layout the weights were saved
   under (the whole `Layout`: tp, pp, virtual stages, stage placement, dp, sequence parallel),
   dtype, FP8 description if any, step, tokenizer file, and `weight_map`: for each global

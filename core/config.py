@@ -52,7 +52,7 @@ class ModelConfig:
     tied_embeddings: bool = False  # output projection shares the token embedding
     dropout: float = 0.0  # hidden and attention dropout
     init_std: float = 0.02
-    # Qwen3 (issue 14, `core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
+    # Qwen3 (`core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
     # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
     qk_norm: bool = False
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
@@ -271,7 +271,7 @@ PRESETS.update({
                                   "shared_ffn_hidden_size": 5632}},
 })
 
-# BERT (issue 18): post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
+# BERT: post-LayerNorm, exact GELU, learned positions, LayerNorm eps 1e-12, the
 # masked-LM decoder tied to the word embedding (`core.models.bert.model`); two token types.
 _BERT = dict(family="bert", norm="layernorm", norm_eps=1e-12, activation="gelu",
              position="learned", bias=True, tied_embeddings=True,
@@ -285,7 +285,7 @@ BERT_PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS.update(BERT_PRESETS)
 
-# Qwen3-MoE (issue 14, `core.qk_norm`): Qwen2-MoE without the shared expert, with per-head q/k
+# Qwen3-MoE (`core.qk_norm`): Qwen2-MoE without the shared expert, with per-head q/k
 # RMSNorm, normalized top-k and an explicit head_dim. A tiny one for tests and Qwen3-30B-A3B's
 # real sizes for planning (its config.json: 48 layers, 128 experts, top-8).
 _QWEN3_MOE = dict(_LLAMA, family="qwen3_moe", qk_norm=True)
@@ -317,48 +317,15 @@ class Layout:
 
     Rank order, fastest first: tp, then cp, then dp, then pp, so global rank
     `= ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` (`core.parallel.groups.rank_of`).
-    This is Megatron's order, kept for the same reason: the groups that talk most sit closest.
-    Tensor-parallel peers exchange activations in every layer (twice forward, twice backward),
-    so they are neighbours on one node; context-parallel peers exchange K/V blocks once per
-    layer, less than tp but far more than dp (one gradient reduction per step), so they come
-    next; pipeline peers only pass one activation per micro-batch and go last. With cp 1 the
-    formula is the old `(pp_rank * dp + dp_rank) * tp + tp_rank`, so existing layouts keep
-    their ranks.
+    Parameters are replicated over cp and dp. `placement` maps the `pp * virtual_stages` stages
+    onto pipeline ranks (`looped` or `v`). Expert parallelism (`ep`, `etp`; MoE models only) adds
+    no ranks: it folds each stage's `tp * cp * dp` ranks into an etp x ep x edp grid
+    (`core.parallel.expert_groups`); ep must divide dp x cp, ep x etp must divide tp x cp x dp,
+    and tp > 1 with ep x etp > 1 needs sequence parallelism. Checkpoints record the whole layout;
+    any checkpoint loads under any other. How a step runs is a separate `TrainSchedule`.
 
-    Context parallelism (`cp`) splits every sequence over cp ranks (`core.parallel.
-    context_parallel`: 2 * cp chunks, rank r holding chunks r and 2cp - 1 - r). It changes no
-    weight's shape: parameters are replicated over cp, and their gradients are averaged over
-    the dp x cp ranks (`ParallelGroups.dp_cp_group`), which is also what ZeRO-1 and FSDP shard
-    over. So any checkpoint loads under any cp.
-
-    Pipeline placement of the `pp * virtual_stages` stages (`core.parallel.sharding.stage_ids`):
-    `looped` puts stages r, r + pp, r + 2pp, ... on pipeline rank r (1F1B, interleaved 1F1B);
-    `v` puts two stages per rank in a V, r and 2pp - 1 - r, so rank 0 holds the first and the
-    last (the ZBV and DualPipeV schedules). Placement is part of the layout, not of the
-    schedule, so converters, checkpoints and the server can describe it without one.
-
-    Expert parallelism (`ep`, `etp`; Mixture-of-Experts models only) adds no ranks: it folds
-    the same `tp * cp * dp` ranks of each pipeline stage into a second grid for the expert
-    layers, as Megatron's "parallel folding" does (Liu et al. 2025, arXiv 2504.14960). Within
-    a stage, let `q = (dp_rank * cp + cp_rank) * tp + tp_rank` (the rank's index in its stage);
-    the expert grid is etp fastest, then ep, then edp: `etp_rank = q % etp`,
-    `ep_rank = (q // etp) % ep`, `edp_rank = q // (etp * ep)`, `edp = tp * cp * dp / (ep *
-    etp)` (`core.parallel.expert_groups`). The *ep group* (same etp and edp rank) holds the
-    experts split along the expert dimension (`moe.num_experts / ep` each) and exchanges tokens
-    with all-to-alls; the *etp group* (same ep and edp rank, consecutive ranks) splits each
-    expert's FFN like tensor parallelism and talks in every MoE layer, so it is fastest, as tp
-    is; the *edp group* (same etp and ep rank) holds identical expert shards, and expert
-    gradients are reduced over it only. With etp equal to tp the etp group is the tp group
-    and the ep group is carved out of the dp x cp ranks (Megatron's layout without folding);
-    a smaller etp folds ep over tp peers too, which keeps the all-to-all on one node. ep must
-    divide dp x cp and ep x etp must divide tp x cp x dp (checked). Each rank must enter the
-    expert layer with tokens of its own, so tp > 1 with ep x etp > 1 needs sequence
-    parallelism (Megatron asks the same). Both fields default to 1 (no expert parallelism:
-    every rank holds every expert), so an older manifest reads as the same layout.
-
-    The training schedule (pipeline schedule, micro-batches, recomputation, data-parallel
-    flavour, cp communication) is a separate `TrainSchedule`: how a step runs, not where
-    weights live.
+    Why this order, the placements and the expert grid: docs/architecture.md, "Rank order,
+    placement and the expert grid".
     """
 
     tp: int = 1  # tensor-parallel size
@@ -368,7 +335,7 @@ class Layout:
     dp: int = 1  # data-parallel size
     sequence_parallel: bool = False  # shard norm/dropout activations along the sequence over tp
     cp: int = 1  # context-parallel size: each sequence split over cp ranks
-    # --- Expert parallelism (issue 14; see the docstring): folded over tp x cp x dp.
+    # --- Expert parallelism (see the docstring): folded over tp x cp x dp.
     ep: int = 1  # expert-parallel size: experts split over ep ranks
     etp: int = 1  # expert-tensor-parallel size: each expert's FFN split over etp ranks
 
@@ -430,7 +397,7 @@ class TrainSchedule:
     # Dynamic context parallelism (`core.parallel.dynamic_cp_runtime`): per micro-batch, each
     # sequence (packed document) spread over its own power-of-two block of the cp group.
     cp_dynamic: bool = False
-    # Mixture-of-Experts under expert parallelism (issue 14): how tokens reach the ranks holding
+    # Mixture-of-Experts under expert parallelism: how tokens reach the ranks holding
     # their experts, "alltoall" or "allgather" (`core.parallel.expert_parallel`).
     moe_dispatcher: str = "alltoall"
 
@@ -491,7 +458,7 @@ def _layout_problems(
             out.append(f"each cp rank's {seq_len // lay.cp} tokens (sequence length {seq_len} / "
                        f"cp {lay.cp}) do not split over tp {lay.tp} (sequence parallel); use a "
                        f"sequence length that is a multiple of {lay.tp * 2 * lay.cp}")
-    out += expert_layout_problems(lay, model)  # expert parallelism (issue 14)
+    out += expert_layout_problems(lay, model)  # expert parallelism
     return out
 
 

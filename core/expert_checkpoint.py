@@ -1,4 +1,4 @@
-"""Checkpoint files of expert banks under expert parallelism (issue 14).
+"""Checkpoint files of expert banks under expert parallelism.
 
 With ep x etp > 1 the expert banks (`sharding.is_expert_param`) are not in the tensor-parallel
 files `model-tp{t}-pp{p}.safetensors`: each expert-grid rank of expert-data-parallel rank 0

@@ -1,4 +1,4 @@
-"""Validation of the expert-parallel part of a `Layout` (issue 14), kept out of `core.config`.
+"""Validation of the expert-parallel part of a `Layout`, kept out of `core.config`.
 
 `expert_layout_problems(layout, model)` lists every reason the `ep` / `etp` fields of a layout
 cannot hold a model, each naming the numbers that clash and the fix; `Layout.problems` appends

@@ -146,9 +146,10 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def _cached_scale_inv(layer: nn.Module, rowwise: bool) -> torch.Tensor:
     """`weight_scale_inv` of `layer.scale`, kept on the layer until the scale changes (a load
-    writes it in place, which bumps its version; `.to()` gives it new storage)."""
+    writes it in place, which bumps its version; `.to()` gives it new storage). A scale made
+    under `torch.inference_mode` has no version counter, so its reciprocal is made per call."""
     scale = layer.scale
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or scale.is_inference():
         return weight_scale_inv(scale, layer.weight.shape[0], rowwise)
     key = (scale.data_ptr(), scale._version, scale.device, rowwise)
     cached = getattr(layer, "_fp8_scale_inv", None)
@@ -158,8 +159,10 @@ def _cached_scale_inv(layer: nn.Module, rowwise: bool) -> torch.Tensor:
     return cached[1]
 
 
-def _fp8_tensor_cores(device: torch.device, rowwise: bool) -> bool:
-    """FP8 `_scaled_mm` kernels: tensorwise from Ada (8.9), rowwise from Hopper (9.0)."""
+def fp8_tensor_cores(device: torch.device | str, rowwise: bool) -> bool:
+    """Whether `device` has FP8 `_scaled_mm` kernels: tensorwise from Ada (8.9), rowwise from
+    Hopper (9.0)."""
+    device = torch.device(device)
     need = (9, 0) if rowwise else (8, 9)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= need
 
@@ -186,7 +189,7 @@ class Fp8(WeightFormat):
         q, scale = layer.weight, layer.scale
         use = self.use_scaled_mm
         if use is None:
-            use = (_fp8_tensor_cores(x.device, scale.dim() > 0)
+            use = (fp8_tensor_cores(x.device, scale.dim() > 0)
                    and x.shape[-1] % 16 == 0 and q.shape[0] % 16 == 0)
         if use:
             rowwise = scale.dim() > 0 or not x.is_cuda

@@ -9,8 +9,11 @@ the run banner (`Fp8Recipe.describe`). Backends, tried in this order by `backend
 - `torchao`: torchao's float8 training on CUDA (`tensorwise`, `rowwise`, `rowwise-gw-hp`); on
   CPU only when asked for by name, with torchao's `emulate=True`.
 - `emulated`: Tessera's own emulation (`core/fp8_training.py`), every device: `delayed` or
-  `tensorwise` per-tensor scaling, quantize to real float8 dtypes, products of the FP8 values in
-  fp32. It is what `auto` picks on CPU and what the tests run.
+  `tensorwise` per-tensor scaling, or torchao's `rowwise` (power-of-two row and column
+  scales); quantize to real float8 dtypes, products of the FP8 values in fp32. It is what
+  `auto` picks on CPU and what the tests run.
+The recipe names `tensorwise` and `rowwise` mean the same scaling under torchao and the
+emulation, and `delayed` the same under TE and the emulation.
 
 Formats follow Transformer Engine's names: `hybrid` is e4m3 for activations and weights in the
 forward and e5m2 for gradients in the backward; `e4m3` uses e4m3 everywhere.
@@ -31,7 +34,7 @@ BACKENDS = ("auto", "te", "torchao", "emulated")
 RECIPES: dict[str, tuple[str, ...]] = {
     "te": ("delayed", "tensorwise", "block", "mxfp8"),
     "torchao": ("tensorwise", "rowwise", "rowwise-gw-hp"),
-    "emulated": ("delayed", "tensorwise"),
+    "emulated": ("delayed", "tensorwise", "rowwise"),
 }
 DEFAULT_RECIPE = {"te": "delayed", "torchao": "tensorwise", "emulated": "delayed"}
 ALIASES = {"current": "tensorwise", "blockwise": "block"}
@@ -81,6 +84,11 @@ class Fp8Recipe:
             text += (f"; amax history {self.amax_history_len}, margin {self.margin}, "
                      f"amax {self.amax_compute_algo}")
         return text + ")"
+
+
+def offered_recipes() -> str:
+    """Every backend's recipes, for error messages: `te: delayed, ...; torchao: ...`."""
+    return "; ".join(f"{b}: {', '.join(rs)}" for b, rs in RECIPES.items())
 
 
 def torchao_available() -> bool:
@@ -134,7 +142,8 @@ def resolve_fp8_recipe(device: torch.device | str, backend: str = "auto", recipe
             if not cuda:
                 raise ConfigError(f"fp8 recipe {recipe!r} needs a CUDA device ({' or '.join(offered)}); "
                                   "on CPU the emulated path offers "
-                                  f"{', '.join(RECIPES['emulated'])}")
+                                  f"{', '.join(RECIPES['emulated'])} (by backend: "
+                                  f"{offered_recipes()})")
             raise ConfigError(f"fp8 recipe {recipe!r} on CUDA needs {' or '.join(offered)}, and "
                               f"neither imports: {INSTALL_TE}, or {INSTALL_TORCHAO}; or pass "
                               "--fp8-backend emulated to emulate FP8 without them")
@@ -148,7 +157,8 @@ def resolve_fp8_recipe(device: torch.device | str, backend: str = "auto", recipe
         recipe = DEFAULT_RECIPE[backend]
     if recipe not in RECIPES[backend]:
         raise ConfigError(f"fp8 backend {backend} offers the recipes "
-                          f"{', '.join(RECIPES[backend])}, not {recipe!r}")
+                          f"{', '.join(RECIPES[backend])}, not {recipe!r} (by backend: "
+                          f"{offered_recipes()})")
     if backend in ("torchao",) and fp8_format != "hybrid" and recipe == "tensorwise":
         raise ConfigError("torchao's tensorwise recipe uses the hybrid format (e5m2 gradients); "
                           "drop --fp8-format e4m3 or use --fp8-recipe rowwise (e4m3 everywhere)")

@@ -24,6 +24,14 @@ with FP8 tensor cores it is `_scaled_mm`, fast accumulation in the forward only,
 - `tensorwise` (current scaling): each tensor's own amax, taken over tensor-parallel ranks when
   the tensor is split across them (the weight; a row-parallel input; a column-parallel output
   gradient), so every layout quantizes to the values one process would.
+- `rowwise` (torchao's recipe of that name): e4m3 everywhere, one scale per row or column along
+  the dimension each product sums over, rounded down to a power of two (so scaling is exact):
+  `y = x @ W^T` scales x per row and W per output channel; `dx = g @ W` scales g per row and W
+  per input feature; `dW = g^T @ x` scales g per output feature and x per input feature, over
+  the tokens. A scale's amax is taken over tensor-parallel ranks when the dimension it reduces
+  is split (the input features under a row split, the output features under a column split).
+  The backward re-quantizes the saved input and weight along the other dimension, so the
+  high-precision input is saved (as in torchao).
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ from tessera.core.parallel.weight_format import DENSE, WeightFormat, quantizable
 
 INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of a layer's amax history / entries of its scales
 GEMM_MULTIPLE = 16
+# The dimensions of each 2-D operand: tokens M, input features K, output features N. A
+# row-parallel layer splits K across tensor-parallel ranks, a column-parallel one N.
+_DIMS = {INPUT: ("M", "K"), WEIGHT: ("N", "K"), GRAD: ("M", "N")}
+_SPLIT = {"row": "K", "column": "N"}
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,22 +66,29 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 def fp8_matmul(qa: torch.Tensor, scale_a: torch.Tensor, qb: torch.Tensor,
                scale_b: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
     """`(qa / scale_a) @ (qb / scale_b)` in fp32 for FP8 `qa (M, K)`, `qb (K, N)` and per-tensor
-    scales: the exact FP8 products accumulated in fp32, scaled once at the end.
+    scales (`()`) or row scales (`(M, 1)`, `(1, N)`): the exact FP8 products accumulated in
+    fp32, scaled once at the end.
 
     On GPUs with FP8 tensor cores (`fp8_gemm_fits`) it is `torch._scaled_mm` itself (with
     Hopper's fast accumulation when `fast_accum`); elsewhere the same sum in fp32 matmuls.
     """
-    if fp8_gemm_fits(qa, qb):
+    rowwise = scale_a.dim() > 0
+    if fp8_gemm_fits(qa, qb, rowwise):
+        # Row scales (`(M, 1)` and `(1, N)`) take the kernel that returns bf16.
+        out = torch.bfloat16 if rowwise else torch.float32
         return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(),
-                                scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(),
-                                out_dtype=torch.float32, use_fast_accum=fast_accum)
+                                scale_a=scale_a.reciprocal().contiguous(),
+                                scale_b=scale_b.reciprocal().contiguous(),
+                                out_dtype=out, use_fast_accum=fast_accum).float()
     return (qa.float() @ qb.float()) / (scale_a * scale_b)
 
 
-def fp8_gemm_fits(qa: torch.Tensor, qb: torch.Tensor) -> bool:
+def fp8_gemm_fits(qa: torch.Tensor, qb: torch.Tensor, rowwise: bool = False) -> bool:
     """Whether `torch._scaled_mm` runs `qa @ qb` on this GPU's FP8 tensor cores (compute
-    capability 8.9+, every dimension a multiple of 16, not both operands e5m2)."""
-    return (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= (8, 9)
+    capability 8.9+, 9.0+ for row scales; every dimension a multiple of 16; not both operands
+    e5m2)."""
+    need = (9, 0) if rowwise else (8, 9)
+    return (qa.is_cuda and torch.cuda.get_device_capability(qa.device) >= need
             and all(d % GEMM_MULTIPLE == 0 for d in (*qa.shape, qb.shape[1]))
             and not qa.dtype == qb.dtype == torch.float8_e5m2)
 
@@ -80,7 +99,10 @@ class _Run:
     def __init__(self, layer: ParallelLinear, recipe: Fp8Recipe, record: bool):
         self.layer, self.recipe, self.record = layer, recipe, record
 
-    def scale(self, kind: int, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def scale(self, kind: int, t: torch.Tensor, dtype: torch.dtype, dim: int | None = None
+              ) -> torch.Tensor:
+        """The scale of the 2-D operand `t` (`kind`): per tensor, or with `dim` one per row
+        (`dim=-1`, shape `(rows, 1)`) or per column (`dim=0`, `(1, cols)`), power-of-two."""
         layer = self.layer
         if self.recipe.recipe == "delayed":
             if self.record:
@@ -88,11 +110,13 @@ class _Run:
                 row = layer.fp8_amax_history[0]
                 row[kind] = torch.maximum(row[kind], amax)
             return layer.fp8_scale[kind].clone()
-        amax = t.detach().abs().amax().float()
-        split = {INPUT: layer.parallel == "row", WEIGHT: True, GRAD: layer.parallel == "column"}
-        if layer.tp_group is not None and split[kind]:
+        t = t.detach().abs()
+        amax = (t.amax() if dim is None else t.amax(dim=dim, keepdim=True)).float()
+        dims = _DIMS[kind] if dim is None else (_DIMS[kind][dim],)
+        if layer.tp_group is not None and _SPLIT[layer.parallel] in dims:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.tp_group)
-        return scale_from_amax(amax, dtype)
+        scale = scale_from_amax(amax, dtype)
+        return scale if dim is None else torch.exp2(torch.floor(torch.log2(scale)))
 
 
 class _EmulatedFp8Linear(torch.autograd.Function):
@@ -100,6 +124,8 @@ class _EmulatedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, run: _Run, out_dtype: torch.dtype):
+        if run.recipe.recipe == "rowwise":
+            return _rowwise_forward(ctx, x, weight, run, out_dtype)
         fwd = run.recipe.forward_dtype
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
@@ -112,6 +138,8 @@ class _EmulatedFp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        if ctx.run.recipe.recipe == "rowwise":
+            return _rowwise_backward(ctx, grad_y)
         qx, qw, sx, sw = ctx.saved_tensors
         run = ctx.run
         run.record = True  # gradients exist only in training
@@ -126,6 +154,45 @@ class _EmulatedFp8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = fp8_matmul(qg.t(), sg, qx, sx).to(ctx.w_dtype)
         return grad_x, grad_w, None, None
+
+
+def _quantized(run: _Run, kind: int, t: torch.Tensor, dim: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q, scale)` of `t` in e4m3 with one scale per row (`dim=-1`) or column (`dim=0`)."""
+    scale = run.scale(kind, t, torch.float8_e4m3fn, dim)
+    return quantize_fp8(t, scale, torch.float8_e4m3fn), scale
+
+
+def _rowwise_forward(ctx, x: torch.Tensor, weight: torch.Tensor, run: _Run,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """`y = x @ W^T`, x per row and W per output channel (the `rowwise` recipe)."""
+    with torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = _quantized(run, INPUT, x2, -1)
+        qw, sw = _quantized(run, WEIGHT, weight, -1)
+        y = fp8_matmul(qx, sx, qw.t(), sw.t(), fast_accum=True)  # forward only
+    ctx.save_for_backward(x2, weight)
+    ctx.run, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = run, x.shape, x.dtype, weight.dtype
+    return y.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rowwise_backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """`dx = g @ W` (g per row, W per input feature) and `dW = g^T @ x` (g per output
+    feature, x per input feature), every operand e4m3 (the `rowwise` recipe)."""
+    x2, weight = ctx.saved_tensors
+    run = ctx.run
+    grad_x = grad_w = None
+    with torch.autocast(grad_y.device.type, enabled=False):
+        g2 = grad_y.reshape(-1, grad_y.shape[-1])
+        if ctx.needs_input_grad[0]:
+            qg, sg = _quantized(run, GRAD, g2, -1)
+            qw, sw = _quantized(run, WEIGHT, weight, 0)
+            grad_x = fp8_matmul(qg, sg, qw, sw).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            qg, sg = _quantized(run, GRAD, g2, 0)
+            qx, sx = _quantized(run, INPUT, x2, 0)
+            grad_w = fp8_matmul(qg.t(), sg.t(), qx, sx).to(ctx.w_dtype)
+    return grad_x, grad_w, None, None
 
 
 class EmulatedFp8(WeightFormat):

@@ -1,4 +1,12 @@
-"""Weight-only int8 quantization for serving: int8 weights, one bf16 scale per output channel.
+"""Quantized weights for serving: weight-only int8 (this module) or FP8 e4m3 (`core.fp8`).
+
+`quantize(model, "fp8")` quantizes to e4m3 with one fp32 scale per output channel (the
+per-channel FP8 of vLLM's compressed-tensors format: `weight_scale` of shape `(out, 1)`), and
+the product is W8A8: the activations are quantized per row on the fly and multiplied with
+`torch._scaled_mm` on GPUs whose FP8 tensor cores take row scales (Hopper, compute capability
+9.0); elsewhere the weight is dequantized for each product (W8A16). See `core.fp8`.
+
+Weight-only int8: int8 weights, one bf16 scale per output channel.
 
 Decoding a token reads every weight once, so at small batch its time is the weight bytes over
 the memory bandwidth. Int8 weights are a quarter of fp32 and half of bf16. This is for latency
@@ -24,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.core.fp8 import convert_to_fp8_linear, fp8_tensor_cores
 from tessera.core.parallel.layers import quantizable_linears
 from tessera.core.parallel.weight_format import Dense, WeightFormat
 
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("none", "int8", "fp8")
 KERNEL_MAX_ROWS = 24  # rows (tokens) above which dequantizing is faster than the int8 kernel
 
 
@@ -91,10 +100,25 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
     return model
 
 
+def product(method: str, device: torch.device | str) -> str:
+    """How the quantized layers of `method` multiply on `device`, for the start-up line."""
+    if method == "int8":
+        return "weight-only int8, bf16 activations"
+    if method == "fp8":
+        return ("W8A8: per-row FP8 activations, torch._scaled_mm"
+                if fp8_tensor_cores(device, rowwise=True)
+                else "W8A16: FP8 weights dequantized per product, no row-scaled FP8 kernel here")
+    return "unquantized"
+
+
 def quantize(model: nn.Module, method: str) -> nn.Module:
-    """`quantize_int8_` for "int8", `model` as is for "none"; any other name is an error."""
+    """`quantize_int8_` for "int8", per-channel FP8 (`core.fp8.convert_to_fp8_linear`) for
+    "fp8", `model` as is for "none"; any other name is an error. Collective under tensor
+    parallelism for "fp8" (the scales come from global amaxes)."""
     if method == "none":
         return model
     if method == "int8":
         return quantize_int8_(model)
+    if method == "fp8":
+        return convert_to_fp8_linear(model, per_channel=True)
     raise ValueError(f"unknown quantization {method!r}; choose one of {QUANTIZE_CHOICES}")

@@ -85,6 +85,11 @@ class Tokenizer:
     def _decode_checked(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and each token's `[start, end)` character span in `text` (what a chat
+        template's assistant spans are mapped through to tokens)."""
+        raise NotImplementedError
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`. Raises ValueError for an id outside `[0, vocab_size)`."""
         ids = [int(i) for i in ids]
@@ -140,6 +145,27 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _decode_checked(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        # The serialized SentencePieceText holds each piece's id and byte span in the input;
+        # read it by hand (the protobuf package is not a dependency).
+        ids, spans = [], []
+        for number, value in _proto_fields(self._sp.encode(text, out_type="serialized_proto")):
+            if number == 2:  # a piece: id = field 2, begin = 4, end = 5 (byte offsets)
+                piece = dict(_proto_fields(value))
+                ids.append(piece.get(2, 0))
+                spans.append((piece.get(4, 0), piece.get(5, 0)))
+        char_at = [0] * (len(text.encode("utf-8")) + 1)
+        position = 0
+        for index, char in enumerate(text):
+            width = len(char.encode("utf-8"))
+            char_at[position: position + width] = [index] * width
+            position += width
+        char_at[position] = len(text)
+        out = [(char_at[begin], char_at[end]) for begin, end in spans]
+        # The leading byte pieces of a character (and a dummy prefix) span no character:
+        # they belong to the character that follows.
+        return ids, [(a, min(a + 1, len(text))) if a == b else (a, b) for a, b in out]
 
     def model_bytes(self) -> bytes:
         return self._proto
@@ -201,6 +227,10 @@ class HFTokenizer(Tokenizer):
     def _decode_checked(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
     def model_bytes(self) -> bytes:
         return self._json.encode("utf-8")
 
@@ -209,6 +239,37 @@ class HFTokenizer(Tokenizer):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HFTokenizer, (self._json, self._config))
+
+
+def _proto_fields(data: bytes) -> Iterator[tuple[int, Any]]:
+    """`(field number, value)` of a serialized protobuf message: varints as ints,
+    length-delimited fields as bytes (the two wire types a SentencePieceText uses)."""
+
+    def varint(at: int) -> tuple[int, int]:
+        value, shift = 0, 0
+        while True:
+            byte = data[at]
+            value |= (byte & 0x7F) << shift
+            at, shift = at + 1, shift + 7
+            if byte < 0x80:
+                return value, at
+
+    at = 0
+    while at < len(data):
+        key, at = varint(at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = varint(at)
+        elif wire == 2:
+            size, at = varint(at)
+            value, at = data[at: at + size], at + size
+        elif wire == 5:  # fixed32 (a float score)
+            value, at = data[at: at + 4], at + 4
+        elif wire == 1:  # fixed64
+            value, at = data[at: at + 8], at + 8
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire}")
+        yield number, value
 
 
 def tokenizer_from_bytes(data: bytes, kind: str = "sentencepiece") -> Tokenizer:

@@ -1,64 +1,14 @@
 """Memory and step time of one training configuration, from `formulas` and a `Hardware`.
 
-The time model, per pipeline rank and micro-batch (all rates from `Hardware`):
+Inputs: a `Job` (model, hardware, batch, sequence, precision) and a `Config` (layout,
+micro-batch, recomputation). Outputs: `memory(job, c)` -> `Memory` (GiB of the most loaded
+rank, by part) and `step_time(job, c)` -> `StepTime` (seconds by part: compute, bubble, tp / pp
+/ dp / cp / ep communication, optimizer), at the pace of the slowest pipeline rank.
+Invariants: no torch and no measurement (planning is instant); every rate comes from
+`Hardware`, every count from `formulas`; backward costs twice the forward.
 
-- GEMMs (the four weight GEMMs of a layer, the output layer) at
-  `peak * gemm_fraction(m, n, k)` for their per-rank shapes; attention at
-  `peak * attention_efficiency` (fused, flash) or `peak * unfused_attention_efficiency`;
-- the memory-bound rest (norms, activation functions, dropout, softmax over unfused attention
-  scores, residual adds) moves `ELEMENTWISE_PASSES` x the bytes of the activations Korthikanti
-  counts for the layer [Korthikanti section 4.1] through HBM forward, twice that backward;
-- a fixed cost per layer forward and per micro-batch (`Hardware.layer_overhead_us`,
-  `microbatch_overhead_us`: eager per-op dispatch, measured on CPUs, 0 on the GPU profiles);
-- backward = 2 x forward (GEMMs for input and weight gradients); a full recompute repeats the
-  forward, a selective one the attention scores' part [Korthikanti section 5];
-- tensor-parallel collectives (`formulas.tp_layer_comm_bytes`) over NVLink, not overlapped
-  (Megatron as in both papers); context-parallel K/V exchange overlapped with attention (ring),
-  exposed only where it exceeds it; expert-parallel all-to-alls exposed;
-- the pipeline: `(m + (p - 1)/v)` micro-batch slots of the slowest rank [PTD-P section 2.2]:
-  the last adds the output layer and cross-entropy (V/(16 h) layer-equivalents of FLOPs, paid
-  by each of the m micro-batches on a rank of L/p layers, so p times its weight without a
-  pipeline), the first the word embedding's dense backward; the point-to-point transfers of
-  each chunk boundary, `2 v m + 2 (p - 1)` of them on the critical path (steady state, fill and
-  drain), each a tp rank's slice over the link between the stages (InfiniBand unless the whole
-  job fits in one node: ranks are ordered tp, cp, dp, pp) plus, without sequence parallelism,
-  the receivers' NVLink all-gather of the scatter/gather optimisation [PTD-P section 4.1];
-  with tied embeddings, the all-reduce of the word-embedding gradient between the first and
-  last stage after the backward (Megatron-LM);
-- the data-parallel gradient reduction over the network, hidden behind the last micro-batch's
-  backward (recomputation included) when `overlap_grad_reduce` (and, with a pipeline, only
-  when `overlap_grad_reduce_in_pipeline`: 2021 Megatron overlapped through torch DDP, whose
-  `no_sync` only its no-pipeline schedule used, so its pipelined runs reduced after the
-  backward with its local DDP); and the optimizer step, memory bound.
-
-MoE models: a dense layer runs the dense MLP, an MoE layer (every `moe.layer_freq`-th) its
-top-k routed experts and the shared expert, with its own activations
-(`formulas.moe_layer_activation_bytes`) and collectives; per-layer times and activations are the
-model's average of the two kinds (each pipeline rank taken to hold the model's mix, exact when
-`moe.layer_freq` divides the layers per stage; otherwise stages differ by one MoE layer), while
-the parameters, gradients and optimizer states are those of the stage holding the most MoE
-layers (`formulas.max_stage_moe_layers`). An MoE layer also pays, as memory-bound time not
-counted in the model FLOPs (Megatron-LM's MFU leaves the router out), its token permutation
-(`formulas.moe_dispatch_bytes`: Megatron-Core v0.9's unfused permute / unpermute, forward and
-backward, plus the sort by local expert when a rank holds several) and its router (the thin
-E-output gating GEMM at the slower of its shape-rule rate and its input's HBM read, the score
-passes of top-k and the load-balancing loss, `formulas.moe_router_bytes`); the permuted input
-and expert output are then left out of the one-pass elementwise charge. The routed experts'
-GEMMs are rated per expert (M = the tokens routed to one expert; Megatron's grouped GEMM
-launches one GEMM per local expert).
-
-Known limits: no kernel-level modelling (one GEMM shape rule, one elementwise constant, two
-attention rates), no
-tensor-parallel communication overlap, no network contention between concurrent groups beyond
-one NIC per GPU. Pipeline sends are blocking, as in the 2021 Megatron-LM the model was checked
-on; schedules that overlap them with compute (Megatron-Core's interleaved
-`overlap_p2p_comm`, torch.distributed.pipelining's asynchronous sends, which `tessera pretrain`
-uses) hide part of `StepTime.pp`, so pipelined layouts are predicted conservatively by up to that
-term. MoE: routing is perfectly balanced (no published max/mean expert load under
-aux-loss balancing was found to charge the most loaded ep rank with), no per-kernel launch cost
-or host synchronisation (Megatron's all-to-all dispatcher waits for the split sizes on the
-host), no fused permutation; Mixtral 8x7B at Megatron-LM's published layout is over-predicted
-by ~10% (52.3% MFU against 47.3%, tests/unit/plan/test_moe_costs.py).
+The time model term by term, MoE costs and the known limits: docs/planner-model.md, "The
+step-time model, term by term".
 """
 
 from __future__ import annotations

@@ -404,7 +404,7 @@ def _settle_recompute_layers(job: TrainingJob, c: E.Config, fixed: Fixed) -> E.C
 # et al. 2021) Table 1's ten rows as launched, -6.4% (1T; -6.45% unrounded, hence 6.5%) to
 # +4.4% (76.1B) (`test_ptdp_table1_published_configurations`), and PTD-P Fig. 12, where the
 # interleaved schedule is over-predicted by up to 5.4% and the non-interleaved one is within
-# 2% (`test_ptdp_figure_12_schedules`); see API_NOTES.md "PTD-P Table 1, 18.4B".
+# 2% (`test_ptdp_figure_12_schedules`); see docs/planner-model.md, "PTD-P Table 1, 18.4B".
 # test_model_error.py recomputes it from those runs, so it follows the model.
 MODEL_ERROR = 0.065
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.core.arg_types import non_negative_int, port, positive_float, positive_int
+from tessera.core.chat_template import stored_chat_template
 from tessera.core.help import HelpFormatter
 
 DEFAULT_SERVED_NAME = "tessera"  # what the README's client examples send as `model`
@@ -41,9 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint runs in fp32 on a CPU without native bf16, where bf16 is "
                         "emulated and slower; auto: chosen from the CPU, see core/cpu_isa.py)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+    # core.quantize.QUANTIZE_CHOICES, spelled out so that --help does not import torch
+    p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
                    help="int8: weight-only int8 matrices with bf16 activations, for faster "
-                        "CPU decoding (implies --dtype bf16; see core/quantize.py)")
+                        "CPU decoding (implies --dtype bf16); fp8: e4m3 block matrices with "
+                        "per-channel scales, W8A8 through torch._scaled_mm on Hopper GPUs, "
+                        "dequantized per product elsewhere. Either prints its logit error vs "
+                        "the unquantized model at start (see core/quantize.py)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
                    help="compile the decode step with TorchInductor (auto: only on a CPU with "
                         "native bf16, where it pays; see core/cpu_isa.py): about 2x faster "
@@ -205,10 +210,14 @@ def _start(args: argparse.Namespace):
     # background=False: the step loop runs on this (main) thread, see `serving.engine.bridge`.
     if args.quantize == "int8" and args.dtype not in (None, "bf16"):
         raise ValueError(f"--quantize int8 computes in bf16; drop --dtype {args.dtype}")
+    if args.quantize == "fp8" and args.compile == "on":
+        raise ValueError("--quantize fp8 runs the eager decode step: drop --compile")
     dtype = "bf16" if args.quantize == "int8" else args.dtype
     from tessera.serving.adapter_cli import lora_serving
 
     lora = lora_serving(args)
+    if args.quantize == "fp8" and args.compile == "auto":  # FP8 weights decode eagerly
+        args.compile = "off"
     dtype, args.compile = host_choices(args.checkpoint, dtype, args.compile, args.device)
     if args.compile:
         if args.compile_cache is not None:
@@ -339,20 +348,3 @@ def chat_template_of(args: argparse.Namespace) -> tuple[str | None, str]:
         return None, ("the built-in 'role: content' lines (the checkpoint has none; give "
                       "--chat-template FILE for an instruct model)")
     return template, f"the checkpoint's {origin}"
-
-
-def stored_chat_template(checkpoint: str) -> tuple[str | None, str]:
-    """The chat template kept with the model and the file it is in: `chat_template.jinja`
-    (what transformers saves), `chat_template.json`, or `tokenizer_config.json`'s
-    `chat_template` (all carried over by `tessera convert --from hf`); (None, "") if none."""
-    import json
-
-    root = Path(checkpoint)
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text(), "chat_template.jinja"
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        if (root / name).is_file():
-            template = json.loads((root / name).read_text()).get("chat_template")
-            if isinstance(template, str):
-                return template, name
-    return None, ""

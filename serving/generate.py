@@ -61,7 +61,7 @@ def generate_text(checkpoint: str, prompt: str, *, max_tokens: int = 64,
 
 def chat_prompt(checkpoint: str, message: str, system: str | None = None) -> str:
     """`message` (after `system`) rendered by the checkpoint's chat template, as served."""
-    from tessera.serving.cli import stored_chat_template
+    from tessera.core.chat_template import stored_chat_template
     from tessera.serving.http.openai_api import ChatTemplate
     from tessera.serving.http.schemas import ChatMessage
 

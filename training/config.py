@@ -79,7 +79,8 @@ class TrainConfig:
                                    "torchao; CPU: emulated) | te | torchao | emulated")
     fp8_recipe: str = opt("auto", "with --precision fp8: auto (the backend's default) | delayed "
                                   "(amax history) | tensorwise (current scaling) | block | mxfp8 "
-                                  "(TE) | rowwise | rowwise-gw-hp (torchao)")
+                                  "(TE) | rowwise (torchao, emulated) | rowwise-gw-hp "
+                                  "(torchao); see docs/fp8-transformer-engine.md")
     fp8_format: str = opt("hybrid", "hybrid (e4m3 forward, e5m2 gradients) | e4m3 (everywhere)")
     fp8_amax_history_len: int = opt(1024, "delayed scaling: steps of amax history kept",
                                     range=positive_int)
@@ -200,12 +201,12 @@ class ParallelSection:
     schedule: str = "1f1b"
     micro_batches: int = 1
     data_parallel: DataParallel = "ddp"
-    # --- Expert parallelism (issue 14): MoE models only, folded over tp x cp x dp.
+    # --- Expert parallelism: MoE models only, folded over tp x cp x dp.
     ep: int = 1
     etp: int = 1
     # dynamic context parallelism
     cp_dynamic: bool = False
-    # MoE token dispatcher under expert parallelism (issue 14)
+    # MoE token dispatcher under expert parallelism
     moe_dispatcher: str = "alltoall"
 
     def layout(self) -> Layout:

@@ -1,4 +1,4 @@
-"""AdamW's moments of expert banks under expert parallelism (issue 14).
+"""AdamW's moments of expert banks under expert parallelism.
 
 With ep x etp > 1 an expert bank's piece differs between ep / etp peers, which are dp or tp
 peers of each other, so the dense rule (dp rank 0 writes, replicated tensors from tp rank 0)

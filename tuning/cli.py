@@ -77,6 +77,11 @@ def main(argv: list[str]) -> int:
                                   "DIR (a LoRA adapter)")
             evaluate_table(cfg, args.prompts)
             return 0
+        if cfg.tune.method == "dpo":
+            from tessera.tuning.dpo_loop import tune_dpo
+
+            print(f"tessera tune: {tune_dpo(cfg)['result']}")
+            return 0
         from tessera.tuning.loop import tune
 
         tune(cfg, export_peft=args.export == "peft")

@@ -43,7 +43,8 @@ from tessera.training.config import (
 if TYPE_CHECKING:  # the task data module imports torch; --help should not
     from tessera.tuning.data import TaskSpec
 
-METHODS = ("prompt-tuning", "p-tuning", "lora")
+METHODS = ("prompt-tuning", "p-tuning", "lora", "full", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
 ENCODERS = ("mlp", "lstm")
 INITS = ("vocab", "text")
 
@@ -57,7 +58,9 @@ class TuneConfig:
     method: str = opt("p-tuning", "prompt-tuning (learn the virtual embeddings) | p-tuning "
                                   "(learn them through an encoder, baked into a table at the end) "
                                   "| lora (learn low-rank updates B A of chosen linear layers, "
-                                  "written as an adapter directory OUTPUT/adapter)")
+                                  "written as an adapter directory OUTPUT/adapter) | full "
+                                  "(train every weight, written as a checkpoint OUTPUT/model) | dpo "
+                                  "(preference pairs; --dpo-weights says what learns)")
     virtual_tokens: int = opt(10, "virtual tokens per task (a task in the YAML may set its own)",
                               range=positive_int)
     encoder: str = opt("mlp", "p-tuning encoder: mlp | lstm (bidirectional, then an MLP head)")
@@ -67,6 +70,20 @@ class TuneConfig:
                              "tokens) | text (the embeddings of --init-text, tiled)")
     init_text: str = opt("", "with --init text: the text whose token embeddings start the prompt")
     add_eos: bool = opt(True, "end every answer with EOS, so generation stops after it")
+    chat_template: str = opt("", "conversations ({\"messages\": [...]} rows): a Jinja chat "
+                                 "template file (default: the base checkpoint's, the one "
+                                 "tessera serve uses)")
+    all_tokens: bool = opt(False, "conversations: train on every token, not only on the "
+                                  "assistant's turns")
+    dpo_weights: str = opt("lora", "DPO: what learns, lora (the reference is the base with the "
+                                   "adapter off) | full (the reference is a frozen copy)")
+    dpo_beta: float = opt(0.1, "DPO: beta, how far the policy may move from the reference",
+                          range=positive_float)
+    dpo_loss: str = opt("sigmoid", "DPO: sigmoid | ipo | robust (TRL's definitions)")
+    dpo_label_smoothing: float = opt(0.0, "DPO: the share of pairs assumed mislabelled "
+                                          "(sigmoid: cDPO; robust)", range=fraction_below_one)
+    pack: bool = opt(False, "pack several examples into each row, each its own document "
+                            "(positions restart, no attention across examples); LoRA or full")
     lora_rank: int = opt(8, "LoRA: rank r of each adapted layer's update B A", range=positive_int)
     lora_alpha: float = opt(16.0, "LoRA: the update is scaled by alpha / rank",
                             range=positive_float)
@@ -121,7 +138,16 @@ class TuneRunConfig:
             problems.append("--init text needs --init-text TEXT")
         if t.virtual_tokens < 1:
             problems.append(f"virtual_tokens must be >= 1, got {t.virtual_tokens}")
-        if t.method == "lora":
+        if t.method == "dpo":
+            if t.dpo_weights not in ("lora", "full"):
+                problems.append(f"unknown --dpo-weights {t.dpo_weights!r}; use lora or full")
+            if t.dpo_loss not in DPO_LOSSES:
+                problems.append(f"unknown --dpo-loss {t.dpo_loss!r}; use {', '.join(DPO_LOSSES)}")
+            if t.dpo_loss == "robust" and t.dpo_label_smoothing >= 0.5:
+                problems.append("--dpo-loss robust needs --dpo-label-smoothing below 0.5")
+            if t.pack:
+                problems.append("--pack is for supervised tuning; DPO rows are pairs")
+        if t.method == "lora" or (t.method == "dpo" and t.dpo_weights == "lora"):
             if t.lora_rank < 1:
                 problems.append(f"lora_rank must be >= 1, got {t.lora_rank}")
             if not t.lora_alpha > 0:
@@ -138,6 +164,11 @@ class TuneRunConfig:
                 problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
                                 f"{data_parallel!r} (its adapter is small: "
                                 "sharding its optimizer state saves little)")
+        if t.pack and t.method not in ("lora", "full"):
+            problems.append("--pack needs --method lora or full (virtual tokens sit at the "
+                            "start of each row, so prompt-tuned rows hold one example each)")
+        if self.parallel.train_schedule().cp_dynamic and t.pack:
+            problems.append("--pack runs with fixed --cp (drop --cp-dynamic)")
         if t.encoder_hidden < 0:
             problems.append(f"encoder_hidden must be >= 0, got {t.encoder_hidden}")
         if self.train.seq_len < 0:

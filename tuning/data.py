@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
+from tessera.core.chat_template import ChatTemplate
 from tessera.core.config import ConfigError
 from tessera.core.tokenizer import Tokenizer
+from tessera.tuning.chat_data import ConversationError, render_row
 
 DEFAULT_TEMPLATE = "{input} {answer}"
 _TASK_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -114,6 +116,8 @@ class Example:
     answer: list[int]  # answer tokens, plus EOS when the run adds it
     answer_text: str
     where: str  # "file:line"
+    # A conversation: per token of prompt + answer, whether it has a loss (else: the answer's)
+    trained: list[bool] | None = None
 
 
 @dataclass
@@ -161,6 +165,8 @@ def discover_tasks(path: str | Path) -> list[str]:
 
 def _task_of(where: str, obj: dict[str, Any]) -> str:
     task = obj.get("task")
+    if task is None and "messages" in obj:
+        return "chat"  # a conversation (tuning.chat_data)
     if task is None:
         raise DataError(f"{where}: missing field 'task' (which task this example belongs to)")
     if not isinstance(task, str):
@@ -169,10 +175,15 @@ def _task_of(where: str, obj: dict[str, Any]) -> str:
 
 
 def load_examples(path: str | Path, specs: dict[str, TaskSpec], n_virtual: dict[str, int],
-                  tokenizer: Tokenizer, context: int, add_eos: bool) -> TaskData:
+                  tokenizer: Tokenizer, context: int, add_eos: bool,
+                  chat_template: ChatTemplate | None = None,
+                  all_tokens: bool = False) -> TaskData:
     """Tokenize every example of `path`; tasks must be among `specs`.
 
     `context` is the longest sequence allowed (virtual tokens + prompt + answer + EOS).
+    Conversations (`{"messages": [...]}` rows) are rendered by `chat_template` (the built-in
+    one when None), their loss on the assistant's tokens, or on all with `all_tokens`
+    (`tuning.chat_data`).
     """
     data = TaskData([])
     for where, obj in read_jsonl(path):
@@ -180,6 +191,16 @@ def load_examples(path: str | Path, specs: dict[str, TaskSpec], n_virtual: dict[
         if task not in specs:
             raise DataError(f"{where}: unknown task {task!r}; this run knows "
                             f"{', '.join(sorted(specs))}")
+        if "messages" in obj:
+            try:
+                chat = render_row(obj, chat_template or ChatTemplate(), tokenizer, context,
+                                  n_virtual[task], all_tokens)
+            except ConversationError as exc:
+                raise DataError(f"{where}: {exc}") from None
+            data.truncated[task] += chat.cut
+            data.examples.append(Example(task, chat.prompt, chat.answer, chat.answer_text,
+                                         where, trained=chat.trained))
+            continue
         spec = specs[task]
         values = {}
         for name in spec.fields():
@@ -245,9 +266,18 @@ def make_batch(examples: list[Example], task_index: dict[str, int], n_virtual: d
         full = sequence(ex, task_index[ex.task], n)
         inputs = full[:-1]
         tokens[row, : len(inputs)] = torch.tensor(inputs)
-        start = n + len(ex.prompt) - 1  # the position whose next token is the answer's first
-        labels[row, start: len(inputs)] = torch.tensor(full[start + 1:])
+        labels[row, : len(inputs)] = torch.tensor(targets(ex, full, n))
     return tokens, labels
+
+
+def targets(ex: Example, full: list[int], n_virtual: int) -> list[int]:
+    """Next-token targets of `full[:-1]`: the answer's (or a conversation's trained) tokens,
+    -100 elsewhere."""
+    if ex.trained is None:
+        trained = [False] * (n_virtual + len(ex.prompt)) + [True] * len(ex.answer)
+    else:
+        trained = [False] * n_virtual + ex.trained
+    return [token if keep else -100 for token, keep in zip(full[1:], trained[1:])]
 
 
 def longest(examples: list[Example], n_virtual: dict[str, int]) -> int:

@@ -23,7 +23,9 @@ found before any rank builds a model or writes a file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.core.checkpoint import CheckpointReader, load_weights, read_manifest
+from tessera.core.chat_template import ChatTemplate, ChatTemplateError, stored_chat_template
+from tessera.core.checkpoint import (
+    CheckpointReader,
+    load_weights,
+    read_manifest,
+    save_checkpoint,
+)
 from tessera.core.config import ConfigError, ModelConfig
 from tessera.core.flops import model_flops_per_token
 from tessera.core.lora import (
@@ -56,7 +64,12 @@ from tessera.training.loop import train_step as pretrain_step
 from tessera.training.metrics import MetricsLogger, StepWindow, resolve_peak
 from tessera.training.objectives import require_decoder
 from tessera.training.run_dir import PRETRAIN_FILES, claim_run_dir
-from tessera.training.state import restore_fp8_state
+from tessera.training.state import (
+    gathered_parameters,
+    load_training_checkpoint,
+    restore_fp8_state,
+    save_training_checkpoint,
+)
 from tessera.training.stragglers import StepClock, slowest_rank
 from tessera.training.watchdog import StepWatchdog
 from tessera.tuning import checkpoint as ckpt
@@ -73,6 +86,7 @@ from tessera.tuning.data import (
 )
 from tessera.tuning.evaluate import evaluate, format_task_table, mean_metrics
 from tessera.tuning.lora_state import gather_adapter, load_lora_checkpoint, save_lora_checkpoint
+from tessera.tuning.packing import make_packed_batch, pack
 from tessera.tuning.prompts import (
     build_prompts,
     initial_embeddings,
@@ -98,6 +112,7 @@ class Tuning:
 
 
 ADAPTER_DIR = "adapter"  # where `--method lora` writes its adapter, inside the output directory
+MODEL_DIR = "model"  # where `--method full` writes its checkpoint, inside the output directory
 
 
 @dataclass
@@ -112,6 +127,7 @@ class Inputs:
     seq_len: int
     modules: tuple[str, ...] = ()  # LoRA: the adapted modules (`--lora-targets` resolved)
     model: ModelConfig | None = None  # the base checkpoint's
+    packs: list[list[int]] | None = None  # --pack: the training examples of each row
 
 
 def base_tokenizer(checkpoint: str) -> Tokenizer:
@@ -136,6 +152,7 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     model = read_manifest(t.checkpoint).model
     require_decoder(model, "prompt tuning (and LoRA tuning)")  # BERT: no generation to tune
     lora = t.method == "lora"
+    no_virtual = t.method in ("lora", "full")
     modules: tuple[str, ...] = ()
     if lora:
         try:
@@ -150,8 +167,8 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         unused = sorted(set(cfg.tasks) - set(specs))
         if unused:
             raise ConfigError(f"tasks {unused} are configured but have no examples in {train}")
-    # LoRA adds no virtual tokens: a task's rows are its prompt and answer.
-    n_virtual = {name: 0 if lora else s.virtual_tokens or t.virtual_tokens
+    # LoRA and full tuning add no virtual tokens: a task's rows are its prompt and answer.
+    n_virtual = {name: 0 if no_virtual else s.virtual_tokens or t.virtual_tokens
                  for name, s in specs.items()}
     context = cfg.train.seq_len or model.max_position_embeddings
     if context > model.max_position_embeddings:
@@ -161,15 +178,39 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         if n >= context:
             raise ConfigError(f"task {name!r}: {n} virtual tokens leave no room in the context "
                               f"of {context} tokens; use fewer virtual tokens")
+    template = chat_template_for(t)
     train_data, valid_data = (
-        load_examples(path, specs, n_virtual, tokenizer, context, t.add_eos) if path else None
+        load_examples(path, specs, n_virtual, tokenizer, context, t.add_eos, template,
+                      t.all_tokens) if path else None
         for path in (train, valid))
     examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
     multiple = math.lcm(8, layout.tp)  # sequence parallelism splits it over tp
     if layout.cp > 1:  # context parallelism cuts it into 2 x cp chunks (each split over tp)
         multiple = math.lcm(multiple, 2 * layout.cp * layout.tp)
     seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
-    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules, model)
+    packs = None
+    if t.pack and train_data is not None:
+        # Packed rows fill the context (a multiple of what the layout splits), not the longest.
+        seq_len = max(context // multiple * multiple, seq_len)
+        packs = pack(train_data.examples, n_virtual, seq_len)
+    return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules, model,
+                  packs)
+
+
+def chat_template_for(t: TuneConfig) -> ChatTemplate:
+    """The template conversations are rendered by: `--chat-template FILE`, else the base
+    checkpoint's (as `tessera serve` picks it), else the built-in one."""
+    if t.chat_template:
+        path = Path(t.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat-template {path} does not exist")
+        source = path.read_text()
+    else:
+        source = stored_chat_template(t.checkpoint)[0]
+    try:
+        return ChatTemplate(source)
+    except ChatTemplateError as exc:
+        raise ConfigError(f"{t.chat_template or t.checkpoint}: {exc}") from None
 
 
 def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | None = None,
@@ -187,7 +228,11 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
     groups, stages = build_rank_model(plan, device, init=False)
     load_weights(stages, cfg.tune.checkpoint)
     prompts, lora = None, None
-    if cfg.tune.method == "lora":
+    full = cfg.tune.method == "full"
+    if full:
+        for m in stages:
+            m.train()  # every weight learns, as in pretraining (its dropout, if any)
+    elif cfg.tune.method == "lora":
         lora = adapter[0] if adapter else lora_config(cfg.tune, inputs.modules)
         attach_lora(stages, lora, tensors=adapter[1] if adapter else None, seed=plan.run.seed)
     elif any(m.is_first for m in stages):
@@ -196,7 +241,7 @@ def setup(cfg: TuneRunConfig, inputs: Inputs, tables: dict[str, torch.Tensor] | 
         else:
             prompts = _initial_prompts(cfg.tune, inputs, plan.run.seed)
         attach_prompts(next(m for m in stages if m.is_first), prompts)
-    for m in stages:
+    for m in stages if not full else ():
         (mark_only_lora_as_trainable if lora else mark_only_prompt_as_trainable)(m)
         m.eval()  # the base is frozen: no dropout, no recomputation
         if adapter:
@@ -230,14 +275,29 @@ def _initial_prompts(t: TuneConfig, inputs: Inputs, seed: int) -> VirtualPrompts
 
 
 def train_batch(t: Tuning, data: TaskData, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's share of global batch `step`."""
+    """This data-parallel rank's share of global batch `step`, one example per row."""
+    tokens, labels, _ = train_inputs(t, data, step)
+    return tokens, labels
+
+
+def train_inputs(t: Tuning, data: TaskData, step: int, packs: list[list[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor] | None]:
+    """This data-parallel rank's share of global batch `step`: tokens, labels, and with
+    `packs` (rows of example indices, `tuning.packing`) the rows' `document_ids`."""
     g, plan = t.job.groups, t.job.plan
     gb = plan.data.global_batch
-    idx = step_indices(step, len(data.examples), gb, plan.run.seed)
+    idx = step_indices(step, len(packs) if packs else len(data.examples), gb, plan.run.seed)
     per_dp = plan.data.per_dp_batch
-    mine = [data.examples[i] for i in idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]]
-    tokens, labels = make_batch(mine, t.task_index, t.n_virtual, t.seq_len, t.tokenizer.pad_id)
-    return tokens.to(t.job.device), labels.to(t.job.device)
+    mine = idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]
+    device = t.job.device
+    if packs:
+        rows = [[data.examples[i] for i in packs[r]] for r in mine]
+        tokens, labels, documents = make_packed_batch(rows, t.task_index, t.n_virtual, t.seq_len,
+                                                      t.tokenizer.pad_id)
+        return tokens.to(device), labels.to(device), {"document_ids": documents.to(device)}
+    tokens, labels = make_batch([data.examples[i] for i in mine], t.task_index, t.n_virtual,
+                                t.seq_len, t.tokenizer.pad_id)
+    return tokens.to(device), labels.to(device), None
 
 
 def _rank0() -> bool:
@@ -276,7 +336,8 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
     latest = ckpt.latest_tuning_checkpoint(loop.output)
     resumed = claim_run_dir(
         loop.output, resume=loop.resume, overwrite=loop.overwrite,
-        files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR), latest=latest,
+        files=(*PRETRAIN_FILES, TABLE_FILE, MANIFEST_FILE, "peft", ADAPTER_DIR, MODEL_DIR),
+        latest=latest,
         saved_config=ckpt.read_tuning_meta(latest).get("config") if latest else None,
         config=meta["config"])
     if dist.is_initialized():
@@ -286,6 +347,8 @@ def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
         ckpt.check_resumable(ckpt.read_tuning_meta(resumed), resumed, meta)
         if t.lora is not None:
             start = load_lora_checkpoint(resumed, t.job.stages, t.job.optimizer)
+        elif cfg.tune.method == "full":
+            start = load_training_checkpoint(resumed, t.job.stages, t.job.optimizer)["step"]
         else:
             start = ckpt.load_tuning_checkpoint(resumed, t.prompts, t.job.optimizer)
         if t.job.fp8 is not None:
@@ -316,7 +379,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     plan = t.job.plan
     run, loop, out = plan.run, plan.loop, Path(plan.loop.output)
     # Frozen weights need no weight gradients: about 4N FLOPs per token instead of 6N.
-    flops = model_flops_per_token(plan.model, t.seq_len) * 2 / 3
+    flops = model_flops_per_token(plan.model, t.seq_len) * (1 if t.tune.method == "full"
+                                                            else 2 / 3)
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses: list[float] = []
     monitor = BadStepMonitor(loop.bad_step_policy, loop.max_bad_steps, loop.loss_spike_factor,
@@ -325,8 +389,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
     t.job.step_clock = StepClock()
     for step in range(start, run.steps):
         with t.job.step_clock.step(), watchdog.step(step + 1):
-            tokens, labels = train_batch(t, inputs.train, step)
-            window.add(step + 1, pretrain_step(t.job, step, tokens, labels))
+            tokens, labels, extra = train_inputs(t, inputs.train, step, inputs.packs)
+            window.add(step + 1, pretrain_step(t.job, step, tokens, labels, extra))
         done = step + 1 == run.steps
         evaluate_now = bool(inputs.valid and loop.eval_interval
                             and (step + 1) % loop.eval_interval == 0 and not done)
@@ -357,7 +421,11 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
                 f"{task} {100 * r['accuracy']:.1f}%" for task, r in results.items()))
         if save_due:
             fp8_state = _gathered_fp8_state(t)  # collective: every rank, every save
-            if t.lora is not None:  # collective: rank 0 writes the gathered factors
+            if t.tune.method == "full":  # collective: pretraining's resumable checkpoint
+                path = _save_full_checkpoint(t, out, step + 1, meta)
+                if _rank0():
+                    log.saved(path, step + 1)
+            elif t.lora is not None:  # collective: rank 0 writes the gathered factors
                 path = save_lora_checkpoint(out, t.job.stages, t.job.optimizer, step=step + 1,
                                             meta=meta, keep_last=loop.keep_last)
                 if _rank0():
@@ -374,6 +442,22 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
                 dist.barrier()
         window.restart()
     return losses
+
+
+def _save_full_checkpoint(t: Tuning, out: Path, step: int, meta: dict[str, Any]) -> Path:
+    """Every weight and its optimizer state at `step` (pretraining's training checkpoint, any
+    layout resumes it), then `state.json` with the run's tuning record, which completes it as
+    a tuning checkpoint. Collective."""
+    plan = t.job.plan
+    path = save_training_checkpoint(out, t.job.stages, t.job.optimizer, step=step,
+                                    consumed_samples=step * plan.data.global_batch,
+                                    config=meta["config"], tokenizer=None,
+                                    keep_last=plan.loop.keep_last)
+    if _rank0():
+        (path / ckpt.META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+    return path
 
 
 def _gathered_fp8_state(t: Tuning) -> dict[str, torch.Tensor] | None:
@@ -397,7 +481,9 @@ def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
     out = Path(t.job.plan.loop.output)
     tables = t.prompts.tables() if t.prompts is not None else {}
     result = out
-    if t.lora is not None:
+    if t.tune.method == "full":
+        result = _save_model(t, out / MODEL_DIR)  # collective
+    elif t.lora is not None:
         result = out / ADAPTER_DIR
         tensors = gather_adapter(t.job.stages)  # collective
         if _rank0():
@@ -430,12 +516,33 @@ def _finish(t: Tuning, inputs: Inputs, log: MetricsLogger, losses: list[float],
     summary = log.finish(losses=losses, valid_loss=valid, stopped=False,
                          checkpoint=ckpt.latest_tuning_checkpoint(out), peak_tflops=peak[0],
                          peak_source=peak[1],
-                         extra={"tasks": _finite(rows),
-                                "adapter" if t.lora else "prompts": str(result)})
+                         extra={"tasks": _finite(rows), _RESULT[t.tune.method][0]: str(result)})
     if _rank0():
-        what = "LoRA adapter" if t.lora else "prompt table"
+        what = _RESULT[t.tune.method][1]
         print("\n" + format_task_table(rows) + f"\n\n{what}: {result}", flush=True)
     return {**summary, "losses": losses, "before": before, "after": after}
+
+
+# What each method writes: the summary's key for it, and its name in words.
+_RESULT = {"lora": ("adapter", "LoRA adapter"), "full": ("model", "checkpoint"),
+           "prompt-tuning": ("prompts", "prompt table"), "p-tuning": ("prompts", "prompt table")}
+
+
+def _save_model(t: Tuning, path: Path) -> Path:
+    """The tuned weights as a checkpoint `tessera serve` loads, with the base's tokenizer and
+    chat template. Collective."""
+    base = Path(t.tune.checkpoint)
+    tokenizer = read_manifest(base).tokenizer
+    with gathered_parameters(t.job.stages):  # FSDP: whole tp shards, as files hold
+        save_checkpoint(path, t.job.stages, step=t.job.plan.run.steps,
+                        tokenizer=base / tokenizer if tokenizer else None)
+    if _rank0():
+        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+            if (base / name).is_file():
+                shutil.copyfile(base / name, path / name)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
 
 
 def _finite(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -165,7 +165,7 @@ def train_schedule_problems(
     if schedule.data_parallel not in DATA_PARALLEL:
         out.append(f"unknown data_parallel {schedule.data_parallel!r}; choose one of "
                    f"{list(DATA_PARALLEL)}")
-    out += expert_schedule_problems(layout, schedule)  # expert parallelism (issue 14)
+    out += expert_schedule_problems(layout, schedule)  # expert parallelism
     if global_batch is not None and schedule.micro_batches >= 1:
         per_dp = global_batch // layout.dp
         if global_batch % layout.dp:

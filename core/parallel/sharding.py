@@ -1,47 +1,21 @@
-"""The layout rules, written once: how every weight is split over tensor and pipeline ranks.
+"""The layout rules, written once: how every weight is split over tensor, pipeline and expert
+ranks.
 
 Every parameter has one *global* name and shape (what a checkpoint stores, independent of any
-layout) and one `ShardSpec`. Model building, checkpoint loading under any layout, the converters
-and the server all go through `shard_tensor` / `unshard_tensors` and `stage_ids` /
-`stage_layers` (which stages a pipeline rank holds follows the `Layout`'s placement), so the
-answer to "how is this weight split?" lives here and nowhere else.
+layout) and one `ShardSpec` (`shard_spec`). Model building, checkpoint loading under any layout,
+the converters and the server all go through `shard_tensor` / `unshard_tensors` and `stage_ids` /
+`stage_layers` (which stages a pipeline rank holds follows the `Layout`'s placement), and for
+expert banks `expert_spec` / `shard_expert_tensor`, so the answer to "how is this weight split?"
+lives here and nowhere else.
 
-Special cases:
-- fused QKV `attention.wqkv` is `[q heads; k heads; v heads]` along dim 0; under grouped-query
-  attention the three blocks differ in size, and each is split separately so a rank holds its
-  own query heads next to its own kv heads;
-- kv-head replication (as in Megatron): when tp exceeds `num_kv_heads` (tp a multiple of it),
-  tp rank r holds query heads `[r H/tp, (r+1) H/tp)` and the one kv head they use,
-  `r // (tp / num_kv_heads)`, so each kv head lives on `tp / num_kv_heads` consecutive ranks
-  (its *replica group*). The model holds the full local shard on every rank (`shard_tensor`,
-  `local_shape`); a checkpoint stores each kv head once, by the first rank of its replica group
-  (`stored_shard`, `stored_shape`, `shard_row_ranges(stored=True)`), and `unshard_tensors`
-  accepts either form. Gradients of the replicated rows (`replica_rows`) are partial on each
-  replica and must be summed over the group (`pipeline.sync_kv_replica_grads`);
-- fused SwiGLU `feed_forward.w1` is `[gate; up]` along dim 0, each half split separately;
-- the vocabulary (token embedding and output projection) is padded with zero rows up to a
-  multiple of the tp size before splitting; padding never reaches a checkpoint or a caller;
-- LoRA factors `MODULE.lora_A.weight` `(r, in)` and `MODULE.lora_B.weight` `(out, r)` (see
-  `core.lora_format`) follow their base weight `MODULE.weight`: on a column-parallel base
-  (split by rows) B is split by rows exactly as the base, fused `[q; k; v]` / `[gate; up]` parts
-  and kv-head replication included, and A is replicated; on a row-parallel base (split by
-  columns) A is split by columns as the base and B is replicated. So `W_r + s B_r A` (column) and
-  `W_r + s B A_r` (row) are rank r's shard of the merged weight. `shard_spec` gives their spec,
-  so `shard_tensor`, `stored_shard`, `unshard_tensors` and `replica_rows` take them by name;
-  `lora_global_shapes`, `lora_local_shape`, `shard_adapter` and `unshard_adapter` are the
-  adapter-level forms (the model builds local shapes, converters and the server shard a global
-  adapter for a tp rank or put one together).
-- Mixture-of-Experts expert banks (issue 14) `layers.{i}.feed_forward.experts.w1`
-  `(E, F * (2 if gated else 1), hidden)` (each expert's `[gate; up]` stacked along dim 1) and
-  `.experts.w2` `(E, hidden, F)` are never split over the attention's tp group (`shard_spec`
-  calls them replicated, so every tp-based path stores and reads them once). Under expert
-  parallelism they are split over the expert grid instead (`Layout` docstring): along dim 0
-  over ep (ep rank r holds experts `[r E/ep, (r+1) E/ep)`), then within each expert like a
-  dense FFN over etp: w1 along dim 1, its gate and up halves each split on their own, w2 along
-  dim 2 (`expert_spec`, `shard_expert_tensor`, `expert_local_shape`). `unshard_tensors` puts
-  back a list of `ep x etp` expert shards (ep-major, etp-minor; ep and etp read from the
-  shards' shapes), so a checkpoint of any ep / etp loads under any other. The router, its
-  expert bias and the shared expert follow the dense rules.
+Invariants: `unshard_tensors` of the shards gives back the global tensor bit for bit, from any tp
+(and any ep x etp for expert banks); vocabulary padding never reaches a checkpoint or a caller; a
+kv head replicated over tp ranks is stored once (`stored_shard`); LoRA factors follow their base
+weight, so rank r's factors make rank r's shard of the merged weight.
+
+The special cases (fused QKV under grouped-query attention, kv-head replication, SwiGLU's
+gate/up, vocabulary padding, LoRA factors, expert banks): docs/architecture.md, "The sharding
+rules".
 """
 
 from __future__ import annotations
@@ -407,7 +381,7 @@ def unshard_scales(name: str, scales: list[torch.Tensor], config: ModelConfig) -
     return unshard_tensors(name, scales, config)
 
 
-# ----------------------------------------------------- expert parallelism (issue 14)
+# ----------------------------------------------------- expert parallelism
 # Expert banks are split over the expert grid (ep along dim 0, then etp within each expert),
 # never over tp; see the module docstring.
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
 from datetime import timedelta
@@ -313,7 +314,8 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     steps until the engine shuts down, then gets None.
 
     `tasks` (prompt-tuned tables) must be given on every rank; `tokenizer` (rank 0) defaults to
-    the checkpoint's; `quantize` ("int8": `core.quantize`) applies to every rank's shards;
+    the checkpoint's; `quantize` ("int8", "fp8": `core.quantize`) applies to every rank's shards, and the
+    logit error it causes is printed at start (`core.quantize_error`; not under pp);
     `compile_decode` (one process only) compiles the decode step (`serving.engine.compiled`);
     `kv` is the KV cache (`serving.engine.kv_config`; paged by default),
     with one block count for every rank (the smallest any rank's memory allows); `lora`
@@ -321,7 +323,7 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     adapters given at start, in the same slots);
     `engine_kwargs` go to `LLMEngine` on rank 0.
     """
-    from tessera.core.quantize import quantize as quantize_model
+    from tessera.core.quantize_error import quantize_measured
     from tessera.serving.engine import LLMEngine
 
     if compile_decode and tp * pp > 1:
@@ -329,8 +331,11 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
                          "serves eagerly, so drop compile_decode / --compile (or serve with tp=1, pp=1)")
     layout, groups = init_serving(tp, pp, device)
     stages = load_stages(path, layout, groups, dtype=dtype, device=device)
-    for stage in stages:
-        quantize_model(stage, quantize)
+    errors = [quantize_measured(stage, quantize) for stage in stages]
+    if quantize != "none" and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"tessera serve: {errors[0].describe()}" if errors[0] else
+              f"tessera serve: {quantize} weights (logit error not measured: a pipeline stage "
+              "has no logits of its own)", file=sys.stderr, flush=True)
     if kv is None:
         kv = KVCacheConfig(kind="paged")
     if kv.kind == "paged":

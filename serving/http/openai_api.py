@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tessera.core.chat_template import ChatTemplate as CoreChatTemplate
+from tessera.core.chat_template import ChatTemplateError
 from tessera.serving.http import schemas as S
 from tessera.serving.http.errors import ApiError, body_doc, openai_error_body, parse_body
 from tessera.serving.http.security import read_body
@@ -43,36 +43,18 @@ from tessera.serving.types import GenerationRequest, SamplingParams, TokenLogpro
 
 router = APIRouter(tags=["OpenAI"])
 
-# "role: content" lines, then the assistant's turn opened for the model to continue.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+class ChatTemplate(CoreChatTemplate):
+    """The core chat template over the request's `ChatMessage`s; a failure is a 400."""
 
-
-class ChatTemplate:
-    """A Jinja chat template (Hugging Face conventions: `messages`, `add_generation_prompt`)."""
-
-    def __init__(self, source: str | None = None) -> None:
-        self.source = source or DEFAULT_CHAT_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        try:
-            self._template = env.from_string(self.source)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
-
-    def render(self, messages: list[S.ChatMessage]) -> str:
+    def render(self, messages: list[S.ChatMessage]) -> str:  # type: ignore[override]
         try:
             turns = [{"role": m.role, "content": m.text()} for m in messages]
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         try:
-            # BOS is added by the tokenizer, so the template's own special tokens are empty.
-            return self._template.render(messages=turns, add_generation_prompt=True,
-                                         bos_token="", eos_token="")
-        except TemplateError as exc:
-            raise ApiError(400, f"the chat template failed on these messages: {exc}",
-                           param="messages") from None
+            return super().render(turns)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
 
 
 @dataclass

@@ -352,7 +352,7 @@ class MegatronRequest(_Request):
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
     task: str | None = Field(None, description="a prompt-tuned task served by this model")
-    # Per-request LoRA and scheduling (issue 16)
+    # Per-request LoRA and scheduling
     adapter: str | None = Field(None, description=ADAPTER_DOC)
     priority: int = Field(0, ge=-2**31, lt=2**31, description=PRIORITY_DOC)
     cache_salt: str | None = Field(None, max_length=256, description=CACHE_SALT_DOC)

@@ -54,7 +54,7 @@ class Limits:
     max_concurrency: int = 64  # generation requests admitted at once (n > 1 counts n)
     request_timeout_s: float | None = 600.0  # per generation request, queueing included
     retry_after_s: int = 1  # the Retry-After of a 429 / 503
-    # Slow clients (issue 16): a request body chunk late by this long is a 408.
+    # Slow clients: a request body chunk late by this long is a 408.
     body_timeout_s: float | None = 30.0
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints of expert banks under any ep / etp (issue 14), through the checkpoint writer:
+"""Checkpoints of expert banks under any ep / etp, through the checkpoint writer:
 the checks `test_expert_parallel` runs before, on and after 4 ranks.
 
 The MoE layer lives on another branch, so a stand-in model chunk holds only expert banks

@@ -1,5 +1,5 @@
-"""A checkpoint saved by a real expert-parallel training run, through `tessera convert`
-(issue 14): called by `test_moe_pretrain_ep` on the run it already makes (no spawn of its own)."""
+"""A checkpoint saved by a real expert-parallel training run, through `tessera convert`:
+called by `test_moe_pretrain_ep` on the run it already makes (no spawn of its own)."""
 
 from __future__ import annotations
 

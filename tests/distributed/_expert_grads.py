@@ -1,4 +1,4 @@
-"""Gradient reduction and the global gradient norm under expert parallelism (issue 14):
+"""Gradient reduction and the global gradient norm under expert parallelism:
 the checks `test_expert_parallel` runs on 4 ranks.
 
 A toy model (a replicated scale vector `norm.weight`, then the all-to-all dispatcher into the

@@ -1,4 +1,4 @@
-"""The toy of the expert-parallel tests (issue 14): each rank's tokens and routing, a toy
+"""The toy of the expert-parallel tests: each rank's tokens and routing, a toy
 expert bank, and the dispatcher check against a one-process reference.
 
 Each rank routes its own tokens (uneven counts, one rank with none, dropped assignments, one

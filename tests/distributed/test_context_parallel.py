@@ -1,4 +1,4 @@
-"""Context parallelism against the single-process model (issue 13, must-show 1): loss (1e-5
+"""Context parallelism against the single-process model: loss (1e-5
 relative) and every gathered gradient (1e-4) after one step, for both K/V strategies (allgather,
 ring), with and without packed documents, GQA + RoPE and learned positions, alone and combined
 with tp (+SP), pp and dp (DDP, ZeRO-1, FSDP: parameters after an SGD step too): every cell of

@@ -1,4 +1,4 @@
-"""Expert parallelism on gloo against one process (issue 14): one spawn per world size.
+"""Expert parallelism on gloo against one process: one spawn per world size.
 
 - token dispatchers (`_expert_toy`): all-to-all and all-gather, forward and backward, against
   a one-process expert bank: ep2 and etp2 alone on 2 ranks; ep4 and ep2 x etp2 on 4;

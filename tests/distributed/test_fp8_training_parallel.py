@@ -1,6 +1,6 @@
 """Emulated FP8 training under tensor parallelism, on gloo: three SGD steps of a tp2 model
-(with and without sequence parallelism; delayed and current scaling) give the losses and the
-FP8 amaxes of the single-process model.
+(with and without sequence parallelism; delayed, current and rowwise scaling) give the losses
+and the FP8 amaxes of the single-process model.
 
 Scales come from amaxes taken over the tp group (current scaling: in the product; delayed: at
 the step's end), so each rank quantizes its shard on the grid one process uses for the whole
@@ -22,9 +22,10 @@ amax moved them by 1.4e-5 to 7e-5) from those flips, so every amax a scale is co
 is compared too. A reduced amax moves only as much as the tensor's largest element: by the
 reassociation above (<= 1e-6), and, when a flip upstream feeds that element, by 2**-3 of one
 of its K = 64 product terms; with terms of random sign a term is ~1/sqrt(K) of the elements'
-spread and the largest element ~3 spreads, so <= 2**-3 / (3 * 8) ~ 5e-3: AMAX_RTOL = 1e-2. A
-shard's own amax misses the other shard's largest element: seen 0.51-0.54 without the
-reductions.
+spread and the largest element ~3 spreads, so <= 2**-3 / (3 * 8) ~ 5e-3; a rowwise amax is the
+largest of one row or column (64-256 elements, ~2.5 spreads): <= 2**-3 / (2.5 * 8) ~ 6e-3.
+AMAX_RTOL = 1e-2 (seen: 6.1e-3, rowwise, from the third step on). A shard's own amax misses
+the other shard's largest element: seen 0.51-0.54 without the reductions.
 Fused kernels are off on both sides (no compilation in spawned ranks).
 """
 
@@ -44,9 +45,9 @@ from tessera.core.parallel.pipeline import sync_sequence_parallel_grads
 from tests.distributed_helper import run_ranks
 
 SEED, STEPS, LR = 5, 3, 0.5
-RECIPES = ["delayed", "tensorwise"]
+RECIPES = ["delayed", "tensorwise", "rowwise"]
 LOSS_RTOL = 3e-4  # per step, relative: twenty e4m3 rounding flips (module docstring)
-AMAX_RTOL = 1e-2  # a flip upstream moves an amax by <~ 5e-3; a missing reduction by 0.5
+AMAX_RTOL = 1e-2  # a flip upstream moves an amax by <~ 6e-3; a missing reduction by 0.5
 
 
 def _config() -> ModelConfig:
@@ -114,10 +115,14 @@ def tp2():
 
 
 def _amax_difference(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    """The largest relative difference between two runs' amaxes, call by call."""
+    """The largest relative difference between two runs' amaxes, call by call. Row and column
+    amaxes (rowwise) of a shard along a dimension the shard keeps whole have the shard's shape
+    and need no reduction; those along a split dimension, the ones reduced, have one process's
+    shape and are compared."""
     assert len(got) == len(want) and got, (len(got), len(want))
-    return max(((g - w).abs() / w.abs().clamp(min=1e-30)).max().item()
-               for g, w in zip(got, want))
+    pairs = [(g, w) for g, w in zip(got, want) if g.shape == w.shape]
+    assert pairs
+    return max(((g - w).abs() / w.abs().clamp(min=1e-30)).max().item() for g, w in pairs)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

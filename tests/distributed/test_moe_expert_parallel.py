@@ -1,5 +1,5 @@
-"""The MoE model under expert parallelism on 4 gloo ranks against the single-process model
-(issue 14, must-show 2): one training step's loss (1e-5 relative) and every gradient (1e-4),
+"""The MoE model under expert parallelism on 4 gloo ranks against the single-process model:
+one training step's loss (1e-5 relative) and every gradient (1e-4),
 expert banks put back together from their ep x etp pieces with `sharding.unshard_tensors`,
 and the global gradient norm (`training.optim.global_grad_norm`, which must count every
 expert piece once under ep x tp) equal to the one-process norm. One spawn runs every case.

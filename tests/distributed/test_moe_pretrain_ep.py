@@ -1,4 +1,4 @@
-"""`tessera pretrain --model mixtral-tiny --ep 2` (issue 14, must-show 3): on 2 ranks (dp 2, the
+"""`tessera pretrain --model mixtral-tiny --ep 2`: on 2 ranks (dp 2, the
 experts split over them) the loss curve follows the single-process run within 1e-5 over 8
 steps, metrics.jsonl holds the same router metrics (aux and z losses, tokens per expert,
 dropped tokens), and the run rewound to its step-4 checkpoint and resumed repeats steps 5-8

@@ -1,4 +1,4 @@
-"""`--data-parallel zero1` under expert parallelism (issue 14): dense parameters' AdamW state
+"""`--data-parallel zero1` under expert parallelism: dense parameters' AdamW state
 sharded over dp x cp, expert pieces' over the expert-data-parallel group, on 4 gloo ranks with
 ep2 over dp4 (edp 2, so every expert piece's moments really are split over two ranks).
 

@@ -34,7 +34,7 @@ from tests.pretrain_helper import (
 )
 
 RTOL = 1e-4  # fp32: tensor-parallel sums and Adam keep the curves within ~1e-6 of each other
-CP_RTOL = 1e-5  # issue 13's bound for context parallel runs
+CP_RTOL = 1e-5  # the bound for context parallel runs
 STEPS = 8
 GPT2 = ("--model", "gpt2-tiny", "--model-overrides", "vocab_size=320", "num_layers=4")
 # BERT (masked-LM objective): its vocabulary follows the tokenizer plus 4 special tokens.
@@ -250,7 +250,7 @@ def test_nproc_per_node_launches_ranks(tiny, reference, tmp_path):
 @pytest.mark.slow
 def test_cp2_launched_by_nproc_per_node_follows_one_process_and_resumes_exactly(
         tiny, reference, tmp_path):
-    """Issue 13, must-show 3: `tessera pretrain --cp 2 --nproc-per-node 2` (the real launcher)
+    """`tessera pretrain --cp 2 --nproc-per-node 2` (the real launcher)
     follows the single-process curve within 1e-5 over 8 steps, and the run rewound to its
     step-4 checkpoint and launched again with --resume repeats steps 5-8 bit for bit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

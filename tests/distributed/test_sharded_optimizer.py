@@ -29,7 +29,7 @@ from tests.distributed_helper import run_ranks
 from tests.pretrain_helper import TinyData, pretrain_argv, read_losses, rewind_run
 
 STEPS = 8
-SAME = 1e-6  # the bar for "equal to ddp": relative loss difference over 8 steps
+SAME = 1e-6  # the bar for "equal to ddp": relative loss difference over 8 steps
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,6 +19,7 @@ from tessera.core.fp8 import Fp8, convert_to_fp8_linear
 from tessera.core.parallel.groups import init_groups
 from tessera.core.parallel.layers import quantizable_linears
 from tessera.core.quantize import Int8, quantize
+from tessera.core.quantize_error import quantize_measured
 from tests.distributed_helper import run_ranks
 
 SEED = 3
@@ -55,6 +56,9 @@ def _body(rank: int, world_size: int) -> dict:
         groups = init_groups(parallel)
         for fmt in FORMATS:
             out[(sp, fmt)] = _logits(fmt, parallel, groups)
+    model = build_model(_config(), Layout(tp=world_size), init_groups(Layout(tp=world_size)),
+                        seed=SEED).eval()
+    out["serve-fp8"] = quantize_measured(model, "fp8")
     return out
 
 
@@ -76,3 +80,14 @@ def test_tp2_formats_match_the_single_process_model(tp2, fmt, sp):
         else:  # seen: 0.057 for _scaled_mm (two FP8 activation roundings), 0.0125 for int8
             bound = 0.1 if fmt[0] == "fp8" else 0.03
             assert err < bound, f"{fmt}: tp2 logits differ from one process's by {err:.4f}"
+
+
+def test_tp2_serving_fp8_reports_the_single_process_logit_error(tp2):
+    """`tessera serve --tp 2 --quantize fp8`'s start-up probe: collective, and the error it
+    reports is one process's (the dequantizing product agrees to summation order)."""
+    single = quantize_measured(build_model(_config(), seed=SEED).eval(), "fp8")
+    for rank_out in tp2:
+        got = rank_out["serve-fp8"]
+        print(f"\ntp2: {got.describe()}")
+        assert got.tokens == single.tokens and got.top1_agreement == single.top1_agreement
+        assert got.relative_rms == pytest.approx(single.relative_rms, rel=1e-3)

@@ -43,3 +43,13 @@ def test_the_generate_bench_prints_the_eager_rows_first(bench, tmp_path, capsys)
 def test_a_spent_budget_keeps_the_first_row_only(bench):
     rows = bench.main(TINY + ["--name", "gen-budget", "--budget-s", "0"])
     assert [r["case"] for r in rows] == ["single stream"]
+
+
+def test_the_quantized_rows_report_their_logit_error(bench):
+    rows = bench.main(TINY + ["--name", "gen-quantized", "--int8", "--fp8", "--concurrency", "1"])
+    quantized = {r["case"]: r for r in rows if "weights vs HF" in r["case"]}
+    assert list(quantized) == ["single stream, Tessera int8 weights vs HF fp32",
+                               "single stream, Tessera fp8 weights vs HF fp32"]
+    for method, row in zip(("int8", "fp8"), quantized.values()):
+        assert row["tessera tok/s"] > 0
+        assert 0 < row[f"{method} logit error"] < 2.0 ** -3  # bound: tests/unit/core/test_quantize_fp8.py

@@ -222,7 +222,7 @@ def test_tokenizer_json_round_trip(tmp_path, with_config):
 
 
 def test_unsupported_architecture_is_named(tmp_path, capsys):
-    # (BERT, the example here until issue 18, is supported now: OPT is not.)
+    # (OPT is not supported.)
     transformers.OPTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                            ffn_dim=64).save_pretrained(tmp_path / "opt")
     assert main(["--from", "hf", "--input", str(tmp_path / "opt"), "--output",

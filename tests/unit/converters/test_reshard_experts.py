@@ -1,5 +1,5 @@
 """`tessera convert --ep/--etp`: expert banks resharded between whole banks and expert-grid
-pieces of any ep x etp (issue 14), streaming and bit-exact.
+pieces of any ep x etp, streaming and bit-exact.
 
 References nobody here wrote the converter against: `sharding.shard_expert_tensor` (what a
 rank of a layout holds), the checkpoint writer of a training run (`core.expert_checkpoint.

@@ -49,16 +49,18 @@ def test_bad_arguments_are_named(bench, capsys):
     assert "unknown model preset(s) llama-9z" in capsys.readouterr().err
 
 
-def test_train_mode_times_both_steps_from_the_same_start(bench, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_train_mode_times_both_steps_from_the_same_start(bench, tmp_path, monkeypatch, recipe):
     from tessera.core import fused
 
     fused.set_mode("off")  # eager kernels: no compile time in this test
     try:
-        bench.main(["--device", "cpu", "--train", "--tiny", "--steps", "3", "--seq", "32"])
+        bench.main(["--device", "cpu", "--train", "--tiny", "--steps", "3", "--seq", "32",
+                    "--fp8-recipe", recipe])
     finally:
         fused.set_mode(None)
     (row,) = [json.loads(r) for r in (tmp_path / "fp8_train.jsonl").read_text().splitlines()]
-    assert row["fp8"] == "emulated tensorwise" and row["batch x seq"] == "2x32"
+    assert row["fp8"] == f"emulated {recipe}" and row["batch x seq"] == "2x32"
     assert row["bf16 step ms"] > 0 and row["fp8 step ms"] > 0
     # the same start: one step of FP8 noise apart (see tests/unit/training/test_fp8_pretrain.py
     # for the bound over a longer run)

@@ -13,7 +13,7 @@ from tessera.core.cpu_isa import CpuIsa, cpu_isa, serving_defaults
 from tessera.serving.cli import host_choices
 
 AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
-EPYC_AVX2 = {"fma", "avx", "f16c", "avx2"}  # the AMD EPYC host of issue 16
+EPYC_AVX2 = {"fma", "avx", "f16c", "avx2"}  # an AMD EPYC host with AVX2 and no AVX-512
 
 
 def test_flags_name_the_isa_and_whether_bf16_is_native():

@@ -1,4 +1,4 @@
-"""The expert-parallel fields of `Layout` (issue 14): validation messages that name the numbers
+"""The expert-parallel fields of `Layout`: validation messages that name the numbers
 and the fix, the folded expert grid's coordinates, and old layouts reading as before."""
 
 from __future__ import annotations

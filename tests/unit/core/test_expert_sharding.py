@@ -1,4 +1,4 @@
-"""Sharding rules of the expert banks (issue 14): ep along dim 0, etp within each expert (w1's
+"""Sharding rules of the expert banks: ep along dim 0, etp within each expert (w1's
 gate and up halves each on their own, w2 along dim 2), and `unshard_tensors` putting any
 ep x etp grid back bit-exactly. Checked against slicing written out by hand."""
 

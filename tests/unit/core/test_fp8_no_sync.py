@@ -70,7 +70,7 @@ def _holder(layer: torch.nn.Module) -> torch.nn.Module:
     return holder
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
 def test_emulated_fp8_training_step_has_no_sync(recipe):
     layer = ColumnParallelLinear(48, 32, True, None)
     fp8 = enable_fp8_training([_holder(layer)], Fp8Recipe("emulated", recipe, amax_history_len=4))

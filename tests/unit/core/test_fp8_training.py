@@ -164,9 +164,13 @@ def test_recipe_resolution_and_clear_errors(monkeypatch):
     monkeypatch.setattr("tessera.core.fp8_recipe.torchao_available", lambda: False)
     with pytest.raises(ConfigError, match=r'torchao needs torchao: pip install "tessera\[fp8\]"'):
         resolve_fp8_recipe("cpu", "torchao")
-    with pytest.raises(ConfigError, match="'rowwise' needs a CUDA device"):
-        resolve_fp8_recipe("cpu", recipe="rowwise")
-    with pytest.raises(ConfigError, match="offers the recipes delayed, tensorwise, not 'mxfp8'"):
+    assert resolve_fp8_recipe("cpu", recipe="rowwise") == Fp8Recipe("emulated", "rowwise", "e4m3")
+    with pytest.raises(ConfigError, match="'block' needs a CUDA device"):
+        resolve_fp8_recipe("cpu", recipe="block")
+    offers = ("te: delayed, tensorwise, block, mxfp8; torchao: tensorwise, rowwise, "
+              "rowwise-gw-hp; emulated: delayed, tensorwise, rowwise")
+    with pytest.raises(ConfigError, match="fp8 backend emulated offers the recipes delayed, "
+                                          f"tensorwise, rowwise, not 'mxfp8' \\(by backend: {offers}\\)"):
         resolve_fp8_recipe("cpu", "emulated", "mxfp8")
     with pytest.raises(ConfigError, match="(?s)unknown fp8 format .e5m2.*history length must be >= 1"):
         resolve_fp8_recipe("cpu", amax_history_len=0, fp8_format="e5m2")
@@ -189,3 +193,98 @@ def test_torchao_emulate_agrees_with_our_tensorwise_emulation():
     yb.backward(g)
     torch.testing.assert_close(yb, ya, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(theirs.weight.grad, ours.weight.grad, rtol=1e-3, atol=1e-3)
+
+
+def _pow2_rowwise(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """torchao's rowwise scale: 448 / amax along `dim`, rounded down to a power of two."""
+    scale = 448.0 / t.abs().amax(dim=dim, keepdim=True)
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
+def test_rowwise_scales_each_product_along_its_summed_dimension():
+    """y = fq(x, rows) fq(W, out channels)^T; dx = fq(g, rows) fq(W, in features);
+    dW = fq(g, out features)^T fq(x, in features): e4m3 throughout, power-of-two scales."""
+    layer, _ = _layer(Fp8Recipe("emulated", "rowwise", "e4m3"))
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    x.data[0, 0] *= 1e6  # one loud token: under a tensor scale the others fall to subnormals
+    y = layer(x)
+    g = torch.randn_like(y) * 1e-3
+    y.backward(g)
+    x2, w, g2 = x.detach().reshape(-1, 48), layer.weight.detach(), g.reshape(-1, 32)
+
+    def fq(t, dim):
+        return fake_quantize(t, _pow2_rowwise(t, dim), E4M3)
+
+    torch.testing.assert_close(y.reshape(-1, 32), fq(x2, -1) @ fq(w, -1).t() + layer.bias,
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.reshape(-1, 48), fq(g2, -1) @ fq(w, 0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(layer.weight.grad, fq(g2, 0).t() @ fq(x2, 0), rtol=1e-6, atol=0)
+    # per-row scales keep the quiet rows' precision: a tensor scale would not
+    quiet = (y - F.linear(x, layer.weight, layer.bias)).detach()[1].abs().max()
+    tensorwise, _ = _layer(Fp8Recipe("emulated", "tensorwise", "e4m3"))
+    with torch.no_grad():
+        tensorwise.weight.copy_(layer.weight)
+        tensorwise.bias.copy_(layer.bias)
+        loud = (tensorwise(x) - F.linear(x, layer.weight, layer.bias))[1].abs().max()
+    assert 0 < quiet < loud / 4
+
+
+@pytest.mark.skipif(not torchao_available(), reason='torchao not installed (tessera[fp8])')
+def test_torchao_emulate_equals_our_rowwise_emulation_bit_for_bit():
+    """torchao's rowwise recipe (emulate=True on CPU) and ours: the same power-of-two scales
+    make dequantizing exact, so both products are the same fp32 sums."""
+    torch.manual_seed(0)
+    ours, _ = _layer(resolve_fp8_recipe("cpu", "emulated", "rowwise"))
+    theirs, _ = _layer(resolve_fp8_recipe("cpu", "torchao", "rowwise"))
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+        theirs.bias.copy_(ours.bias)
+    x = torch.randn(4, 48)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), theirs(xb)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(ours.weight.grad, theirs.weight.grad)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+def test_fast_accumulation_in_forward_products_only(recipe, monkeypatch):
+    """Hopper's fast FP8 accumulation (`use_fast_accum`) where the recipes permit it, as TE
+    and torchao do: the forward product; the gradients accumulate in full precision."""
+    import tessera.core.fp8_training as fp8_training
+
+    calls = []
+    matmul = fp8_training.fp8_matmul
+
+    def recording(*args, fast_accum=False):
+        calls.append(fast_accum)
+        return matmul(*args, fast_accum=fast_accum)
+
+    monkeypatch.setattr(fp8_training, "fp8_matmul", recording)
+    layer, _ = _layer(resolve_fp8_recipe("cpu", "emulated", recipe))
+    x = torch.randn(4, 48, requires_grad=True)
+    y = layer(x)
+    assert calls == [True]
+    y.sum().backward()
+    assert calls == [True, False, False]
+
+
+def test_fp8_inference_products_use_fast_accumulation(monkeypatch):
+    from tessera.core.fp8 import to_fp8_
+    from tessera.core.parallel.layers import plain_linear
+
+    seen = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["use_fast_accum"])
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    layer = to_fp8_(plain_linear(torch.nn.Linear(64, 32)), True, use_scaled_mm=True)
+    with torch.no_grad():
+        layer(torch.randn(3, 64))
+    assert seen == [True]

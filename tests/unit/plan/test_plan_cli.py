@@ -150,7 +150,7 @@ def test_output_carries_cp_and_ep(capsys, tmp_path):
     assert code == 0, out
     cfg, _ = load_config(["--config", str(path)])
     assert cfg.parallel.layout().cp == 2 == json.loads(out)["candidates"][0]["cp"]
-    # Layout has expert parallelism now (issue 14): a plan that needs it is written as is,
+    # Layout has expert parallelism: a plan that needs it is written as is,
     # and pretraining reads it back.
     assert parallel_section({"tp": 1, "ep": 2}) == {"tp": 1, "ep": 2, "cp": 1}
     path.write_text(yaml.safe_dump({"parallel": parallel_section({"dp": 2, "ep": 2})}))

@@ -87,7 +87,7 @@ def test_ptdp_table1_published_configurations(billions):
 
 @pytest.mark.parametrize("billions", list(ROWS))
 def test_ptdp_table1_throughput_within_15_percent(billions):
-    # The brief's bar is 15%; every row is within 6% (see README "The analytic model"), so
+    # The brief's bar is 15%; every row is within 6% (see docs/planner-model.md), so
     # the model cannot drift far unnoticed.
     paper, _ = paper_and_best(billions)
     assert paper.fits
@@ -104,7 +104,7 @@ def test_ptdp_table1_throughput_within_15_percent(billions):
 # gradient reduction that cannot overlap the backward in a 2021 pipeline): 18.4B (tp2 pp4 v5
 # predicted 6.6% faster), and by less 3.6B, 7.5B, 39.1B. Table 1's runs did not measure those
 # layouts; where the paper measured the trade-off itself (Fig. 13 to 15) the model agrees with
-# it (below). API_NOTES.md "PTD-P Table 1, 18.4B" has the analysis.
+# it (below). docs/planner-model.md, "PTD-P Table 1, 18.4B", has the analysis.
 _18B_REASON = (
     "tp2 pp4 v5 mb2 predicted 6.6% faster than the paper's tp8 pp1 (8.54 vs 9.10 s a step; "
     "148.6 vs 139.4 TFLOP/s, the paper measured 135): tp8 spends 1.42 s in NVLink "
@@ -184,7 +184,7 @@ FIG12 = {12: (82, 119), 24: (109, 134), 36: (122, 141), 48: (130, 143), 60: (135
 def test_ptdp_figure_12_schedules(batch):
     # The non-interleaved schedule within 2% at every batch size; the interleaved one is
     # over-predicted by 1.6-5.4% (about 0.2 s a step, flat in the batch size: a cost of the
-    # interleaved schedule the model lacks, not found; API_NOTES.md "PTD-P Table 1, 18.4B"),
+    # interleaved schedule the model lacks, not found; docs/planner-model.md, "PTD-P Table 1, 18.4B"),
     # bounded here so that it cannot grow unnoticed.
     job = TrainingJob(gpt_2021(12288, 96, 96), 96, A100, batch, 2048, flash_attention=False,
                       overlap_grad_reduce=True, overlap_grad_reduce_in_pipeline=False,

@@ -99,6 +99,41 @@ def test_serve_quantize_int8_loads_int8_weights(checkpoint, monkeypatch):
     assert seen["int8"] > 0 and seen["dtype"] == torch.bfloat16
 
 
+def test_serve_quantize_fp8_loads_fp8_weights_and_reports_the_logit_error(checkpoint,
+                                                                          monkeypatch, capsys):
+    from tessera.core.fp8 import Fp8
+
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.http.app")
+    app_module.create_app = lambda engine, **kwargs: seen.update(engine=engine) or "the-app"
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
+
+    def run(server):
+        model = seen["engine"].executor.runner.stages[0]
+        seen["fp8"] = sum(isinstance(getattr(m, "format", None), Fp8) for m in model.modules())
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["--checkpoint", str(checkpoint), "--quantize", "fp8", "--compile", "auto"]) == 0
+    assert seen["fp8"] == 4 * 2  # wqkv, wo, w1, w2 of both blocks
+    err = capsys.readouterr().err
+    assert "tessera serve: fp8 weights (W8A16: " in err and "logit error vs the unquantized" in err, err
+    assert "compiling" not in err
+
+
+def test_serve_quantize_choices_are_core_quantizes():
+    from tessera.core.quantize import QUANTIZE_CHOICES
+    from tessera.serving.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if a.dest == "quantize")
+    assert tuple(action.choices) == QUANTIZE_CHOICES
+
+
+def test_serve_refuses_fp8_with_compile(checkpoint, capsys):
+    assert main(["--checkpoint", str(checkpoint), "--quantize", "fp8", "--compile"]) == 2
+    assert "--quantize fp8 runs the eager decode step: drop --compile" in capsys.readouterr().err
+
+
 def test_serve_refuses_int8_with_another_dtype(checkpoint, capsys):
     assert main(["--checkpoint", str(checkpoint), "--quantize", "int8", "--dtype", "fp32"]) == 2
     assert "computes in bf16" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Per-request LoRA serving (issue 16, must-show 6), against references nobody here wrote.
+"""Per-request LoRA serving, against references nobody here wrote.
 
 A tiny random Llama base (GQA, SwiGLU) is exported to Hugging Face; one adapter is made with
 `peft` on that export (random nonzero B, `init_lora_weights=False`, plus two Adam steps) and

@@ -1,4 +1,4 @@
-"""Defects a new user hit (issue 16), each pinned by the request that showed it (fake engine)."""
+"""Defects a new user hit, each pinned by the request that showed it (fake engine)."""
 
 from __future__ import annotations
 
