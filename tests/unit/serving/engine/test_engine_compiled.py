@@ -62,9 +62,9 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
 def test_compiled_engine_matches_hf_generate_without_recompiling(served):
     engine, hf, compiled_at_start = served
     assert engine.executor.runner.decode.buckets == [1, 2]
-    # A graph per bucket, for any rows and cached length (fewer if an earlier test of this
-    # process compiled the same block shapes).
-    assert 1 <= compiled_at_start <= 2
+    # At most a graph per bucket, for any rows and cached length (none when an earlier test
+    # of this process left graphs whose guards these calls pass: the block's code is shared).
+    assert compiled_at_start <= 2
     gen = torch.Generator().manual_seed(0)
     # Six requests on two rows, of different prompt and output lengths (one prompt of a
     # single token, one that fills the 32-token context): slots free up out of order and are
