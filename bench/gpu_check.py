@@ -9,8 +9,10 @@ time budgets, streamed as measured, and one Markdown + JSON report.
 Stages run in order, each a child process under its own time limit: `env` (card, driver,
 torch/CUDA/cuDNN versions, optional kernels), `tests` (`pytest tests/gpu`), `calibrate` (GEMM,
 attention and HBM rates: the planner's profile), `train` (bench_train.py), `loss`
-(bench_cross_entropy.py), `decode` (bench_generate.py), `fp8` and `fp8-train` (bench_fp8.py),
-`smoke` (`tessera pretrain` then `tessera serve`).
+(bench_cross_entropy.py), `decode` (bench_generate.py: engine-only, eager and with the
+compiled static-shape decode step), `serve` (serve_check.py: continuous batching through
+`tessera serve --compile` at 1/16/64 concurrent requests), `fp8` and `fp8-train`
+(bench_fp8.py), `smoke` (`tessera pretrain` then `tessera serve`).
 A child prints `ROW <bench> {json}` for each measured row; those rows make the report, so a
 stage that runs out of time still reports what it measured, and the stages after it still run.
 The report goes to `--out` (default bench/results/): `gpu_check-<card>.md` and `.json`.
@@ -65,7 +67,8 @@ def stages(args) -> list[Stage]:
         calibrate = ["-m", "tessera.plan.calibrate_gpu", "--device", args.device,
                      "--out", profile]
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--preset",
-                  "llama-1b", "--prompt", "128", "--new", "128"]
+                  "llama-1b", "--prompt", "128", "--new", "128", "--concurrency", "1", "16"]
+        serve = [str(HERE / "serve_check.py"), "--device", args.device, "--preset", "llama-1b"]
         loss = [str(HERE / "bench_cross_entropy.py"), "--device", args.device]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device]
         fp8_train = [str(HERE / "bench_fp8.py"), "--device", args.device, "--train"]
@@ -76,7 +79,10 @@ def stages(args) -> list[Stage]:
                      "--out", profile]
         decode = [str(HERE / "bench_generate.py"), "--device", args.device, "--hidden", "64",
                   "--layers", "2", "--vocab", "256", "--prompt", "8", "--new", "8",
-                  "--concurrency", "2", "--no-int8", "--no-compile", "--no-hf-compile"]
+                  "--concurrency", "2", "--no-int8", "--no-hf-compile", "--compile-backend",
+                  "eager"]
+        serve = [str(HERE / "serve_check.py"), "--device", args.device, "--tiny",
+                 "--concurrency", "2", "--no-compile"]
         loss = [str(HERE / "bench_cross_entropy.py"), "--device", args.device, "--tiny",
                 "--vocabs", "2000", "--tokens", "256"]
         fp8 = [str(HERE / "bench_fp8.py"), "--device", args.device, "--tiny"]
@@ -92,7 +98,8 @@ def stages(args) -> list[Stage]:
         Stage("calibrate", calibrate, 40, "GEMM / attention / HBM rates for tessera plan"),
         Stage("train", train, 110, "llama-1b 4x2048 training step vs HF"),
         Stage("loss", loss, 25, "full vs chunked linear cross-entropy, V 32k and 128k"),
-        Stage("decode", decode, 60, "llama-1b decode vs HF"),
+        Stage("decode", decode, 90, "llama-1b decode vs HF, eager and static-shape compiled"),
+        Stage("serve", serve, 60, "tessera serve --compile at 1/16/64 concurrent"),
         Stage("fp8", fp8, 45, "FP8 GEMM vs bf16"),
         Stage("fp8-train", fp8_train, 45, "FP8 training step vs bf16"),
         Stage("smoke", smoke, 35, "tessera pretrain + tessera serve"),
@@ -102,7 +109,7 @@ def stages(args) -> list[Stage]:
     scale = (args.budget_s / total) if args.budget_s else 1.0
     for s in plan:
         s.budget_s = round(args.stage_budget.get(s.name, s.budget_s * scale), 1)
-        if s.name in ("train", "loss", "decode", "fp8", "fp8-train", "calibrate"):
+        if s.name in ("train", "loss", "decode", "serve", "fp8", "fp8-train", "calibrate"):
             # The bench stops starting new rows a little before the hard limit.
             s.argv += ["--budget-s", str(max(s.budget_s - 15, s.budget_s * 0.7))]
     return plan
@@ -230,19 +237,28 @@ def targets(done: list[Stage]) -> list[dict]:
             add(f"{what} vs tessera plan", f"{used:.1f} vs {head['plan memory GiB']:.1f} GiB "
                 f"({err:+.0%})", "within 15%", abs(err) <= 0.15)
     decode = {r.get("case"): r for r in by.get("decode", [])}
-    single = decode.get("single stream", {})
+    # The compiled (static-shape) decode step's rows where it ran, else the eager engine's.
+    compiled = "single stream, compiled decode" in decode
+    single = decode.get("single stream, compiled decode" if compiled else "single stream", {})
     if single.get("fraction of bandwidth bound") is not None:
         frac = single["fraction of bandwidth bound"]
         add("decode batch 1, fraction of HBM bound", round(frac, 3), ">= 0.50 (floor 0.30)",
             frac >= 0.30)
-    batch16 = decode.get("16 concurrent (HF: static batch 16)", {})
+    batch16 = decode.get("16 concurrent, compiled decode" if compiled
+                         else "16 concurrent (HF: static batch 16)", {})
     if batch16.get("tessera tok/s"):
         add("decode 16 concurrent, tok/s", round(batch16["tessera tok/s"]), ">= 8000",
             batch16["tessera tok/s"] >= 8000)
-    seen = decode.get("single stream, same request again (lengths seen)", {})
+    seen = decode.get("single stream, compiled decode, same request again (lengths seen)"
+                      if compiled else "single stream, same request again (lengths seen)", {})
     if single.get("tessera tok/s") and seen.get("tessera tok/s"):
         ratio = seen["tessera tok/s"] / single["tessera tok/s"]
         add("decode new-length / seen-length step time", round(ratio, 2), "<= 1.1", ratio <= 1.1)
+    for r in by.get("serve", []):
+        if r.get("output tok/s"):
+            add(f"serve {r['case'].split(' through')[0]}: output tok/s, TTFT / ITL p50 / ITL "
+                "p99 ms", f"{r['output tok/s']:.0f}, {r['TTFT p50 ms']:.0f} / "
+                f"{r['ITL p50 ms']:.1f} / {r['ITL p99 ms']:.1f}", "reported", None)
     gemm = [r for r in by.get("fp8", []) if r.get("M") == 8192 and "gemm x bf16" in r]
     if gemm:
         worst = min(gemm, key=lambda r: r["gemm x bf16"])
@@ -298,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-budget", nargs="+", default=[], metavar="STAGE=SECONDS",
                         help="one stage's budget, e.g. train=200 (after --budget-s scaling)")
     parser.add_argument("--stages", nargs="+", default=None,
-                        choices=["env", "tests", "calibrate", "train", "loss", "decode",
+                        choices=["env", "tests", "calibrate", "train", "loss", "decode", "serve",
                                  "fp8", "fp8-train", "smoke"])
     parser.add_argument("--out", default=str(HERE / "results"), help="report folder")
     parser.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)

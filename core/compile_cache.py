@@ -8,12 +8,18 @@ ISA then reuses the other one's source and compiles it for its own width: AVX2 c
 `default` does not compile; AVX-512 code under `avx2` compiles and, with half of each 16-wide
 block never computed, leaves outputs uninitialised (a NaN loss at the first step).
 
+`use_compile_cache_dir(path)` points Inductor's on-disk caches at a directory of the caller's
+(a service keeps it across restarts, so a restart compiles nothing it compiled before).
+
 `key_compile_cache_by_isa()` adds the ISA to the cache key tag that all of torch.compile's
 caches include; call it before `torch.compile` runs a graph. It keeps a tag the user set
 (`TORCH_COMPILE_CACHE_KEY_TAG`) and adds the ISA once.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch.compiler.config
 
@@ -34,3 +40,16 @@ def key_compile_cache_by_isa() -> str:
     tag = ",".join([*parts, _PREFIX + cpu_vec_isa()])
     torch.compiler.config.cache_key_tag = tag
     return tag
+
+
+def use_compile_cache_dir(path: str | os.PathLike) -> Path:
+    """Keep TorchInductor's on-disk caches in `path` (created if missing) for this process and
+    the processes it starts; call it before anything compiles. Returns the directory."""
+    directory = Path(path).expanduser().resolve()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot use {directory} as the compile cache ({exc.strerror}): give "
+                         "a writable directory") from None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    return directory

@@ -9,11 +9,18 @@ query sees only positions <= its own. Rows of one batch may therefore have diffe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tessera.core.paged_kv_cache import PagedKVCache
 
 
 class KVCache:
     """Keys and values for the layers `layer_ids`, shape `(slots, kv_heads, max_seq, head_dim)`."""
+
+    attends = False  # attention runs over the keys `update` returns (see PagedKVCache.attend)
 
     def __init__(self, layer_ids: list[int], num_slots: int, max_seq: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
@@ -76,14 +83,53 @@ class KVCache:
             raise RuntimeError(f"KVCache.update of {k.shape[0]} rows x {k.shape[2]} tokens, but "
                                f"the planned pass has {mask.shape[0]} x {mask.shape[2]}: call "
                                "KVCache.begin(positions, slots) for every pass")
+        return self.store_and_read(self.keys[layer], self.values[layer], k, v, positions, slots)
+
+    def layer(self, layer: int) -> LayerKV:
+        """Layer `layer`'s keys and values as a cache of their own (see `LayerKV`)."""
+        return LayerKV(self, self.keys[layer], self.values[layer])
+
+    def store_and_read(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`update` on one layer's `keys` and `values` (tensors of this cache)."""
+        length, first, mask = self._pass  # type: ignore[misc]  # update checked the plan
         rows = slots.unsqueeze(1)  # (B, 1) broadcast against positions (B, T)
-        self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
-        self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
+        keys[rows, :, positions] = k.transpose(1, 2).to(keys.dtype)
+        values[rows, :, positions] = v.transpose(1, 2).to(values.dtype)
         if first is not None:
             # Consecutive slots (the engine keeps them so): a view, no copy of every prefix.
-            keys = self.keys[layer][first:first + len(slots), :, :length]
-            values = self.values[layer][first:first + len(slots), :, :length]
+            keys = keys[first:first + len(slots), :, :length]
+            values = values[first:first + len(slots), :, :length]
         else:
-            keys = self.keys[layer][slots, :, :length]
-            values = self.values[layer][slots, :, :length]
+            keys = keys[slots, :, :length]
+            values = values[slots, :, :length]
         return keys.to(k.dtype), values.to(v.dtype), mask
+
+
+class LayerKV:
+    """One layer of a cache (`KVCache` or `core.paged_kv_cache.PagedKVCache`) under the cache's
+    planned pass: `update(layer, ...)` stores into and reads from this layer's tensors whatever
+    `layer` it is given.
+
+    What a compiled transformer block is handed instead of the whole cache: the block then
+    reads no layer number, so one compiled graph serves every layer (the layer's tensors are
+    graph inputs, like its parameters), where indexing the cache by layer would specialize the
+    graph to each layer's number.
+    """
+
+    def __init__(self, cache: KVCache | PagedKVCache, keys: torch.Tensor, values: torch.Tensor):
+        self.cache, self.keys, self.values = cache, keys, values
+
+    @property
+    def attends(self) -> bool:
+        return self.cache.attends
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.cache.store_and_read(self.keys, self.values, k, v, positions, rows)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.cache.store_and_attend(  # type: ignore[union-attr]  # only when attends
+            self.keys, self.values, q, k, v, positions, rows)

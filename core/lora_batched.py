@@ -33,10 +33,11 @@ class AdapterRows:
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, batch rows that use it)
+        self.per_row: torch.Tensor | None = None  # see `set_per_row`
 
     def set(self, slots: torch.Tensor | None) -> None:
         """`slots (B,)` long, -1 for none; None when no row uses an adapter."""
-        self.groups = []
+        self.groups, self.per_row = [], None
         if slots is None:
             return
         values = slots.tolist()
@@ -44,6 +45,13 @@ class AdapterRows:
             rows = [i for i, v in enumerate(values) if v == slot]
             self.groups.append((slot, torch.tensor(rows, dtype=torch.long,
                                                    device=slots.device)))
+
+    def set_per_row(self, slots: torch.Tensor) -> None:
+        """`slots (B,)` long, -1 for none, read on the device only: every row gathers its own
+        adapter's factors. No host read and no shape that depends on the slots, so a
+        compiled (or CUDA-graph) step serves any mix of adapters with one graph; it reads the
+        factors once per row rather than once per adapter."""
+        self.groups, self.per_row = [], slots
 
 
 class StackedLoRA:
@@ -79,6 +87,8 @@ class StackedLoRA:
         self.b[slot, :, :r] = (b.float() * scaling).to(self.b.dtype)
 
     def __call__(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor | float:
+        if self.rows.per_row is not None:
+            return self._per_row(x, self.rows.per_row)
         if not self.rows.groups:
             return 0.0
         out = x.new_zeros(*x.shape[:-1], self.b.shape[1])
@@ -87,3 +97,11 @@ class StackedLoRA:
             delta = (xs @ self.a[slot].to(x.dtype).t()) @ self.b[slot].to(x.dtype).t()
             out.index_add_(1, rows, delta)
         return out
+
+    def _per_row(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The product with each row's own factors (`AdapterRows.set_per_row`); rows of slot -1
+        add zeros."""
+        which = slots.clamp(min=0)
+        a = self.a[which].to(x.dtype)  # (B, r, in)
+        b = self.b[which].to(x.dtype) * (slots >= 0).to(x.dtype).view(-1, 1, 1)  # (B, out, r)
+        return torch.einsum("tbr,bor->tbo", torch.einsum("tbi,bri->tbr", x, a), b)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from tessera.core.kv_cache import LayerKV
+from tessera.core.paged_attention import KERNELS, flex_block_mask, flex_decode, gather_blocks
+
 
 class PagedKVCache:
     """Keys and values of the layers `layer_ids` in `num_blocks` blocks of `block_size` tokens.
@@ -36,7 +39,10 @@ class PagedKVCache:
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, max_seq: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", decode_attention: str = "gather"):
+        if decode_attention not in KERNELS:
+            raise ValueError(f"paged decode attention {decode_attention!r} is not one of "
+                             f"{', '.join(KERNELS)}")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged cache needs at least one block of at least one token, "
                              f"got {num_blocks} blocks of {block_size}")
@@ -45,6 +51,8 @@ class PagedKVCache:
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_blocks, self.block_size, self.max_seq = num_blocks, block_size, max_seq
         self._pass: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.decode_attention = decode_attention
+        self._block_mask = None  # the planned one-token pass's, with decode_attention "flex"
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
@@ -83,6 +91,35 @@ class PagedKVCache:
         key_pos = torch.arange(length, device=positions.device)
         mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
         self._pass = (length, tables[:, :width], blocks, offsets, mask)
+        self._block_mask = None
+        if self.decode_attention == "flex" and positions.shape[1] == 1:
+            self._block_mask = flex_block_mask(tables[:, :width], positions[:, 0],
+                                               self.num_blocks, self.block_size)
+
+    @property
+    def attends(self) -> bool:
+        """Whether the planned pass's attention runs here (`attend`) rather than over the
+        keys `update` returns: one-token passes with `decode_attention="flex"`."""
+        return self._block_mask is not None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Store `k, v` as `update` does and return attention's output `(B, heads, 1, hd)` for
+        `q (B, heads, 1, hd)`, read from the blocks in place (`core.paged_attention`)."""
+        return self.store_and_attend(self.keys[layer], self.values[layer], q, k, v, positions,
+                                     tables)
+
+    def store_and_attend(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         tables: torch.Tensor) -> torch.Tensor:
+        """`attend` on one layer's `keys` and `values` (tensors of this cache)."""
+        if self._pass is None or self._block_mask is None:
+            raise RuntimeError("PagedKVCache.attend needs a one-token pass planned with "
+                               "decode_attention='flex' (PagedKVCache.begin)")
+        _, _, blocks, offsets, _ = self._pass
+        keys[blocks, offsets] = k.transpose(1, 2).to(keys.dtype)
+        values[blocks, offsets] = v.transpose(1, 2).to(values.dtype)
+        return flex_decode(q, keys, values, self._block_mask)
 
     @property
     def pass_length(self) -> int:
@@ -106,14 +143,19 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache.update of {k.shape[0]} rows x {k.shape[2]} tokens, "
                                f"but the planned pass has {mask.shape[0]} x {mask.shape[2]}: "
                                "call PagedKVCache.begin(positions, tables) for every pass")
-        keys, values = self.keys[layer], self.values[layer]
+        return self.store_and_read(self.keys[layer], self.values[layer], k, v, positions, tables)
+
+    def layer(self, layer: int) -> LayerKV:
+        """Layer `layer`'s keys and values as a cache of their own (`core.kv_cache.LayerKV`)."""
+        return LayerKV(self, self.keys[layer], self.values[layer])
+
+    def store_and_read(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`update` on one layer's `keys` and `values` (tensors of this cache)."""
+        length, read, blocks, offsets, mask = self._pass  # type: ignore[misc]  # checked
         keys[blocks, offsets] = k.transpose(1, 2).to(keys.dtype)  # (B, T, nkv, hd)
         values[blocks, offsets] = v.transpose(1, 2).to(values.dtype)
-        B, W = read.shape
-        nkv, hd = keys.shape[2], keys.shape[3]
+        return (gather_blocks(keys, read, length).to(k.dtype),
+                gather_blocks(values, read, length).to(v.dtype), mask)
 
-        def gather(pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            rows = pool[read].view(B, W * self.block_size, nkv, hd)  # the one copy
-            return rows[:, :length].transpose(1, 2).to(dtype)  # (B, nkv, L, hd), a view
-
-        return gather(keys, k.dtype), gather(values, v.dtype), mask

@@ -53,9 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the decode step with TorchInductor (auto: only on a CPU with "
                         "native bf16, where it pays; see core/cpu_isa.py): about 2x faster "
                         "single-stream decoding of small models in bf16 on CPU (1.4x in fp32), "
-                        "after 10-60 s of compiling at start; keeps a second, prepacked copy "
-                        "of the weights; one process only, not with --quantize int8 "
-                        "(see serving/engine/compiled.py)")
+                        "after 10-60 s of compiling at start; one process only, not with "
+                        "--quantize int8; decode batches are padded to 1, 2, 4, ... rows, a "
+                        "graph each (see serving/engine/compiled.py)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="TorchInductor's on-disk cache directory: a restart with the same one "
+                        "reuses the compiled kernels (default: $TORCHINDUCTOR_CACHE_DIR, else "
+                        "torch's per-user directory under /tmp)")
     # From the environment too, so a container image can listen on all interfaces by default
     # and keep doing so when its command is overridden.
     p.add_argument("--host", default=os.environ.get("TESSERA_HOST", "127.0.0.1"),
@@ -94,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The KV cache (serving/engine/kv_config.py)
     p.add_argument("--kv-cache", choices=("paged", "slots"), default=None,
                    help="paged: blocks shared through the prefix cache (default); slots: one "
-                        "whole-context row per request, as before (default with --compile)")
+                        "whole-context row per request")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="paged pool size: 8GiB, 512MiB, a number above 1 (GiB), or a fraction "
                         "of free memory in (0, 1] (default: what --max-batch whole-context "
@@ -212,15 +216,19 @@ def _start(args: argparse.Namespace):
     from tessera.serving.adapter_cli import lora_serving
 
     lora = lora_serving(args)
-    if (lora is not None or args.quantize == "fp8") and args.compile == "auto":  # eager
+    if args.quantize == "fp8" and args.compile == "auto":  # FP8 weights decode eagerly
         args.compile = "off"
     dtype, args.compile = host_choices(args.checkpoint, dtype, args.compile, args.device)
     if args.compile:
+        if args.compile_cache is not None:
+            from tessera.core.compile_cache import use_compile_cache_dir
+
+            use_compile_cache_dir(args.compile_cache)
         print("tessera serve: compiling the decode step (10-60 s, once per start)",
               file=sys.stderr, flush=True)
     from tessera.serving.engine.kv_config import KVCacheConfig
 
-    kind = args.kv_cache or ("slots" if args.compile else "paged")
+    kind = args.kv_cache or "paged"
     kv = KVCacheConfig(kind=kind, block_size=args.kv_block_size, memory=args.kv_cache_memory,
                        prefix_caching=not args.no_prefix_caching)
     return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv, lora=lora,

@@ -317,7 +317,7 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
     the checkpoint's; `quantize` ("int8", "fp8": `core.quantize`) applies to every rank's shards, and the
     logit error it causes is printed at start (`core.quantize_error`; not under pp);
     `compile_decode` (one process only) compiles the decode step (`serving.engine.compiled`);
-    `kv` is the KV cache (`serving.engine.kv_config`; paged by default, slots with `compile_decode`),
+    `kv` is the KV cache (`serving.engine.kv_config`; paged by default),
     with one block count for every rank (the smallest any rank's memory allows); `lora`
     serves per-request LoRA adapters (`serving.engine.adapters`; every rank loads its pieces of the
     adapters given at start, in the same slots);
@@ -337,7 +337,7 @@ def start_rank(path: str | Path, *, tp: int = 1, pp: int = 1,
               f"tessera serve: {quantize} weights (logit error not measured: a pipeline stage "
               "has no logits of its own)", file=sys.stderr, flush=True)
     if kv is None:
-        kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
+        kv = KVCacheConfig(kind="paged")
     if kv.kind == "paged":
         kv = _agree_on_blocks(kv, stages, groups, max_batch)
     runner = ModelRunner(stages, max_batch, tasks, compile_decode=compile_decode, kv=kv,

@@ -58,7 +58,7 @@ class LocalExecutor:
         return self.runner.execute_model(plan, pad_id, self.run)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        out = self.runner.forward(batch.to(self.runner.device))
+        out = self.runner.forward(self.runner.place(batch))
         assert out is not None  # a single process holds the last stage
         return out
 

@@ -3,7 +3,11 @@
 - `kind="paged"` (the default): blocks of `block_size` tokens in one pool
   (`core.paged_kv_cache`), shared through the prefix cache (`prefix_caching`).
 - `kind="slots"`: wave 1's cache, one whole-context row per running request (`core.kv_cache`);
-  kept for comparison and for the compiled decode step, which reads slots.
+  kept for comparison.
+
+`decode_attention` (paged only): how one-token passes attend (`core.paged_attention`):
+"gather" copies each row's blocks and masks them (any device); "flex" reads the blocks in place
+through FlexAttention with a block mask made from the tables (for CUDA, compiled).
 
 Pool size, in blocks (`resolve_num_blocks`): `num_blocks` if given; else from `memory`, either
 a size (`"8GiB"`, `"512MiB"`, or a bare number above 1, read as GiB) or a fraction of the
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.core.paged_attention import KERNELS
 from tessera.core.paged_kv_cache import PagedKVCache
 
 KINDS = ("paged", "slots")
@@ -34,10 +39,14 @@ class KVCacheConfig:
     memory: str | float | None = None
     num_blocks: int | None = None
     prefix_caching: bool = True
+    decode_attention: str = "gather"
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kv cache kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.decode_attention not in KERNELS:
+            raise ValueError(f"paged decode attention {self.decode_attention!r} is not one of "
+                             f"{', '.join(KERNELS)}")
         if self.block_size < 1:
             raise ValueError(f"--kv-block-size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

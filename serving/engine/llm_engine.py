@@ -57,10 +57,11 @@ class LLMEngine:
         max_logprobs: the largest `logprobs` (top alternatives) a request may ask for.
         eos_id: the end-of-sequence id (default: the tokenizer's).
         seed: seeds the generators of requests that give no seed (default: from the OS).
-        compile_decode: run decode passes compiled by TorchInductor (`serving.engine.compiled`:
-            one process only; compiles for a while here, in the constructor).
-        kv: the KV cache (`serving.engine.kv_config`): paged with prefix caching by default,
-            slots with `compile_decode`. With an executor, its runner's cache is used and only
+        compile_decode: run decode passes through the static-shape step with its block
+            compiled (`serving.engine.compiled`: one process only; compiles for a while here,
+            in the constructor); a string picks the backend (`ModelRunner`).
+        kv: the KV cache (`serving.engine.kv_config`): paged with prefix caching by default.
+            With an executor, its runner's cache is used and only
             `kv.prefix_caching` is read from here.
         speculative: speculative decoding (`serving.engine.speculative`): n-gram prompt lookup
             or a draft model; None (the default) decodes one token per step.
@@ -72,11 +73,11 @@ class LLMEngine:
                  max_queue: int = 128, max_step_tokens: int = 512, max_logprobs: int = 20,
                  eos_id: int | None = None, seed: int | None = None,
                  heartbeat_s: float = 1.0, background: bool = True,
-                 compile_decode: bool = False, kv: KVCacheConfig | None = None,
+                 compile_decode: bool | str = False, kv: KVCacheConfig | None = None,
                  speculative: SpeculativeConfig | None = None):
         if isinstance(model, (GPTModel, list, tuple)):
             if kv is None:
-                kv = KVCacheConfig(kind="slots" if compile_decode else "paged")
+                kv = KVCacheConfig(kind="paged")
             model = LocalExecutor(ModelRunner(model, max_batch, tasks,
                                               compile_decode=compile_decode, kv=kv))
         elif tasks or compile_decode:

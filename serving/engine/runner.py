@@ -37,11 +37,11 @@ from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import local_kv_heads
 from tessera.core.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 from tessera.serving.engine.adapters import AdapterRegistry, LoRAServing, detach_stacked
-from tessera.serving.engine.compiled import CompiledDecode
+from tessera.serving.engine.compiled import CompiledDecode, bucket_for
 from tessera.serving.engine.executor import StopServing
 from tessera.serving.engine.kv_config import KVCacheConfig, resolve_num_blocks
 from tessera.serving.engine.scheduler import StepPlan
-from tessera.serving.engine.transfer import to_device
+from tessera.serving.engine.transfer import copy_into, to_device
 
 if TYPE_CHECKING:
     from tessera.serving.engine.request import EngineRequest
@@ -66,22 +66,29 @@ class StepBatch:
     # None when no row of the batch uses an adapter.
     adapters: torch.Tensor | None = None
     length: int | None = None
+    # A one-token pass padded to a batch bucket for the static-shape decode step
+    # (`serving.engine.compiled`): rows (B, context width), adapters always set, `keep` padded
+    # to B (the logits past the wanted ones are padding's).
+    static: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.ids, self.positions, self.slots, self.tasks, self.keep] + (
             [self.adapters] if self.adapters is not None else [])
 
-    def to(self, device: torch.device | str) -> StepBatch:
+    def to(self, device: torch.device | str, into: torch.Tensor | None = None) -> StepBatch:
         """The batch on `device` in one copy: its tensors packed into one, copied through pinned
-        memory without waiting on a GPU (`serving.engine.transfer`), and split there."""
+        memory without waiting on a GPU (`serving.engine.transfer`), and split there. With
+        `into` (a long tensor of the packed size on `device`), the copy goes there and the
+        batch's tensors are views of it."""
         device = torch.device(device)
         parts = self.tensors()
-        if all(t.device == device for t in parts):
+        if into is None and all(t.device == device for t in parts):
             return self
-        flat = to_device(torch.cat([t.reshape(-1) for t in parts]), device)
+        packed = torch.cat([t.reshape(-1) for t in parts])
+        flat = to_device(packed, device) if into is None else copy_into(into, packed)
         moved = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in parts]), parts)]
         adapters = moved[5] if self.adapters is not None else None
-        return StepBatch(*moved[:5], adapters, self.length)
+        return StepBatch(*moved[:5], adapters, self.length, self.static)
 
 
 def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
@@ -121,11 +128,15 @@ class ModelRunner:
 
     `lora` serves per-request LoRA adapters (`serving.engine.adapters`): `adapters` is then this rank's
     registry, and each batch's `adapters` rows select them.
+
+    `compile_decode` runs one-token passes through the static-shape decode step
+    (`serving.engine.compiled`, with either cache, with adapters): True compiles its block with
+    Inductor, a string names another `torch.compile` backend, "static" runs it uncompiled.
     """
 
     def __init__(self, stages: GPTModel | Sequence[GPTModel], max_batch: int,
                  tasks: Mapping[str, torch.Tensor] | None = None, max_seq: int | None = None,
-                 compile_decode: bool = False, kv: KVCacheConfig | None = None,
+                 compile_decode: bool | str = False, kv: KVCacheConfig | None = None,
                  lora: LoRAServing | None = None):
         self.stages = [stages] if isinstance(stages, GPTModel) else list(stages)
         first = self.stages[0]
@@ -139,17 +150,17 @@ class ModelRunner:
         layer_ids = [i for m in self.stages for i in m.layer_ids]
         self.cache: KVCache | PagedKVCache
         if kv is not None and kv.kind == "paged":
-            if compile_decode:
-                raise ValueError("the compiled decode step reads the slot cache: serve with "
-                                 "--kv-cache slots to compile, or without --compile")
             num_blocks = resolve_num_blocks(
                 kv, num_layers=len(layer_ids), kv_heads=local_kv_heads(c, tp),
                 head_dim=c.head_dim, dtype=self.dtype, device=self.device, max_batch=max_batch,
                 max_seq=self.max_seq)
             self.cache = PagedKVCache(layer_ids, num_blocks, kv.block_size, self.max_seq,
-                                      local_kv_heads(c, tp), c.head_dim, self.dtype, self.device)
+                                      local_kv_heads(c, tp), c.head_dim, self.dtype, self.device,
+                                      decode_attention=kv.decode_attention)
         else:
-            self.cache = KVCache(layer_ids, max_batch, self.max_seq, local_kv_heads(c, tp),
+            # A static decode step pads its batches with rows that write to one more slot.
+            slots = max_batch + 1 if compile_decode else max_batch
+            self.cache = KVCache(layer_ids, slots, self.max_seq, local_kv_heads(c, tp),
                                  c.head_dim, self.dtype, self.device)
         self.tasks = {n: int(tasks[n].shape[0]) for n in task_names(tasks)}
         self.hook: VirtualPrompts | None = None
@@ -166,8 +177,6 @@ class ModelRunner:
             # Task index = position in `task_names` order, as the engine numbers them.
             self.hook = attach_prompts(first, fixed_prompts({n: tasks[n] for n in self.tasks}))
         # Per-request LoRA: every adaptable layer gets a slot-stacked hook (serving.engine.adapters).
-        if lora is not None and compile_decode:
-            raise ValueError("LoRA adapters are served eagerly: drop --compile, or --lora")
         self.adapters = AdapterRegistry(self.stages, lora) if lora is not None else None
         if lora is None:  # no hooks left over from another runner of this model
             detach_stacked(self.stages)
@@ -175,26 +184,45 @@ class ModelRunner:
         if compile_decode:
             if len(self.stages) != 1:
                 raise ValueError("a compiled decode step needs the whole model in one process")
-            self.decode = CompiledDecode(first)
-            seconds = self.decode.warm_up(self.cache)
+            backend = {True: "inductor", "static": None}.get(compile_decode, compile_decode)
+            self.decode = CompiledDecode(
+                first, self.cache, max_batch, backend=backend,  # type: ignore[arg-type]
+                adapter_rows=self.adapters.rows if self.adapters is not None else None)
+            seconds = self.decode.warm_up()
             log.info("decode step compiled in %.1f s", seconds)
 
     @property
     def holds_last_stage(self) -> bool:
         return any(m.is_last for m in self.stages)
 
+    def place(self, batch: StepBatch) -> StepBatch:
+        """`batch` on this rank's device in one copy; a static pass lands in its bucket's
+        input buffer (`CompiledDecode.inputs`)."""
+        if not batch.static:
+            return batch.to(self.device)
+        assert self.decode is not None  # only the static decode step's batches are static
+        x = self.decode.inputs[batch.ids.shape[0]]
+        if batch.ids.data_ptr() == x.ids.data_ptr():
+            return batch
+        return batch.to(self.device, into=x.flat)
+
     @torch.no_grad()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """Logits `(N, vocab)` fp32 of the kept positions where the last stage lives, else None."""
+        """Logits `(N, vocab)` fp32 of the kept positions where the last stage lives, else None
+        (N: the batch's `keep`, padded to its bucket for a static pass)."""
+        if batch.static:
+            batch = self.place(batch)
         if self.hook is not None:
             self.hook.set_rows(batch.tasks)
+        if batch.static:
+            assert self.decode is not None
+            out = self.decode(self.decode.inputs[batch.ids.shape[0]])
+            return out.reshape(-1, out.shape[-1])[batch.keep].float()
         if self.adapters is not None:
             self.adapters.rows.set(batch.adapters)
         kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots,
                       kv_length=batch.length)
-        if self.decode is not None and batch.ids.shape[1] == 1:
-            out = self.decode(batch.ids, batch.positions, self.cache, batch.slots)
-        elif len(self.stages) == 1 and self.groups.pp_size == 1:
+        if len(self.stages) == 1 and self.groups.pp_size == 1:
             out = self.stages[0](batch.ids, **kwargs)
         else:
             out = pipeline_forward(self.stages, self.groups, batch.ids, **kwargs)
@@ -270,6 +298,9 @@ class ModelRunner:
                 wanted.append((seq, None))
         for seq, r in drafted:
             keep.extend(r * T + j for j in range(len(seq.draft) + 1))
+        if self.decode is not None and T == 1:
+            return self._static_inputs(group, kv_rows, pad_id, ids, position_rows, keep), \
+                wanted, drafted
         rows = kv_rows([s for s, _ in group], length)
         adapters = None
         if any(s.adapter >= 0 for s, _ in group):
@@ -278,3 +309,24 @@ class ModelRunner:
                           torch.tensor([s.task for s, _ in group], dtype=torch.long),
                           torch.tensor(keep, dtype=torch.long), adapters, length)
         return batch, wanted, drafted
+
+    def _static_inputs(self, group: list[tuple[EngineRequest, int]],
+                       kv_rows: Callable[[list[EngineRequest], int], torch.Tensor], pad_id: int,
+                       ids: torch.Tensor, position_rows: list[list[int]], keep: list[int]
+                       ) -> StepBatch:
+        """A one-token pass padded to its batch bucket, reading each row's whole context (see
+        `StepBatch.static`): padding rows write to the scratch row at position 0."""
+        assert self.decode is not None
+        B = len(group)
+        b = bucket_for(self.decode.buckets, B)
+        pad = b - B
+        rows = kv_rows([s for s, _ in group], self.max_seq)
+        rows = torch.cat([rows, torch.full((pad, *rows.shape[1:]), self.decode.scratch,
+                                           dtype=torch.long)])
+        return StepBatch(
+            torch.cat([ids, torch.full((pad, 1), pad_id, dtype=torch.long)]),
+            torch.tensor([p for p, in position_rows] + [0] * pad, dtype=torch.long).view(b, 1),
+            rows, torch.tensor([s.task for s, _ in group] + [-1] * pad, dtype=torch.long),
+            torch.tensor(keep + [0] * (b - len(keep)), dtype=torch.long),
+            torch.tensor([s.adapter for s, _ in group] + [-1] * pad, dtype=torch.long),
+            self.max_seq, static=True)

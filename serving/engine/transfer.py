@@ -17,3 +17,11 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy `src` into `dst` (of its size, on any device), through pinned memory without
+    waiting when it goes from the CPU to a CUDA device; returns `dst`."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(src)

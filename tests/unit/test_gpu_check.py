@@ -26,13 +26,14 @@ def _run(tmp_path: Path, *args: str, timeout: int = 600) -> tuple[subprocess.Com
     return out, report
 
 
+@pytest.mark.timeout(600)  # as the run's own limit: minutes of stages on a busy 2-core CPU
 def test_cpu_tiny_check_measures_every_stage_and_reports(tmp_path):
     out, report = _run(tmp_path, "--stages", "env", "tests", "calibrate", "train", "loss",
-                       "decode", "fp8", "fp8-train")
+                       "decode", "serve", "fp8", "fp8-train")
     stages = {s["name"]: s for s in report["stages"]}
     assert out.returncode == 0, out.stdout[-3000:]
-    assert list(stages) == ["env", "tests", "calibrate", "train", "loss", "decode", "fp8",
-                            "fp8-train"]
+    assert list(stages) == ["env", "tests", "calibrate", "train", "loss", "decode", "serve",
+                            "fp8", "fp8-train"]
     assert all(s["status"] == "ok" for s in stages.values()), {
         k: (s["status"], s["log_tail"]) for k, s in stages.items()}
     # Rows are streamed as measured ("ROW name {json}") and collected per stage.
@@ -41,8 +42,11 @@ def test_cpu_tiny_check_measures_every_stage_and_reports(tmp_path):
     sides = {r["side"] for r in stages["train"]["rows"]}
     assert sides == {"tessera", "hf"}
     assert all(r["tok/s"] > 0 for r in stages["train"]["rows"])
-    assert all(stages[name]["rows"] for name in ("calibrate", "loss", "decode", "fp8",
+    assert all(stages[name]["rows"] for name in ("calibrate", "loss", "decode", "serve", "fp8",
                                                  "fp8-train"))
+    # The static-shape decode step ran (Dynamo only, on the tiny CPU run) beside the eager one.
+    assert "single stream, compiled decode" in {r["case"] for r in stages["decode"]["rows"]}
+    assert [r["completed"] for r in stages["serve"]["rows"]] == [4.0]
     markdown = (tmp_path / "gpu_check-cpu.md").read_text()
     assert "## Stages" in markdown and "## train" in markdown
 

@@ -137,12 +137,15 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None
-        if cache is not None:
-            k, v, mask = cache.update(self.layer, k, v, positions, slots)
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
-            y = recompute(self._core, q, k, v, mask, seq)
+        if cache is not None and cache.attends:  # a paged kernel reading the blocks in place
+            y = cache.attend(self.layer, q, k, v, positions, slots)
         else:
-            y = self._core(q, k, v, mask, seq)
+            if cache is not None:
+                k, v, mask = cache.update(self.layer, k, v, positions, slots)
+            if self.selective_recompute and self.training and torch.is_grad_enabled():
+                y = recompute(self._core, q, k, v, mask, seq)
+            else:
+                y = self._core(q, k, v, mask, seq)
         y = y.permute(2, 0, 1, 3).reshape(T, B, self.n_heads * hd)
         return self.wo(y)
 

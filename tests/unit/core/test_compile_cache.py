@@ -65,3 +65,16 @@ def test_each_cpu_isa_compiles_its_own_kernels(tmp_path):
     assert scalar["hits"] == 0 and scalar["misses"] > 0 and scalar["grad_ok"], scalar
     again = _compile(vectorised, cache)  # the cache still serves the ISA that wrote it
     assert again["hits"] > 0 and again["misses"] == 0 and again["grad_ok"], again
+
+
+def test_the_cache_directory_is_the_one_given(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from tessera.core.compile_cache import use_compile_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    chosen = use_compile_cache_dir(tmp_path / "inductor")
+    assert chosen.is_dir() and cache_dir() == str(tmp_path / "inductor")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="give a writable directory"):
+        use_compile_cache_dir(tmp_path / "file" / "sub")

@@ -1,5 +1,8 @@
 """A decode step reads the device on the host at most once (its sampled ids, with logprobs):
 counted on the CPU with `tests.host_syncs`, which counts every call that would wait for a GPU.
+Eagerly, and through the static-shape decode step (`serving.engine.compiled`): uncompiled, and
+with its block compiled (a dispatch mode runs a compiled frame's code eagerly, so what is counted
+there is the same bucketed code's every operation).
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ def decode_requests(settings: list[dict], new: int = 12) -> list[GenerationReque
             for i, (p, s) in enumerate(zip(prompts, settings))]
 
 
-def tiny_engine(device: str = "cpu", dtype: torch.dtype = torch.float32) -> LLMEngine:
+def tiny_engine(device: str = "cpu", dtype: torch.dtype = torch.float32,
+                compile_decode: bool | str = False) -> LLMEngine:
     """A paged, prefix-caching engine of a tiny Llama, stepped by the caller."""
-    model = build_model(ModelConfig.from_name("llama-tiny", init_std=0.1), seed=0)
+    model = build_model(ModelConfig.from_name("llama-tiny", init_std=0.1,
+                                              max_position_embeddings=64), seed=0)
     engine = LLMEngine(model.to(device=device, dtype=dtype).eval(), max_batch=8,
-                       background=False)
+                       background=False, compile_decode=compile_decode)
     assert engine.blocks is not None and engine.blocks.prefix_caching
     return engine
 
 
+@pytest.mark.parametrize("compile_decode", [False, "static", "eager"],
+                         ids=["eager", "bucketed", "bucketed-compiled"])
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_decode_step_syncs_with_the_host_at_most_once(settings):
+def test_a_decode_step_syncs_with_the_host_at_most_once(settings, compile_decode):
     counts: list[int] = []
 
     def counted(step) -> None:
@@ -47,7 +54,8 @@ def test_a_decode_step_syncs_with_the_host_at_most_once(settings):
             step()
         counts.append(syncs.total)
 
-    with tiny_engine() as engine:
+    with tiny_engine(compile_decode=compile_decode) as engine:
+        assert (engine.executor.runner.decode is not None) == bool(compile_decode)
         steps = run_decode_steps(engine, decode_requests(settings), counted)
     assert steps >= 10, steps  # the test measured the decode steps it meant to
     assert max(counts) <= 1, counts
