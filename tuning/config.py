@@ -159,11 +159,6 @@ class TuneRunConfig:
             if self.train.precision == "fp8":
                 problems.append("LoRA tuning does not run with --precision fp8 yet (the "
                                 "adapter is not wired into the FP8 layers); use bf16 or fp32")
-            data_parallel = self.parallel.train_schedule().data_parallel
-            if data_parallel != "ddp":
-                problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
-                                f"{data_parallel!r} (its adapter is small: "
-                                "sharding its optimizer state saves little)")
         if t.pack and t.method not in ("lora", "full"):
             problems.append("--pack needs --method lora or full (virtual tokens sit at the "
                             "start of each row, so prompt-tuned rows hold one example each)")

@@ -7,7 +7,10 @@
 - `state.json`: step, method, the adapter (`lora`: rank, alpha, dropout, modules), the base's
   path and fingerprint, and the run config.
 Being global, a checkpoint resumes under any tp x pp x dp layout: each rank cuts its pieces.
-Saving is collective (every rank sends its pieces to global rank 0, which writes alone).
+Saving is collective (every rank sends its pieces to global rank 0, which writes alone). Under
+`--data-parallel zero1 / fsdp` (a `ShardedOptimizer`: each dp rank keeps rows of the moments, and
+under fsdp of the factors too) the rows are all-gathered over dp first; loading keeps each dp
+rank's rows.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 from tessera.core.checkpoint import atomic_directory
 from tessera.core.lora import gather_global, lora_parameters
 from tessera.core.parallel.sharding import shard_tensor
+from tessera.core.parallel.zero import RowShard, ShardedOptimizer
 from tessera.tuning.checkpoint import META_FILE, TuningCheckpointError, tuning_series
 
 STATE_FILE = "lora_state.safetensors"
@@ -39,14 +43,43 @@ def gather_adapter(stages: list[nn.Module], optimizer: Any | None = None
                    ) -> dict[str, torch.Tensor] | None:
     """The global factors (and, with `optimizer`, their AdamW state) on global rank 0; None on
     the other ranks. Collective."""
+    shards = _shards(optimizer)
     local: dict[str, torch.Tensor] = {}
     for name, p in lora_parameters(stages).items():
-        local[name] = p
-        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        shard = shards.get(id(p))
+        local[name] = p.full_tensor() if hasattr(p, "full_tensor") else p  # fsdp: collective
+        state = {} if optimizer is None else \
+            optimizer.state.get(shard.view if shard else p, {})
         for key in (*_MOMENTS, "step"):
             if key in state:
-                local[f"{key}/{name}"] = torch.as_tensor(state[key])
+                value = torch.as_tensor(state[key])
+                local[f"{key}/{name}"] = _whole_rows(value, shard) \
+                    if shard is not None and key != "step" else value
     return gather_global(local, stages[0].groups, stages[0].config)
+
+
+def _shards(optimizer: Any | None) -> dict[int, RowShard]:
+    """The `RowShard` of each parameter (by id) of a sharded optimizer; {} otherwise."""
+    return {id(s.param): s for s in optimizer} if isinstance(optimizer, ShardedOptimizer) else {}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 parameter's local rows (a `DTensor`'s local tensor); any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _whole_rows(rows: torch.Tensor, shard: RowShard) -> torch.Tensor:
+    """Rows `shard.start:shard.stop` of every rank in `shard.over`, put together (collective
+    over that group): each rank sends its rows padded to an equal count."""
+    over = shard.over
+    if over.group is None or over.size == 1:
+        return rows.detach()
+    per = -(-shard.rows // over.size)
+    padded = rows.new_zeros((per, *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows.detach()
+    blocks = [torch.empty_like(padded) for _ in range(over.size)]
+    dist.all_gather(blocks, padded.contiguous(), group=over.group)
+    return torch.cat(blocks)[:shard.rows]
 
 
 def save_lora_checkpoint(run_dir: str | os.PathLike, stages: list[nn.Module], optimizer: Any,
@@ -78,15 +111,19 @@ def load_lora_checkpoint(path: str | os.PathLike, stages: list[nn.Module],
                                     "by another method: use another --output or drop --resume")
     stored = load_file(str(file))
     g, config = stages[0].groups, stages[0].config
+    shards = _shards(optimizer)
     for name, p in lora_parameters(stages).items():
         if name not in stored:
             raise TuningCheckpointError(f"{path}: no values for {name}; it was saved for "
                                         "other target modules")
-        p.copy_(shard_tensor(name, stored[name], config, g.tp_rank, g.tp_size))
+        shard = shards.get(id(p))
+        rows = slice(shard.start, shard.stop) if shard is not None else slice(None)
+        whole = shard_tensor(name, stored[name], config, g.tp_rank, g.tp_size)
+        _local(p).copy_(whole[rows] if _local(p) is not p else whole)
         state = {k: shard_tensor(name, stored[f"{k}/{name}"], config, g.tp_rank, g.tp_size)
-                 .to(p.device).clone() for k in _MOMENTS if f"{k}/{name}" in stored}
+                 [rows].to(p.device).clone() for k in _MOMENTS if f"{k}/{name}" in stored}
         if state:
             # AdamW keeps its step count on the CPU (unless capturable): leave it there.
             state["step"] = stored[f"step/{name}"].clone()
-            optimizer.state[p] = state
+            optimizer.state[shard.view if shard is not None else p] = state
     return step
