@@ -4,6 +4,7 @@
 - `lora_state.safetensors`: every factor under its global name (`MODULE.lora_A.weight`, global
   shape, put together from the tp and pp ranks by the sharding rule), AdamW's `exp_avg/NAME`
   and `exp_avg_sq/NAME` (sharded as their parameter, so stored global too) and `step/NAME`;
+- `rng.safetensors`: every rank's RNG states (`tuning.rng_state`), so dropout resumes exactly;
 - `state.json`: step, method, the adapter (`lora`: rank, alpha, dropout, modules), the base's
   path and fingerprint, and the run config.
 Being global, a checkpoint resumes under any tp x pp x dp layout: each rank cuts its pieces.
@@ -30,6 +31,7 @@ from tessera.core.lora import gather_global, lora_parameters
 from tessera.core.parallel.sharding import shard_tensor
 from tessera.core.parallel.zero import RowShard, ShardedOptimizer
 from tessera.tuning.checkpoint import META_FILE, TuningCheckpointError, tuning_series
+from tessera.tuning.rng_state import gather_rng_states, restore_rng_states, write_rng_states
 
 STATE_FILE = "lora_state.safetensors"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -84,13 +86,16 @@ def _whole_rows(rows: torch.Tensor, shard: RowShard) -> torch.Tensor:
 
 def save_lora_checkpoint(run_dir: str | os.PathLike, stages: list[nn.Module], optimizer: Any,
                          *, step: int, meta: dict[str, Any], keep_last: int) -> Path:
-    """Write the factors and their optimizer state at `step`. Call on every rank."""
+    """Write the factors, their optimizer state and every rank's RNG states at `step`. Call on
+    every rank."""
     series = tuning_series(run_dir)
     path = series.step_dir(step)
     tensors = gather_adapter(stages, optimizer)
+    rng = gather_rng_states()
     if _rank0():
         with atomic_directory(path) as tmp:
             save_file(tensors, str(tmp / STATE_FILE), metadata={"format": "pt"})
+            write_rng_states(tmp, rng, stages[0].groups)
             (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
         series.mark_latest(path)
         series.prune(keep_last)
@@ -102,7 +107,8 @@ def save_lora_checkpoint(run_dir: str | os.PathLike, stages: list[nn.Module], op
 @torch.no_grad()
 def load_lora_checkpoint(path: str | os.PathLike, stages: list[nn.Module],
                          optimizer: torch.optim.Optimizer) -> int:
-    """Restore this rank's factor pieces and their optimizer state; return the step."""
+    """Restore this rank's factor pieces, their optimizer state and (on the layout that saved
+    them) its RNG states; return the step."""
     path = Path(path)
     step = int(json.loads((path / META_FILE).read_text())["step"])
     file = path / STATE_FILE
@@ -126,4 +132,5 @@ def load_lora_checkpoint(path: str | os.PathLike, stages: list[nn.Module],
             # AdamW keeps its step count on the CPU (unless capturable): leave it there.
             state["step"] = stored[f"step/{name}"].clone()
             optimizer.state[shard.view if shard is not None else p] = state
+    restore_rng_states(path, g)
     return step
