@@ -160,9 +160,6 @@ class TuneRunConfig:
                 problems.append(f"lora_dropout must be in [0, 1), got {t.lora_dropout}")
             if not t.lora_targets.strip(" ,"):
                 problems.append("lora_targets is empty; e.g. --lora-targets qkv,wo or all")
-            if self.train.precision == "fp8":
-                problems.append("LoRA tuning does not run with --precision fp8 yet (the "
-                                "adapter is not wired into the FP8 layers); use bf16 or fp32")
         if t.pack and t.method not in ("lora", "full"):
             problems.append("--pack needs --method lora or full (virtual tokens sit at the "
                             "start of each row, so prompt-tuned rows hold one example each)")

@@ -437,7 +437,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
                     log.saved(path, step + 1)
             elif t.lora is not None:  # collective: rank 0 writes the gathered factors
                 path = save_lora_checkpoint(out, t.job.stages, t.job.optimizer, step=step + 1,
-                                            meta=meta, keep_last=loop.keep_last)
+                                            meta=meta, keep_last=loop.keep_last,
+                                            fp8_state=fp8_state)
                 if _rank0():
                     log.saved(path, step + 1)
             # A sharded optimizer (zero1 / fsdp) saves collectively; otherwise rank 0 alone.

@@ -4,6 +4,7 @@
 - `lora_state.safetensors`: every factor under its global name (`MODULE.lora_A.weight`, global
   shape, put together from the tp and pp ranks by the sharding rule), AdamW's `exp_avg/NAME`
   and `exp_avg_sq/NAME` (sharded as their parameter, so stored global too) and `step/NAME`;
+- `fp8_state.safetensors` (`--precision fp8`): the FP8 base layers' amax histories and scales;
 - `rng.safetensors`: every rank's RNG states (`tuning.rng_state`), so dropout resumes exactly;
 - `state.json`: step, method, the adapter (`lora`: rank, alpha, dropout, modules), the base's
   path and fingerprint, and the run config.
@@ -30,7 +31,7 @@ from tessera.core.checkpoint import atomic_directory
 from tessera.core.lora import gather_global, lora_parameters
 from tessera.core.parallel.sharding import shard_tensor
 from tessera.core.parallel.zero import RowShard, ShardedOptimizer
-from tessera.tuning.checkpoint import META_FILE, TuningCheckpointError, tuning_series
+from tessera.tuning.checkpoint import FP8_FILE, META_FILE, TuningCheckpointError, tuning_series
 from tessera.tuning.rng_state import gather_rng_states, restore_rng_states, write_rng_states
 
 STATE_FILE = "lora_state.safetensors"
@@ -85,9 +86,11 @@ def _whole_rows(rows: torch.Tensor, shard: RowShard) -> torch.Tensor:
 
 
 def save_lora_checkpoint(run_dir: str | os.PathLike, stages: list[nn.Module], optimizer: Any,
-                         *, step: int, meta: dict[str, Any], keep_last: int) -> Path:
-    """Write the factors, their optimizer state and every rank's RNG states at `step`. Call on
-    every rank."""
+                         *, step: int, meta: dict[str, Any], keep_last: int,
+                         fp8_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the factors, their optimizer state and every rank's RNG states at `step` (and
+    `fp8_state`, given on global rank 0: the FP8 state of the base's layers). Call on every
+    rank."""
     series = tuning_series(run_dir)
     path = series.step_dir(step)
     tensors = gather_adapter(stages, optimizer)
@@ -96,6 +99,8 @@ def save_lora_checkpoint(run_dir: str | os.PathLike, stages: list[nn.Module], op
         with atomic_directory(path) as tmp:
             save_file(tensors, str(tmp / STATE_FILE), metadata={"format": "pt"})
             write_rng_states(tmp, rng, stages[0].groups)
+            if fp8_state is not None:
+                save_file(fp8_state, str(tmp / FP8_FILE))
             (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
         series.mark_latest(path)
         series.prune(keep_last)

@@ -183,7 +183,6 @@ def test_bad_input_fails_before_anything_is_written(base, data, run, tmp_path, c
     _fails([*argv, "--lora-targets", "qkv,q_proj"], capsys, "'q_proj' matches no module",
            "layers.N.")
     _fails([*argv, "--lora-targets", "layers.("], capsys, "not a valid regular expression")
-    _fails([*argv, "--precision", "fp8"], capsys, "--precision fp8")
     _fails([*argv, "--export", "peft"], capsys, "tessera convert --to peft")
     assert not out.exists()
 
