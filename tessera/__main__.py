@@ -20,7 +20,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "preprocess": ("tessera.training.preprocess:main", "tokenize text/JSONL into an indexed dataset"),
     "convert": ("tessera.converters.cli:main", "reshard, cast, FP8, or import/export Hugging Face"),
     "inspect": ("tessera.converters.inspect:main", "describe a checkpoint in plain words"),
-    "tune": ("tessera.tuning.cli:main", "prompt tuning / p-tuning on a frozen model"),
+    "tune": ("tessera.__main__:tune", "prompt tuning / p-tuning on a frozen model"),
     "serve": ("tessera.__main__:serve", "run the HTTP text-generation server"),
     "generate": ("tessera.__main__:generate", "generate text from a server or a local checkpoint"),
     "models": ("tessera.core.presets:main", "list the model presets with their sizes"),
@@ -55,6 +55,19 @@ def serve(argv: list[str]) -> int:
         return read_any_adapter(directory, checkpoint)
 
     return serve_main(argv, adapter_reader=read_adapter)
+
+
+def tune(argv: list[str]) -> int:
+    """`tessera tune`: tuning may not import serving, so this root command hands it the
+    engine's greedy answers for `--eval-engine` (serving loads only when they are asked for)."""
+    from tessera.tuning.cli import main as tune_main
+
+    def engine_answers(*args, **kwargs):
+        from tessera.serving.engine_answers import greedy_answers
+
+        return greedy_answers(*args, **kwargs)
+
+    return tune_main(argv, engine_answers=engine_answers)
 
 
 def _usage() -> str:

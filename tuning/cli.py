@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], engine_answers: Any = None) -> int:
+    """`engine_answers(model, tokenizer, prompts, max_tokens)`: serving's greedy answers, for
+    `--eval-engine` (the root command passes them; tuning may not import serving)."""
     from tessera.core.config import ConfigError
     from tessera.tuning.config import load_config
 
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
             return 0
         from tessera.tuning.loop import tune
 
-        tune(cfg, export_peft=args.export == "peft")
+        tune(cfg, export_peft=args.export == "peft", engine_answers=engine_answers)
     except RankHang as exc:
         # Straight out: destroying a process group whose peer stopped answering can block.
         print(f"tessera tune: {exc}", file=sys.stderr, flush=True)

@@ -75,6 +75,10 @@ class TuneConfig:
                                  "tessera serve uses)")
     all_tokens: bool = opt(False, "conversations: train on every token, not only on the "
                                   "assistant's turns")
+    eval_engine: bool = opt(False, "with --valid: generate the held-out answers (a "
+                                   "conversation's last assistant turn) through the engine "
+                                   "tessera serve runs, with the adapter merged; one process, "
+                                   "LoRA or full")
     dpo_weights: str = opt("lora", "DPO: what learns, lora (the reference is the base with the "
                                    "adapter off) | full (the reference is a frozen copy)")
     dpo_beta: float = opt(0.1, "DPO: beta, how far the policy may move from the reference",
@@ -156,19 +160,19 @@ class TuneRunConfig:
                 problems.append(f"lora_dropout must be in [0, 1), got {t.lora_dropout}")
             if not t.lora_targets.strip(" ,"):
                 problems.append("lora_targets is empty; e.g. --lora-targets qkv,wo or all")
-            if self.train.precision == "fp8":
-                problems.append("LoRA tuning does not run with --precision fp8 yet (the "
-                                "adapter is not wired into the FP8 layers); use bf16 or fp32")
-            data_parallel = self.parallel.train_schedule().data_parallel
-            if data_parallel != "ddp":
-                problems.append(f"LoRA tuning runs with --data-parallel ddp, not "
-                                f"{data_parallel!r} (its adapter is small: "
-                                "sharding its optimizer state saves little)")
         if t.pack and t.method not in ("lora", "full"):
             problems.append("--pack needs --method lora or full (virtual tokens sit at the "
                             "start of each row, so prompt-tuned rows hold one example each)")
         if self.parallel.train_schedule().cp_dynamic and t.pack:
             problems.append("--pack runs with fixed --cp (drop --cp-dynamic)")
+        if t.eval_engine:
+            p = self.parallel
+            if t.method not in ("lora", "full"):
+                problems.append("--eval-engine needs --method lora or full (the engine serves "
+                                "prompt tables from a saved table, not a training run)")
+            if (p.tp, p.pp, p.cp, p.dp) != (1, 1, 1, 1):
+                problems.append("--eval-engine runs in one process: drop --tp/--pp/--cp/--dp "
+                                "(or evaluate the saved adapter with tessera serve)")
         if t.encoder_hidden < 0:
             problems.append(f"encoder_hidden must be >= 0, got {t.encoder_hidden}")
         if self.train.seq_len < 0:

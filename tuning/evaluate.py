@@ -3,7 +3,8 @@
 - Answer loss: the mean cross-entropy over the answer tokens (and EOS), teacher-forced.
 - Exact match: the answer generated greedily after the prompt, up to EOS, equals the reference
   (both stripped of surrounding whitespace). Without EOS in the targets (`--add-eos false`) the
-  generation is cut at the reference's token count.
+  generation is cut at the reference's token count. With `--eval-engine` (one process, LoRA or
+  full) the answers come from the engine `tessera serve` runs, handed down by the root command.
 
 Generation recomputes the whole (short) sequence each step instead of keeping a KV cache, so
 the same forward-only pass serves every layout: one process, tensor parallel, and pipeline
@@ -14,6 +15,7 @@ data-parallel rank takes every dp-th example; counts are summed over dp at the e
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.core.lora import lora_dropout_off
+from tessera.core.lora import lora_dropout_off, merge_lora_
 from tessera.core.parallel.context_parallel import gather_sequence
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import last_stage_pp_rank
@@ -133,11 +135,13 @@ def _evaluate(t: Tuning, data: TaskData, max_batches: int) -> dict[str, dict[str
         if max_batches:
             examples = examples[: max_batches * per_dp * g.dp_size]
         mine = examples[g.dp_rank:: g.dp_size]
+        engine = _engine_answers(t, mine) if t.engine_answers is not None else None
         counts = torch.zeros(4, dtype=torch.float64, device=device)  # loss, tokens, hits, n
         for i in range(0, len(mine), per_dp):
             batch = mine[i: i + per_dp]
             loss, n_tokens = answer_loss(t, batch)
-            answers = generate_answers(t, batch)
+            answers = engine[i: i + per_dp] if engine is not None else \
+                generate_answers(t, batch)
             hits = sum(t.tokenizer.decode(a).strip() == e.answer_text.strip()
                        for a, e in zip(answers, batch))
             counts += torch.tensor([loss, n_tokens, hits, len(batch)], dtype=torch.float64,
@@ -148,6 +152,18 @@ def _evaluate(t: Tuning, data: TaskData, max_batches: int) -> dict[str, dict[str
         results[task] = {"loss": loss / n_tokens if n_tokens else float("nan"),
                          "accuracy": hits / n if n else float("nan"), "examples": int(n)}
     return results
+
+
+def _engine_answers(t: Tuning, examples: list[Example]) -> list[list[int]]:
+    """Greedy answers through the serving engine (`--eval-engine`, one process): a copy of the
+    model with its adapters merged, cut as `generate_answers` cuts them."""
+    model = copy.deepcopy(t.job.stages[0])
+    merge_lora_([model])
+    answers = t.engine_answers(model.eval(), t.tokenizer, [e.prompt for e in examples],
+                               [len(e.answer) for e in examples])
+    if t.add_eos:
+        return answers
+    return [a[: len(e.answer)] for a, e in zip(answers, examples)]
 
 
 def mean_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:

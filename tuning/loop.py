@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,8 @@ class Tuning:
     seq_len: int
     add_eos: bool
     lora: AdapterConfig | None = None  # the adapter being tuned (LoRA), else None
+    # `--eval-engine`: serving's greedy_answers(model, tokenizer, prompts, max_tokens)
+    engine_answers: Callable[..., list[list[int]]] | None = None
 
 
 ADAPTER_DIR = "adapter"  # where `--method lora` writes its adapter, inside the output directory
@@ -312,15 +315,22 @@ def _shared_fingerprint(checkpoint: str) -> str:
     return value[0]
 
 
-def tune(cfg: TuneRunConfig, *, export_peft: bool = False) -> dict[str, Any]:
+def tune(cfg: TuneRunConfig, *, export_peft: bool = False,
+         engine_answers: Callable[..., list[list[int]]] | None = None) -> dict[str, Any]:
     """Run (or resume) prompt tuning or LoRA as configured; returns the run summary on every
-    rank."""
+    rank. `engine_answers` (serving's `greedy_answers`, handed down by the root command)
+    generates the validation answers with `--eval-engine`."""
     check_policy(cfg.loop.bad_step_policy, rollback=False)  # rollback: pretraining only
     inputs = prepare_inputs(cfg, train=cfg.tune.data, valid=cfg.tune.valid)
     # The run directory is claimed after the inputs are checked (a bad input must not cost the
     # old run) and before any write; the barrier after it keeps rank 0 from writing until every
     # rank has looked.
     t = setup(cfg, inputs)
+    if cfg.tune.eval_engine:
+        if engine_answers is None:
+            raise ConfigError("--eval-engine needs the serving engine: run `tessera tune` "
+                              "(the root command hands it over)")
+        t.engine_answers = engine_answers
     plan = t.job.plan
     loop = plan.loop
     meta = {"base_checkpoint": str(Path(cfg.tune.checkpoint).resolve()),
@@ -427,7 +437,8 @@ def _train(t: Tuning, inputs: Inputs, log: MetricsLogger, start: int, meta: dict
                     log.saved(path, step + 1)
             elif t.lora is not None:  # collective: rank 0 writes the gathered factors
                 path = save_lora_checkpoint(out, t.job.stages, t.job.optimizer, step=step + 1,
-                                            meta=meta, keep_last=loop.keep_last)
+                                            meta=meta, keep_last=loop.keep_last,
+                                            fp8_state=fp8_state)
                 if _rank0():
                     log.saved(path, step + 1)
             # A sharded optimizer (zero1 / fsdp) saves collectively; otherwise rank 0 alone.

@@ -81,6 +81,25 @@ def test_checkpoints_hold_only_the_adapter_and_resume_exactly(base, data, run, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_run_with_dropout_resumes_bit_for_bit(base, data, tmp_path):
+    """The checkpoint carries the RNG states, so the resumed run draws the same masks."""
+    extra = (*LORA, "--lora-dropout", "0.1", "--steps", "6", "--save-interval", "3",
+             "--keep-last", "5")
+    whole = tune(load_config(tune_argv(base, tmp_path / "whole", data["kind_train"], None,
+                                       *extra))[0])
+    state = tmp_path / "whole" / "checkpoints" / "step-00000003"
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(state, part / "checkpoints" / state.name)
+    torch.manual_seed(1234)  # whatever the process drew since: the checkpoint's states win
+    resumed = tune(load_config(tune_argv(base, part, data["kind_train"], None, *extra,
+                                         "--resume"))[0])
+    assert resumed["losses"] == whole["losses"][3:]
+    _, a = load_adapter(tmp_path / "whole" / "adapter")
+    _, b = load_adapter(part / "adapter")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_adapter_evaluates_and_merges_to_base_plus_adapter(base, data, run, tmp_path, capsys):
     whole, summary, _ = run
     adapter = whole / "adapter"
@@ -164,8 +183,6 @@ def test_bad_input_fails_before_anything_is_written(base, data, run, tmp_path, c
     _fails([*argv, "--lora-targets", "qkv,q_proj"], capsys, "'q_proj' matches no module",
            "layers.N.")
     _fails([*argv, "--lora-targets", "layers.("], capsys, "not a valid regular expression")
-    _fails([*argv, "--data-parallel", "zero1"], capsys, "--data-parallel ddp")
-    _fails([*argv, "--precision", "fp8"], capsys, "--precision fp8")
     _fails([*argv, "--export", "peft"], capsys, "tessera convert --to peft")
     assert not out.exists()
 
