@@ -265,6 +265,10 @@ PRESETS["qwen2.5-0.5b"] = {
     "num_heads": 14, "num_kv_heads": 2, "ffn_hidden_size": 4864,
     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "norm_eps": 1e-6,
     "tied_embeddings": True, "qkv_bias": True}
+# Phi-3-mini at its real size (3.8B; Phi-3.5-mini is the same shape with longrope to 128k).
+PRESETS["phi3-mini"] = {
+    **_LLAMA, "family": "phi3", "vocab_size": 32064, "hidden_size": 3072, "num_layers": 32,
+    "num_heads": 32, "ffn_hidden_size": 8192, "max_position_embeddings": 4096, "norm_eps": 1e-5}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",

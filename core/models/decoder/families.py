@@ -32,6 +32,9 @@ NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation
 # Qwen2 / Qwen2.5: biases on q/k/v only.
 QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
 QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
+# Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed.
+PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", position="rope",
+                                          bias=False, qkv_bias=False))
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
 QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)
