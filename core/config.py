@@ -60,6 +60,12 @@ class ModelConfig:
     # Qwen3 (`core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
     # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
     qk_norm: bool = False
+    # What the q/k norm spans: "head" (each head's dims, Qwen3) or "projection" (the whole q
+    # and k projections, OLMo-2; weights `(num_heads * head_dim,)` / `(num_kv_heads * head_dim,)`).
+    qk_norm_width: Literal["head", "projection"] = "head"
+    # Where each layer's two norms sit: "input" normalizes a sublayer's input (pre-norm,
+    # `x + f(norm(x))`); "output" its output before the residual add (OLMo-2, `x + norm(f(x))`).
+    norm_placement: Literal["input", "output"] = "input"
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
@@ -107,6 +113,12 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
             raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
                               f"not {self.norm!r}")
+        if self.qk_norm_width not in ("head", "projection"):
+            raise ConfigError(f"qk_norm_width must be 'head' or 'projection', not "
+                              f"{self.qk_norm_width!r}")
+        if self.norm_placement not in ("input", "output"):
+            raise ConfigError(f"norm_placement must be 'input' or 'output', not "
+                              f"{self.norm_placement!r}")
         if self.moe.num_experts:
             from tessera.core.moe.validate import moe_problems
 

@@ -35,6 +35,9 @@ QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
 # Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed.
 PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", position="rope",
                                           bias=False, qkv_bias=False))
+# OLMo-2: norms on the sublayer outputs, an RMSNorm over the whole q and k projections.
+OLMO2 = decoder_family("olmo2", traits=dict(_LLAMA, bias=False, qkv_bias=False, qk_norm=True,
+                                            qk_norm_width="projection", norm_placement="output"))
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
 QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)

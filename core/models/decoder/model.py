@@ -39,7 +39,7 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
-from tessera.core.qk_norm import HeadNorm
+from tessera.core.qk_norm import HeadNorm, ProjectionNorm
 from tessera.core.rope_scaling import rotary_angles
 from tessera.core.stage import init_stage
 
@@ -107,9 +107,14 @@ class Attention(nn.Module):
                                          groups.tp_group, sp)
         self.wo = RowParallelLinear(self.n_heads * self.head_dim, config.hidden_size, config.bias,
                                     groups.tp_group, sp)
-        self.qk_norm = config.qk_norm  # Qwen3: per-head RMSNorm of q and k (core.qk_norm)
+        # RMSNorm of q and k (core.qk_norm): per head (Qwen3) or over the projection (OLMo-2).
+        self.qk_norm = config.qk_norm and config.qk_norm_width == "head"
+        self.projection_norm = config.qk_norm and config.qk_norm_width == "projection"
         if self.qk_norm:
             self.q_norm, self.k_norm = HeadNorm(config, tp), HeadNorm(config, tp)
+        elif self.projection_norm:
+            self.q_norm = ProjectionNorm(config, config.num_heads, tp, groups.tp_group)
+            self.k_norm = ProjectionNorm(config, config.num_kv_heads, tp, groups.tp_group)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, seq: SequenceContext | None = None) -> torch.Tensor:
@@ -129,6 +134,8 @@ class Attention(nn.Module):
         T, B = qkv.shape[:2]
         hd = self.head_dim
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        if self.projection_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(T, B, self.n_heads, hd).permute(1, 2, 0, 3)  # (B, nh, T, hd)
         k = k.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
         v = v.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
@@ -172,7 +179,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Transformer layer: pre-norm `x + attn(norm(x))`, then `x + mlp(norm(x))`; with
+    `config.norm_placement == "output"` (OLMo-2) `x + norm(attn(x))`, then `x + norm(mlp(x))`."""
 
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups,
                  sp: bool, selective_recompute: bool):
@@ -183,6 +191,7 @@ class Block(nn.Module):
         self.feed_forward = (MoEFeedForward(config, layer, groups, sp)  # Mixture-of-Experts
                              if is_moe_layer(config, layer) else MLP(config, layer, groups, sp))
         self.dropout, self.sp = config.dropout, sp
+        self.norm_output = config.norm_placement == "output"
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0.0:
@@ -194,6 +203,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, cache=None, positions=None, slots=None,
                 seq=None):
+        if self.norm_output:
+            x = x + self._drop(self.attention_norm(self.attention(x, rope, cache, positions,
+                                                                  slots, seq)))
+            return x + self._drop(self.ffn_norm(self.feed_forward(x)))
         x = x + self._drop(self.attention(self.attention_norm(x), rope, cache, positions, slots,
                                           seq))
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
