@@ -281,6 +281,13 @@ PRESETS["qwen2.5-0.5b"] = {
 PRESETS["phi3-mini"] = {
     **_LLAMA, "family": "phi3", "vocab_size": 32064, "hidden_size": 3072, "num_layers": 32,
     "num_heads": 32, "ffn_hidden_size": 8192, "max_position_embeddings": 4096, "norm_eps": 1e-5}
+# OLMo-2 1B (OLMo-2-0425-1B's config.json): norms on the sublayer outputs, q/k norm over the
+# whole projections.
+PRESETS["olmo2-1b"] = {
+    **_LLAMA, "family": "olmo2", "vocab_size": 100352, "hidden_size": 2048, "num_layers": 16,
+    "num_heads": 16, "ffn_hidden_size": 8192, "max_position_embeddings": 4096,
+    "rope_theta": 500000.0, "norm_eps": 1e-6, "qk_norm": True, "qk_norm_width": "projection",
+    "norm_placement": "output"}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",

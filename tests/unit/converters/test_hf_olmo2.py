@@ -125,3 +125,10 @@ def test_projection_qk_norm_refuses_replicated_kv_heads():
                          norm_placement="output", num_kv_heads=2)
     with pytest.raises(ConfigError, match=re.escape("tp=4 > num_kv_heads=2; use tp <= 2")):
         ProjectionNorm(config, config.num_kv_heads, 4, None)
+
+
+def test_olmo2_1b_preset_has_its_published_size():
+    from tessera.core.config import ModelConfig
+    from tessera.core.parallel.sharding import num_parameters
+
+    assert num_parameters(ModelConfig.from_name("olmo2-1b")) == 1_484_916_736
