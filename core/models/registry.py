@@ -21,6 +21,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": f"{_DECODER}:QWEN3",
     "phi3": f"{_DECODER}:PHI3",
     "olmo2": f"{_DECODER}:OLMO2",
+    "gemma2": f"{_DECODER}:GEMMA2",
     "mixtral": f"{_DECODER}:MIXTRAL",
     "qwen2_moe": f"{_DECODER}:QWEN2_MOE",
     "qwen3_moe": f"{_DECODER}:QWEN3_MOE",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from tessera.core.models.decoder.gemma_options import Gemma2Options
 from tessera.core.models.family import Family, Lazy
 
 _HERE = "tessera.core.models.decoder"
@@ -38,6 +39,11 @@ PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", p
 # OLMo-2: norms on the sublayer outputs, an RMSNorm over the whole q and k projections.
 OLMO2 = decoder_family("olmo2", traits=dict(_LLAMA, bias=False, qkv_bias=False, qk_norm=True,
                                             qk_norm_width="projection", norm_placement="output"))
+# Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, soft caps (Gemma2Options).
+GEMMA2 = decoder_family("gemma2", traits=dict(norm="rmsnorm1p", activation="geglu", position="rope",
+                                             rotary_fraction=1.0, bias=False, qkv_bias=False,
+                                             norm_placement="sandwich"),
+                        options=Gemma2Options)
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
 QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)

@@ -17,7 +17,8 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 def norm_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """One `Norm`'s parameters: a weight, and a bias unless it is an RMSNorm."""
     c = config.hidden_size
-    return {"weight": (c,)} if config.norm == "rmsnorm" else {"weight": (c,), "bias": (c,)}
+    rms = config.norm in ("rmsnorm", "rmsnorm1p")
+    return {"weight": (c,)} if rms else {"weight": (c,), "bias": (c,)}
 
 
 def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -47,12 +48,16 @@ def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"layers.{i}.attention.q_norm.weight"] = (config.num_heads * hd if wide else hd,)
             shapes[f"layers.{i}.attention.k_norm.weight"] = (
                 config.num_kv_heads * hd if wide else hd,)
+        if config.norm_placement == "sandwich":  # Gemma 2: a norm after the attention too
+            norm(f"layers.{i}.post_attention_norm")
         norm(f"layers.{i}.ffn_norm")
         if is_moe_layer(config, i):  # Mixture-of-Experts: router, experts (core.moe.shapes)
             shapes.update(moe_param_shapes(config, i))
             continue
         linear(f"layers.{i}.feed_forward.w1", ffn_rows, c)
         linear(f"layers.{i}.feed_forward.w2", c, config.ffn_hidden_size)
+        if config.norm_placement == "sandwich":
+            norm(f"layers.{i}.post_ffn_norm")
     norm("norm")
     if not config.tied_embeddings:
         shapes["output.weight"] = (config.vocab_size, c)
