@@ -17,10 +17,10 @@ from tessera.converters.hf.family import (
     HfFamily,
     check_traits,
     require,
+    whole_context_window,
     with_shared_fields,
 )
 from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, SWIGLU_MLP, llama_like_fields, rope_to_hf
-from tessera.converters.hf.phi3 import whole_context_window
 from tessera.core.config import ModelConfig
 from tessera.core.models.decoder.gemma_options import Gemma2Options
 

@@ -18,6 +18,7 @@ from tessera.converters.hf.family import (
     HfFamily,
     check_traits,
     require,
+    whole_context_window,
     with_shared_fields,
 )
 from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_like_fields, rope_to_hf
@@ -27,17 +28,6 @@ PHI3_FUSED: dict[str, tuple[str, ...]] = {
     "layers.{}.attention.wqkv.weight": ("model.layers.{}.self_attn.qkv_proj.weight",),
     "layers.{}.feed_forward.w1.weight": ("model.layers.{}.mlp.gate_up_proj.weight",),
 }
-
-
-def whole_context_window(hf: dict[str, Any], key: str = "sliding_window") -> None:
-    """Refuse `hf[key]` when it is a window smaller than max_position_embeddings (it would mask
-    positions Tessera attends to), naming the field, its value and what converts."""
-    window, context = hf.get(key), hf["max_position_embeddings"]
-    if window is not None and window < context:
-        raise ConversionError(
-            f"{hf['model_type']} config: {key}={window} is smaller than max_position_embeddings="
-            f"{context}; Tessera has no sliding-window attention, so only {key}=None or >= "
-            f"{context} (a window that masks nothing) converts")
 
 
 def phi3_config(hf: dict[str, Any]) -> ModelConfig:

@@ -94,6 +94,11 @@ def test_tp2_reshard_keeps_the_logits(imported, tmp_path):
     check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 24))
 
 
+def test_tp2_pp2_reshard_keeps_the_logits(imported, tmp_path):
+    hf_model, root = imported
+    check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2pp2", check.ids(VOCAB, 24), pp=2)
+
+
 def test_peft_lora_round_trips(imported, tmp_path):
     hf_model, root = imported
     check.peft_round_trip(root / "hf", root / "ckpt", tmp_path, PEFT_TARGETS,

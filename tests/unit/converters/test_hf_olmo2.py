@@ -99,6 +99,11 @@ def test_tp2_reshard_keeps_the_logits_and_splits_the_qk_norms(imported, tmp_path
     assert local_shape("layers.0.attention.k_norm.weight", config, 2) == (8,)
 
 
+def test_tp2_pp2_reshard_keeps_the_logits(imported, tmp_path):
+    hf_model, root = imported
+    check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2pp2", check.ids(VOCAB, 24), pp=2)
+
+
 def test_peft_lora_round_trips(imported, tmp_path):
     hf_model, root = imported
     check.peft_round_trip(root / "hf", root / "ckpt", tmp_path, PEFT_TARGETS,

@@ -99,6 +99,11 @@ def test_tp2_reshard_keeps_the_logits(imported, tmp_path):
     check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 40))
 
 
+def test_tp2_pp2_reshard_keeps_the_logits(imported, tmp_path):
+    name, hf_model, root = imported
+    check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2pp2", check.ids(VOCAB, 40), pp=2)
+
+
 @pytest.mark.parametrize("imported", ["phi3_longrope"], indirect=True)
 def test_peft_lora_on_the_fused_modules_round_trips(imported, tmp_path):
     name, hf_model, root = imported
