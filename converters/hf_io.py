@@ -9,10 +9,13 @@ and memory-mapped. Tensors are read lazily, one `read(name)` at a time. The toke
 `import_hf` writes a Tessera checkpoint (layout tp1/pp1) exactly as `core.checkpoint` does: one
 `model-tp00-pp00.safetensors`, the manifest with its `weight_map`, and the tokenizer (with the
 HF `tokenizer_config.json` next to it when there is one, where `core.tokenizer` looks for the
-special tokens). Tensors stream from the HF files into the output file one at a time, so peak
-memory is about one tensor. The HF special-token ids go into the manifest's `extra["hf"]`.
+special tokens) and the HF `generation_config.json` when there is one (eos ids and default
+sampling `tessera serve` uses, `core.generation_defaults`). Tensors stream from the HF files
+into the output file one at a time, so peak memory is about one tensor. The HF special-token
+ids go into the manifest's `extra["hf"]`.
 
-`export_hf` writes `config.json`, `generation_config.json`, `model.safetensors` (or
+`export_hf` writes `config.json`, `generation_config.json` (the imported one when the
+checkpoint kept it), `model.safetensors` (or
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` past `shard_size_bytes`) and
 the tokenizer, so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load the directory.
 A sentencepiece BPE tokenizer also gets a `tokenizer.json` built here from the `.model` file:
@@ -67,6 +70,7 @@ from tessera.core.checkpoint import (
     write_manifest,
 )
 from tessera.core.config import Layout
+from tessera.core.generation_defaults import GENERATION_CONFIG, read_generation_defaults
 from tessera.core.parallel.sharding import global_param_shapes
 from tessera.core.tokenizer import Tokenizer, load_tokenizer
 
@@ -181,6 +185,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | str 
             if (hf_dir / "tokenizer_config.json").is_file():
                 shutil.copyfile(hf_dir / "tokenizer_config.json", tmp / "tokenizer_config.json")
             _copy_chat_template(hf_dir, tmp)
+        if (hf_dir / GENERATION_CONFIG).is_file():  # eos ids and default sampling, for serving
+            read_generation_defaults(hf_dir)  # a malformed file fails the import, not the server
+            shutil.copyfile(hf_dir / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
         hf_extra = {"model_type": src.config["model_type"],
                     **{k: src.config.get(k) for k in _SPECIAL_KEYS}}
         write_manifest(tmp, build_manifest(config, Layout(), {n: [file] for n in shapes},
@@ -266,9 +273,12 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path,
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         _write_weights(tmp, tensors(reader.global_tensor), plan)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        generation = {"_from_model_config": True,
-                      **{k: v for k, v in ids.items() if v is not None}}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if (ckpt_dir / GENERATION_CONFIG).is_file():  # imported from HF: keep it as it was
+            shutil.copyfile(ckpt_dir / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        else:
+            generation = {"_from_model_config": True,
+                          **{k: v for k, v in ids.items() if v is not None}}
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         if manifest.tokenizer:
             _export_tokenizer(ckpt_dir, manifest.tokenizer, tokenizer,
                               config.max_position_embeddings, tmp)

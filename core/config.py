@@ -21,7 +21,7 @@ from tessera.core.models.registry import family as model_family
 from tessera.core.moe.config import MoEConfig
 from tessera.core.rope_config import RopeScaling, rope_scaling_problems
 
-Norm = Literal["layernorm", "rmsnorm", "layernorm1p"]
+Norm = Literal["layernorm", "rmsnorm", "layernorm1p", "rmsnorm1p"]
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu", "geglu", "relu"]
 Position = Literal["learned", "rope", "relative"]
 Recompute = Literal["none", "selective", "full"]
@@ -60,6 +60,13 @@ class ModelConfig:
     # Qwen3 (`core.qk_norm`): an RMSNorm (eps norm_eps) over each head's dims of q and
     # k, after the projection and before RoPE; weights `attention.{q,k}_norm.weight (head_dim,)`.
     qk_norm: bool = False
+    # What the q/k norm spans: "head" (each head's dims, Qwen3) or "projection" (the whole q
+    # and k projections, OLMo-2; weights `(num_heads * head_dim,)` / `(num_kv_heads * head_dim,)`).
+    qk_norm_width: Literal["head", "projection"] = "head"
+    # Where each layer's norms sit: "input" normalizes a sublayer's input (pre-norm,
+    # `x + f(norm(x))`); "output" its output before the residual add (OLMo-2, `x + norm(f(x))`);
+    # "sandwich" both, with two more norms per layer (Gemma 2, `x + norm2(f(norm1(x)))`).
+    norm_placement: Literal["input", "output", "sandwich"] = "input"
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
@@ -107,6 +114,12 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
             raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
                               f"not {self.norm!r}")
+        if self.qk_norm_width not in ("head", "projection"):
+            raise ConfigError(f"qk_norm_width must be 'head' or 'projection', not "
+                              f"{self.qk_norm_width!r}")
+        if self.norm_placement not in ("input", "output", "sandwich"):
+            raise ConfigError(f"norm_placement must be 'input', 'output' or 'sandwich', not "
+                              f"{self.norm_placement!r}")
         if self.moe.num_experts:
             from tessera.core.moe.validate import moe_problems
 
@@ -265,6 +278,26 @@ PRESETS["qwen2.5-0.5b"] = {
     "num_heads": 14, "num_kv_heads": 2, "ffn_hidden_size": 4864,
     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "norm_eps": 1e-6,
     "tied_embeddings": True, "qkv_bias": True}
+# Phi-3-mini at its real size (3.8B; Phi-3.5-mini is the same shape with longrope to 128k).
+PRESETS["phi3-mini"] = {
+    **_LLAMA, "family": "phi3", "vocab_size": 32064, "hidden_size": 3072, "num_layers": 32,
+    "num_heads": 32, "ffn_hidden_size": 8192, "max_position_embeddings": 4096, "norm_eps": 1e-5}
+# OLMo-2 1B (OLMo-2-0425-1B's config.json): norms on the sublayer outputs, q/k norm over the
+# whole projections.
+PRESETS["olmo2-1b"] = {
+    **_LLAMA, "family": "olmo2", "vocab_size": 100352, "hidden_size": 2048, "num_layers": 16,
+    "num_heads": 16, "ffn_hidden_size": 8192, "max_position_embeddings": 4096,
+    "rope_theta": 500000.0, "norm_eps": 1e-6, "qk_norm": True, "qk_norm_width": "projection",
+    "norm_placement": "output"}
+# Gemma 2 2B (its config.json): its 4096-token sliding windows are not modelled (Tessera attends
+# to the whole context), which changes neither the parameters nor the memory plan's weights.
+PRESETS["gemma2-2b"] = {
+    "family": "gemma2", "norm": "rmsnorm1p", "activation": "geglu", "position": "rope",
+    "bias": False, "tied_embeddings": True, "norm_placement": "sandwich", "vocab_size": 256000,
+    "hidden_size": 2304, "num_layers": 26, "num_heads": 8, "num_kv_heads": 4, "head_dim": 256,
+    "ffn_hidden_size": 9216, "max_position_embeddings": 8192, "norm_eps": 1e-6,
+    "options": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                    final_logit_softcapping=30.0)}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",

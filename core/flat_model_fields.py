@@ -34,6 +34,9 @@ FLAT_OPTIONS: dict[str, Any] = {
     "type_vocab_size": 0, "binary_head": False,
 }
 
+# Fields added after the flat form, with the default that says nothing new.
+_LATER_DEFAULTS: dict[str, Any] = {"qk_norm_width": "head", "norm_placement": "input"}
+
 
 def as_dict(value: Any) -> dict[str, Any]:
     """A sub-config as a dict: a dataclass instance's fields, a mapping's items, None: {}."""
@@ -72,12 +75,16 @@ def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
     sub-configs: every MoE field under its flat name, every family option present, with the
     flat default where the family has no such option). Digests of a config hash this form,
     so they stay what they were (`core.fingerprint`): the fields added since (`rope_scaling`,
-    `qkv_bias`) appear only where they say something the older fields do not."""
+    `qkv_bias`, `qk_norm_width`, `norm_placement`) appear only where they say something the
+    older fields do not (a value other than their default)."""
     out = {k: v for k, v in data.items() if k not in ("moe", "options")}
     if as_dict(out.get("rope_scaling")) in ({}, _PLAIN_ROPE):
         out.pop("rope_scaling", None)
     if out.get("qkv_bias") in (None, out.get("bias")):
         out.pop("qkv_bias", None)
+    for key, default in _LATER_DEFAULTS.items():
+        if out.get(key, default) == default:
+            out.pop(key, None)
     moe = as_dict(data.get("moe"))
     out.update({flat: moe[name] for flat, name in FLAT_MOE.items() if name in moe})
     options = as_dict(data.get("options"))

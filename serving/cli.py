@@ -17,6 +17,7 @@ from typing import Any
 
 from tessera.core.arg_types import non_negative_int, port, positive_float, positive_int
 from tessera.core.chat_template import stored_chat_template
+from tessera.core.generation_defaults import read_generation_defaults
 from tessera.core.help import HelpFormatter
 
 DEFAULT_SERVED_NAME = "tessera"  # what the README's client examples send as `model`
@@ -231,12 +232,14 @@ def _start(args: argparse.Namespace):
     kind = args.kv_cache or "paged"
     kv = KVCacheConfig(kind=kind, block_size=args.kv_block_size, memory=args.kv_cache_memory,
                        prefix_caching=not args.no_prefix_caching)
+    # generation_config.json's eos ids (all of them end a request), when the checkpoint has one.
+    eos = read_generation_defaults(args.checkpoint).eos_token_ids or None
     return start_rank(args.checkpoint, tp=args.tp, pp=args.pp, dtype=dtype, kv=kv, lora=lora,
                       quantize=args.quantize, compile_decode=args.compile,
                       device=resolve_device(args.device), max_batch=args.max_batch, tasks=tasks,
                       background=False,
                       max_queue=args.max_queue, max_step_tokens=args.max_step_tokens,
-                      model_name=served_names(args)[0], speculative=speculative)
+                      model_name=served_names(args)[0], speculative=speculative, eos_id=eos)
 
 
 def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
@@ -309,8 +312,12 @@ def _run_http(engine, args: argparse.Namespace) -> int:
 
     template, origin = chat_template_of(args)
     print(f"tessera serve: chat template: {origin}", file=sys.stderr, flush=True)
+    defaults = read_generation_defaults(args.checkpoint).sampling()
+    if defaults:
+        print(f"tessera serve: default sampling from generation_config.json: {defaults}",
+              file=sys.stderr, flush=True)
     app = create_app(engine, model_name=engine.model_name, chat_template=template,
-                     allow_runtime_lora=args.allow_runtime_lora,
+                     allow_runtime_lora=args.allow_runtime_lora, sampling_defaults=defaults,
                      **app_limits(args, served_names(args)))
     server = uvicorn.Server(uvicorn_config(app, args))
     engine.on_stop(lambda: setattr(server, "should_exit", True))

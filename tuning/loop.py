@@ -540,15 +540,16 @@ _RESULT = {"lora": ("adapter", "LoRA adapter"), "full": ("model", "checkpoint"),
 
 
 def _save_model(t: Tuning, path: Path) -> Path:
-    """The tuned weights as a checkpoint `tessera serve` loads, with the base's tokenizer and
-    chat template. Collective."""
+    """The tuned weights as a checkpoint `tessera serve` loads, with the base's tokenizer, chat
+    template and generation config. Collective."""
     base = Path(t.tune.checkpoint)
     tokenizer = read_manifest(base).tokenizer
     with gathered_parameters(t.job.stages):  # FSDP: whole tp shards, as files hold
         save_checkpoint(path, t.job.stages, step=t.job.plan.run.steps,
                         tokenizer=base / tokenizer if tokenizer else None)
     if _rank0():
-        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json",
+                     "generation_config.json"):
             if (base / name).is_file():
                 shutil.copyfile(base / name, path / name)
     if dist.is_initialized():

@@ -55,7 +55,9 @@ class LLMEngine:
         max_queue: requests waiting to run before `generate` raises `Overloaded`.
         max_step_tokens: tokens per step (decodes + prefill chunks); at least `max_batch`.
         max_logprobs: the largest `logprobs` (top alternatives) a request may ask for.
-        eos_id: the end-of-sequence id (default: the tokenizer's).
+        eos_id: the end-of-sequence id, or several (a `generation_config.json` list: the first
+            is the EOS, every one ends a request that does not ignore EOS; default: the
+            tokenizer's).
         seed: seeds the generators of requests that give no seed (default: from the OS).
         compile_decode: run decode passes through the static-shape step with its block
             compiled (`serving.engine.compiled`: one process only; compiles for a while here,
@@ -71,7 +73,7 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, *, model_name: str = "tessera",
                  tasks: Mapping[str, torch.Tensor] | None = None, max_batch: int = 8,
                  max_queue: int = 128, max_step_tokens: int = 512, max_logprobs: int = 20,
-                 eos_id: int | None = None, seed: int | None = None,
+                 eos_id: int | Sequence[int] | None = None, seed: int | None = None,
                  heartbeat_s: float = 1.0, background: bool = True,
                  compile_decode: bool | str = False, kv: KVCacheConfig | None = None,
                  speculative: SpeculativeConfig | None = None):
@@ -89,7 +91,8 @@ class LLMEngine:
         self.max_batch, self.context = runner.max_batch, runner.max_seq
         self.max_queue = max_queue
         self.pad_id = tokenizer.pad_id if tokenizer is not None else 0
-        self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
+        eos_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
+        self.eos_id = eos_ids[0] if eos_ids else (tokenizer.eos_id if tokenizer else None)
         space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch)
         self._task_len = dict(runner.tasks)
         self._limits = Limits(self.config.vocab_size, self.context, dict(self._task_len),
@@ -102,7 +105,7 @@ class LLMEngine:
             tokenizer, self.pad_id, task_len=self._task_len,
             task_index={n: i for i, n in enumerate(task_names(runner.tasks))},
             kv_limit=min(self.context, kv_tokens or self.context), blocks=self.blocks,
-            adapters=self.adapters, seed=seed)
+            adapters=self.adapters, seed=seed, eos_stop_ids=eos_ids[1:])
         self.scheduler = Scheduler(space, self.max_batch, max(max_step_tokens, self.max_batch))
         self.grammars = GrammarCompiler(tokenizer, self.config.vocab_size, self.eos_id)
         speculator = None if speculative is None else build_speculator(

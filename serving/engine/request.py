@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,15 +66,18 @@ class RequestBuilder:
         task_index: task name -> the index the runner's prompt hook knows it by.
         kv_limit: the most tokens a request may hold (the context, or a smaller KV pool).
         blocks: the paged cache's bookkeeping (prefix caching namespaces), None for slots.
+        eos_stop_ids: end-of-sequence ids besides the engine's EOS: stop ids of every request
+            that does not ignore EOS.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, pad_id: int, *, task_len: Mapping[str, int],
                  task_index: Mapping[str, int], kv_limit: int, blocks: BlockManager | None,
-                 adapters: AdapterOps, seed: int | None):
+                 adapters: AdapterOps, seed: int | None, eos_stop_ids: Sequence[int] = ()):
         self.tokenizer, self.pad_id = tokenizer, pad_id
         self.task_len, self.task_index = task_len, task_index
         self.kv_limit, self.blocks, self.adapters = kv_limit, blocks, adapters
         self._seeds = random.Random(seed)
+        self.eos_stop_ids = frozenset(eos_stop_ids)
 
     def build(self, request: GenerationRequest, sink: Sink) -> EngineRequest:
         """The request's state; raises `RequestError` for an adapter that is not loaded."""
@@ -94,7 +97,8 @@ class RequestBuilder:
             text=OutputText(self.tokenizer, list(request.prompt_ids), p.stop),
             generator=generator, arrival=now,
             deadline=now + request.timeout_s if request.timeout_s else None,
-            stop_ids=frozenset(p.stop_token_ids))
+            stop_ids=frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else self.eos_stop_ids))
         if p.prompt_logprobs:
             seq.prompt_logprobs = [None] * len(request.prompt_ids)
         adapter_id = self.adapters.bind(seq) if request.adapter is not None else None

@@ -22,6 +22,7 @@ The app does not own the engine: whoever made it starts and shuts it down (`tess
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -77,6 +78,7 @@ def create_app(
     model_aliases: tuple[str, ...] = (),
     body_timeout_s: float | None = Limits.body_timeout_s,
     allow_runtime_lora: bool = False,
+    sampling_defaults: Mapping[str, float | int] | None = None,
 ) -> FastAPI:
     """The HTTP app for `engine`, served under `model_name`.
 
@@ -95,6 +97,8 @@ def create_app(
             (the header deadline is the server's: `serving.http.connections`).
         allow_runtime_lora: let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
             load and unload LoRA adapters (`serving.http.adapter_api`); off, they answer 403.
+        sampling_defaults: `temperature` / `top_p` / `top_k` for OpenAI requests that do not
+            set them (the checkpoint's `generation_config.json`, `core.generation_defaults`).
     """
     if max_concurrency < 1 or max_body_bytes < 1:
         raise ValueError("max_concurrency and max_body_bytes must be positive")
@@ -103,7 +107,8 @@ def create_app(
                     body_timeout_s=body_timeout_s)
     app = FastAPI(title=f"Tessera: {model_name}", version=SERVER_VERSION, redoc_url=None,
                   description="OpenAI, KServe v2 / Triton and Megatron-LM text generation.")
-    app.state.service = Service(engine, model_name, limits, tuple(model_aliases))
+    app.state.service = Service(engine, model_name, limits, tuple(model_aliases),
+                                sampling_defaults)
     app.state.chat_template = ChatTemplate(chat_template)  # a broken template fails here
     app.state.started = time.time()
     app.state.allow_runtime_lora = allow_runtime_lora

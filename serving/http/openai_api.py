@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
@@ -144,10 +144,13 @@ async def _run(request: Request, service: Service, plan: Plan) -> Response:
 # ---------------------------------------------------------------------------------- decoding
 
 
-def _sampling(body: S.SamplingFields, max_tokens: int, **extra) -> SamplingParams:
+def _sampling(body: S.SamplingFields, max_tokens: int,
+              defaults: Mapping[str, float | int] | None = None, **extra) -> SamplingParams:
+    """The request's sampling; `defaults` (the model's) fill the fields the body leaves out."""
+    given = {"temperature": body.temperature, "top_k": max(body.top_k, 0), "top_p": body.top_p}
+    given.update({k: v for k, v in (defaults or {}).items() if k not in body.model_fields_set})
     return SamplingParams(
-        max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature,
-        top_k=max(body.top_k, 0), top_p=body.top_p, seed=body.seed,
+        max_tokens=max_tokens, min_tokens=body.min_tokens, **given, seed=body.seed,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, stop=list(body.stop or []),
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, **extra)
@@ -161,7 +164,7 @@ def _requests(service: Service, prompts: list[list[int]], body: S.SamplingFields
     for p, ids in enumerate(prompts):
         budget = max(room - len(ids), 0) if max_tokens is None else max_tokens
         for i in range(body.n):
-            params = _sampling(body, budget, **extra)
+            params = _sampling(body, budget, service.sampling_defaults, **extra)
             params.seed = derive_seed(body.seed, i)
             requests.append(GenerationRequest(f"{plan_id}-{p * body.n + i}", ids, params, task,
                                               priority=body.priority, cache_salt=body.cache_salt,

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -120,8 +120,11 @@ def derive_seed(seed: int | None, index: int) -> int | None:
 
 class Service:
     def __init__(self, engine: Engine, model_name: str, limits: Limits,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (),
+                 sampling_defaults: Mapping[str, float | int] | None = None) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
+        # The model's own sampling (`core.generation_defaults`) for fields a request leaves out.
+        self.sampling_defaults = dict(sampling_defaults or {})
         # Other names the base model answers to (`--served-model-name A B`: B, ...).
         self.base_names = (model_name, *(a for a in aliases if a != model_name))
         self.admitted = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from tessera.core.models.decoder.gemma_options import Gemma2Options
 from tessera.core.models.family import Family, Lazy
 
 _HERE = "tessera.core.models.decoder"
@@ -32,6 +33,17 @@ NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation
 # Qwen2 / Qwen2.5: biases on q/k/v only.
 QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
 QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
+# Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed.
+PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", position="rope",
+                                          bias=False, qkv_bias=False))
+# OLMo-2: norms on the sublayer outputs, an RMSNorm over the whole q and k projections.
+OLMO2 = decoder_family("olmo2", traits=dict(_LLAMA, bias=False, qkv_bias=False, qk_norm=True,
+                                            qk_norm_width="projection", norm_placement="output"))
+# Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, soft caps (Gemma2Options).
+GEMMA2 = decoder_family("gemma2", traits=dict(norm="rmsnorm1p", activation="geglu", position="rope",
+                                             rotary_fraction=1.0, bias=False, qkv_bias=False,
+                                             norm_placement="sandwich"),
+                        options=Gemma2Options)
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
 QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)

@@ -15,7 +15,7 @@ from tessera.core.parallel.sharding import global_param_shapes
 def init_decoder_tensor(name: str, config: ModelConfig, seed: int,
                         device: torch.device | str = "cpu") -> torch.Tensor:
     """The fp32 initial value of global parameter `name` for run seed `seed`: norm weights 1
-    (LayerNorm1P stores weight - 1: 0), biases 0, every other weight normal with std
+    (LayerNorm1P and RMSNorm1P store weight - 1: 0), biases 0, every other weight normal with std
     `init_std`, the residual projections scaled down by sqrt(2 x layers) as GPT-2 does."""
     shape = global_param_shapes(config)[name]
     leaf = name.rsplit(".", 1)[-1]
@@ -23,7 +23,8 @@ def init_decoder_tensor(name: str, config: ModelConfig, seed: int,
     if leaf in ("bias", "expert_bias"):
         return torch.zeros(shape, device=device)
     if is_norm:  # LayerNorm1P stores weight - 1
-        return torch.full(shape, 0.0 if config.norm == "layernorm1p" else 1.0, device=device)
+        offset = config.norm in ("layernorm1p", "rmsnorm1p")
+        return torch.full(shape, 0.0 if offset else 1.0, device=device)
     std = config.init_std
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2",
                       "shared_expert.w2.weight")):

@@ -39,19 +39,22 @@ from tessera.core.parallel.layers import (
 from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
-from tessera.core.qk_norm import HeadNorm
+from tessera.core.qk_norm import HeadNorm, ProjectionNorm
 from tessera.core.rope_scaling import rotary_angles
+from tessera.core.softcap_attention import softcapped_attention
 from tessera.core.stage import init_stage
 
 
 class Norm(nn.Module):
-    """LayerNorm, RMSNorm, or Nemotron's LayerNorm1P (weight stored as an offset from 1)."""
+    """LayerNorm, RMSNorm, Nemotron's LayerNorm1P or Gemma's RMSNorm1P (weight stored as an
+    offset from 1; RMSNorm1P applies it in fp32, as Gemma does)."""
 
     def __init__(self, config: ModelConfig, sequence_parallel: bool):
         super().__init__()
         self.kind, self.eps = config.norm, config.norm_eps
         self.weight = nn.Parameter(torch.empty(config.hidden_size))
-        self.bias = nn.Parameter(torch.empty(config.hidden_size)) if self.kind != "rmsnorm" else None
+        rms = self.kind in ("rmsnorm", "rmsnorm1p")
+        self.bias = None if rms else nn.Parameter(torch.empty(config.hidden_size))
         for p in self.parameters():
             # Under SP each tp rank sees a different sequence chunk: gradients must be summed.
             p.sequence_parallel = sequence_parallel
@@ -59,6 +62,10 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
             return fused.rms_norm(x, self.weight, self.eps)
+        if self.kind == "rmsnorm1p":
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         weight = self.weight + 1 if self.kind == "layernorm1p" else self.weight
         return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
 
@@ -102,14 +109,23 @@ class Attention(nn.Module):
         # tp > num_kv_heads: one kv head per rank, replicated (see sharding).
         self.n_heads, self.n_kv = config.num_heads // tp, local_kv_heads(config, tp)
         self.dropout, self.selective_recompute = config.dropout, selective_recompute
+        # Gemma 2 (`Gemma2Options`): another score scale, soft-capped scores.
+        scalar = getattr(config.options, "query_pre_attn_scalar", None)
+        self.scale = None if scalar is None else float(scalar) ** -0.5
+        self.softcap = getattr(config.options, "attn_logit_softcapping", None)
         qkv_rows = local_shape(f"layers.{layer}.attention.wqkv.weight", config, tp)[0]
         self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.qkv_bias,
                                          groups.tp_group, sp)
         self.wo = RowParallelLinear(self.n_heads * self.head_dim, config.hidden_size, config.bias,
                                     groups.tp_group, sp)
-        self.qk_norm = config.qk_norm  # Qwen3: per-head RMSNorm of q and k (core.qk_norm)
+        # RMSNorm of q and k (core.qk_norm): per head (Qwen3) or over the projection (OLMo-2).
+        self.qk_norm = config.qk_norm and config.qk_norm_width == "head"
+        self.projection_norm = config.qk_norm and config.qk_norm_width == "projection"
         if self.qk_norm:
             self.q_norm, self.k_norm = HeadNorm(config, tp), HeadNorm(config, tp)
+        elif self.projection_norm:
+            self.q_norm = ProjectionNorm(config, config.num_heads, tp, groups.tp_group)
+            self.k_norm = ProjectionNorm(config, config.num_kv_heads, tp, groups.tp_group)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, seq: SequenceContext | None = None) -> torch.Tensor:
@@ -118,9 +134,16 @@ class Attention(nn.Module):
         # to draw, and swapping the RNG state (a few KB, twice) cost 4% of a decode step.
         with tracker.fork() if p > 0 else contextlib.nullcontext():
             if seq is not None:  # context parallel and/or packed documents
+                if self.scale is not None or self.softcap is not None:
+                    raise NotImplementedError("context parallelism and packed documents use "
+                                              "the default score scale without a soft cap")
                 return cpar.attention(q, k, v, seq, p)
+            if self.softcap is not None:
+                scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+                return softcapped_attention(q, k, v, mask, scale, self.softcap, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                  is_causal=mask is None, enable_gqa=True)
+                                                  is_causal=mask is None, enable_gqa=True,
+                                                  scale=self.scale)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...] | None,
                 cache: KVCache | None, positions: torch.Tensor | None,
@@ -129,6 +152,8 @@ class Attention(nn.Module):
         T, B = qkv.shape[:2]
         hd = self.head_dim
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        if self.projection_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(T, B, self.n_heads, hd).permute(1, 2, 0, 3)  # (B, nh, T, hd)
         k = k.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
         v = v.reshape(T, B, self.n_kv, hd).permute(1, 2, 0, 3)
@@ -167,6 +192,9 @@ class MLP(nn.Module):
             h = fused.swiglu(h)
         elif self.activation == "squared_relu":
             h = F.relu(h).square()
+        elif self.activation == "geglu":  # Gemma: gelu (tanh form) of the gate, times up
+            gate, up = h.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
         else:
@@ -175,7 +203,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Transformer layer: pre-norm `x + attn(norm(x))`, then `x + mlp(norm(x))`; with
+    `config.norm_placement == "output"` (OLMo-2) `x + norm(attn(x))`, then `x + norm(mlp(x))`."""
 
     def __init__(self, config: ModelConfig, layer: int, groups: ParallelGroups,
                  sp: bool, selective_recompute: bool):
@@ -186,6 +215,10 @@ class Block(nn.Module):
         self.feed_forward = (MoEFeedForward(config, layer, groups, sp)  # Mixture-of-Experts
                              if is_moe_layer(config, layer) else MLP(config, layer, groups, sp))
         self.dropout, self.sp = config.dropout, sp
+        self.norm_output = config.norm_placement == "output"
+        if config.norm_placement == "sandwich":  # Gemma 2: the sublayer outputs normed too
+            self.post_attention_norm, self.post_ffn_norm = make_norm(config, sp), make_norm(config, sp)
+        self.sandwich = config.norm_placement == "sandwich"
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0.0:
@@ -197,6 +230,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, cache=None, positions=None, slots=None,
                 seq=None):
+        if self.norm_output:
+            x = x + self._drop(self.attention_norm(self.attention(x, rope, cache, positions,
+                                                                  slots, seq)))
+            return x + self._drop(self.ffn_norm(self.feed_forward(x)))
+        if self.sandwich:
+            x = x + self._drop(self.post_attention_norm(self.attention(
+                self.attention_norm(x), rope, cache, positions, slots, seq)))
+            return x + self._drop(self.post_ffn_norm(self.feed_forward(self.ffn_norm(x))))
         x = x + self._drop(self.attention(self.attention_norm(x), rope, cache, positions, slots,
                                           seq))
         return x + self._drop(self.feed_forward(self.ffn_norm(x)))
@@ -259,6 +300,13 @@ class GPTModel(nn.Module):
                 self.output = ColumnParallelLinear(config.hidden_size, rows, False, g.tp_group,
                                                    sp)
         self.embedding_hook: nn.Module | None = None  # set by prompt tuning
+        self.final_softcap = getattr(config.options, "final_logit_softcapping", None)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's `cap * tanh(logits / cap)` of the output logits (as is without a cap)."""
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def global_name(self, local_name: str) -> str:
         """The checkpoint name of a local parameter (a tied output copy maps to the embedding)."""
@@ -272,6 +320,8 @@ class GPTModel(nn.Module):
         `positions (B, T)` are absolute positions (default `0..T-1` for every row).
         """
         h = self.tok_embeddings(ids)
+        if getattr(self.config.options, "scale_embeddings", False):  # Gemma: x sqrt(hidden)
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         if self.config.position == "learned":
@@ -367,7 +417,7 @@ class GPTModel(nn.Module):
         if labels is not None:
             return self.head_loss(h, weight, labels, seq, sp)
         logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)
-        logits = logits.transpose(0, 1)
+        logits = self._softcap(logits).transpose(0, 1)
         if local_logits:
             return logits
         return gather_from_tp(logits, self.groups.tp_group)[..., : self.config.vocab_size]
@@ -383,14 +433,15 @@ class GPTModel(nn.Module):
         targets = labels.transpose(0, 1).reshape(-1)
         cp = seq is not None and seq.cp_size > 1
         if (self.groups.tp_group is None and weight.shape[0] == self.config.vocab_size
-                and chunked_ce.wanted(h, weight.shape[0])):
+                and self.final_softcap is None and chunked_ce.wanted(h, weight.shape[0])):
             loss = chunked_ce.linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets,
                                                    reduction="sum" if cp else "mean")
             if not cp:
                 return loss
             total = loss
         else:
-            logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)
+            logits = self._softcap(column_parallel_linear(h, weight, None, self.groups.tp_group,
+                                                          sp))
             total = vocab_parallel_cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), targets, self.groups.tp_group,
                 self.groups.tp_rank, self.config.vocab_size).sum()

@@ -17,7 +17,8 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 def norm_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """One `Norm`'s parameters: a weight, and a bias unless it is an RMSNorm."""
     c = config.hidden_size
-    return {"weight": (c,)} if config.norm == "rmsnorm" else {"weight": (c,), "bias": (c,)}
+    rms = config.norm in ("rmsnorm", "rmsnorm1p")
+    return {"weight": (c,)} if rms else {"weight": (c,), "bias": (c,)}
 
 
 def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -42,15 +43,21 @@ def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         norm(f"layers.{i}.attention_norm")
         linear(f"layers.{i}.attention.wqkv", qkv_rows, c, config.qkv_bias)
         linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
-        if config.qk_norm:  # Qwen3 per-head q/k RMSNorm (core.qk_norm): replicated over tp
-            shapes[f"layers.{i}.attention.q_norm.weight"] = (hd,)
-            shapes[f"layers.{i}.attention.k_norm.weight"] = (hd,)
+        if config.qk_norm:  # q/k RMSNorm (core.qk_norm): per head, or over the projection
+            wide = config.qk_norm_width == "projection"
+            shapes[f"layers.{i}.attention.q_norm.weight"] = (config.num_heads * hd if wide else hd,)
+            shapes[f"layers.{i}.attention.k_norm.weight"] = (
+                config.num_kv_heads * hd if wide else hd,)
+        if config.norm_placement == "sandwich":  # Gemma 2: a norm after the attention too
+            norm(f"layers.{i}.post_attention_norm")
         norm(f"layers.{i}.ffn_norm")
         if is_moe_layer(config, i):  # Mixture-of-Experts: router, experts (core.moe.shapes)
             shapes.update(moe_param_shapes(config, i))
             continue
         linear(f"layers.{i}.feed_forward.w1", ffn_rows, c)
         linear(f"layers.{i}.feed_forward.w2", c, config.ffn_hidden_size)
+        if config.norm_placement == "sandwich":
+            norm(f"layers.{i}.post_ffn_norm")
     norm("norm")
     if not config.tied_embeddings:
         shapes["output.weight"] = (config.vocab_size, c)
@@ -75,5 +82,9 @@ def decoder_shard_spec(name: str, config: ModelConfig) -> ShardSpec:
         return ShardSpec(dim=0, parts=(f, f) if config.gated else None)
     if local in ("attention.wo.weight", "feed_forward.w2.weight"):
         return ShardSpec(dim=1)
+    if local in ("attention.q_norm.weight", "attention.k_norm.weight") and (
+            config.qk_norm_width == "projection"):  # split with the heads it spans
+        heads = config.num_heads if local.startswith("attention.q") else config.num_kv_heads
+        return ShardSpec(dim=0, parts=(heads * hd,), heads=(heads,))
     # Norms, position embeddings and row-parallel biases (added after the all-reduce).
     return ShardSpec(dim=None)

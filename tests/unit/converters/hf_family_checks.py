@@ -81,13 +81,14 @@ def export_matches(ckpt: Path, out: Path, hf_model, tokens: torch.Tensor, transf
     assert diff <= 1e-4, diff
 
 
-def tp2_keeps_logits(ckpt: Path, out: Path, tokens: torch.Tensor) -> None:
-    """A tp2 reshard of `ckpt` holds per-rank shards and gives the same logits, bit for bit."""
+def tp2_keeps_logits(ckpt: Path, out: Path, tokens: torch.Tensor, pp: int = 1) -> None:
+    """A tp2 (x `pp` stages) reshard of `ckpt` holds per-rank shards and gives the same
+    logits, bit for bit."""
     with torch.no_grad():
         want = load_checkpoint(ckpt)(tokens)
-    reshard_checkpoint(ckpt, out, tp=2, progress=False)
+    reshard_checkpoint(ckpt, out, tp=2, pp=pp, progress=False)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
-    assert manifest["layout"]["tp"] == 2
+    assert (manifest["layout"]["tp"], manifest["layout"]["pp"]) == (2, pp)
     with torch.no_grad():
         assert torch.equal(load_checkpoint(out)(tokens), want)
 

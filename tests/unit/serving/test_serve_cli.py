@@ -168,3 +168,27 @@ def test_serve_kv_cache_flags(checkpoint, monkeypatch, extra, kind, blocks):
 def test_serve_refuses_a_bad_kv_cache_memory(checkpoint, capsys):
     assert main(["--checkpoint", str(checkpoint), "--kv-cache-memory", "3 parsecs"]) == 2
     assert "--kv-cache-memory" in capsys.readouterr().err
+
+
+def test_serve_takes_eos_ids_and_sampling_from_the_generation_config(checkpoint, monkeypatch):
+    import json
+
+    (checkpoint / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [7, 9, 11], "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    seen = {}
+    app_module = types.ModuleType("tessera.serving.http.app")
+
+    def create_app(engine, *, sampling_defaults=None, **rest):
+        seen.update(engine=engine, defaults=sampling_defaults)
+        return "the-app"
+
+    def run(server):
+        server.started = True
+
+    app_module.create_app = create_app
+    monkeypatch.setitem(sys.modules, "tessera.serving.http.app", app_module)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["--checkpoint", str(checkpoint)]) == 0
+    assert seen["defaults"] == {"temperature": 0.6, "top_p": 0.9}
+    engine = seen["engine"]
+    assert (engine.eos_id, engine.requests.eos_stop_ids) == (7, frozenset({9, 11}))

@@ -1,0 +1,101 @@
+"""The Hugging Face <-> Tessera contract of Gemma 2: `Gemma2ForCausalLM` (family `gemma2`).
+
+Gemma 2 is a Llama-shaped decoder with `(1 + w)` RMSNorms (`norm="rmsnorm1p"`, weights stored
+as the offset, as HF stores them) before and after each sublayer (`norm_placement="sandwich"`),
+GeGLU with tanh GELU, embeddings scaled by sqrt(hidden_size), scores scaled by
+`query_pre_attn_scalar ** -0.5` and soft-capped, final logits soft-capped (`Gemma2Options`),
+and the output tied to the embedding. Its alternating sliding-window layers are accepted only
+when the window covers every position (Tessera has no sliding-window attention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.converters.hf.family import (
+    ConversionError,
+    HfFamily,
+    check_traits,
+    require,
+    whole_context_window,
+    with_shared_fields,
+)
+from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, SWIGLU_MLP, llama_like_fields, rope_to_hf
+from tessera.core.config import ModelConfig
+from tessera.core.models.decoder.gemma_options import Gemma2Options
+
+GEMMA2_NORMS: dict[str, tuple[str, ...]] = {
+    "layers.{}.post_attention_norm.weight": ("model.layers.{}.post_attention_layernorm.weight",),
+    "layers.{}.ffn_norm.weight": ("model.layers.{}.pre_feedforward_layernorm.weight",),
+    "layers.{}.post_ffn_norm.weight": ("model.layers.{}.post_feedforward_layernorm.weight",),
+}
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def gemma2_config(hf: dict[str, Any]) -> ModelConfig:
+    """`ModelConfig` of a `Gemma2ForCausalLM` config.json."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise ConversionError(f"gemma2 config: hidden_activation={act!r} is not supported "
+                              f"(supported: {', '.join(map(repr, _GELU_TANH))})")
+    require(hf, "use_bidirectional_attention", (False, None), False)
+    require(hf, "tie_word_embeddings", (True,), True)
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise ConversionError(f"gemma2 config: layer_types holds {sorted(kinds)}; only "
+                              "'full_attention' and 'sliding_attention' layers are known")
+    if "sliding_attention" in kinds:
+        whole_context_window(hf)
+    if hf.get("attention_bias", False):
+        raise ConversionError("gemma2 config: attention_bias=True is not supported (supported: "
+                              "False)")
+    fields = llama_like_fields({**hf, "attention_bias": False, "mlp_bias": False}, 1.0)
+    if fields["rotary_fraction"] != 1.0:
+        raise ConversionError(f"gemma2 config: partial_rotary_factor={fields['rotary_fraction']} "
+                              "is not supported (supported: 1.0)")
+    options = Gemma2Options(query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+                            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+                            final_logit_softcapping=hf.get("final_logit_softcapping"))
+    return ModelConfig(name="gemma2", family="gemma2", norm="rmsnorm1p",
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), activation="geglu",
+                       norm_placement="sandwich", options=options, **fields)
+
+
+def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
+    o = c.options
+    fields = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                  vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                  intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
+                  num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                  head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
+                  max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
+                  attention_bias=False, attention_dropout=c.dropout,
+                  query_pre_attn_scalar=o.query_pre_attn_scalar,
+                  attn_logit_softcapping=o.attn_logit_softcapping,
+                  final_logit_softcapping=o.final_logit_softcapping,
+                  # transformers' Gemma 2 always builds its sliding layers' mask: a window as
+                  # wide as the context, which masks nothing, over its alternating layers.
+                  sliding_window=c.max_position_embeddings,
+                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(c.num_layers)],
+                  rope_parameters=rope_to_hf(c))
+    return with_shared_fields(fields, c, **shared)
+
+
+def _check_exportable(c: ModelConfig) -> None:
+    clash = {}
+    if not c.tied_embeddings:
+        clash["tied_embeddings"] = False
+    if not c.options.scale_embeddings:
+        clash["options.scale_embeddings"] = False
+    if c.options.query_pre_attn_scalar is None:
+        clash["options.query_pre_attn_scalar"] = None
+    check_traits(c, clash)
+
+
+_NAMES = {k: v for k, v in LLAMA_LIKE.items() if not k.startswith("layers.{}.ffn_norm")}
+GEMMA2 = HfFamily(
+    family="gemma2", config_from_hf=gemma2_config, check_exportable=_check_exportable,
+    config_to_hf=_config_to_hf, name_map={**_NAMES, **SWIGLU_MLP, **GEMMA2_NORMS},
+    ignored=ROTARY_BUFFERS,
+    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
