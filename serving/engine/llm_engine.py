@@ -90,7 +90,8 @@ class LLMEngine:
         self.max_queue = max_queue
         self.pad_id = tokenizer.pad_id if tokenizer is not None else 0
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
-        space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch)
+        lookahead = 0 if speculative is None else speculative.num_speculative_tokens
+        space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch, lookahead)
         self._task_len = dict(runner.tasks)
         self._limits = Limits(self.config.vocab_size, self.context, dict(self._task_len),
                               max_logprobs, tokenizer is not None,
@@ -206,6 +207,8 @@ class LLMEngine:
             out.update(kv_blocks_total=b.num_usable, kv_blocks_used=b.num_used,
                        kv_blocks_free=b.num_free, kv_blocks_cached=b.num_cached,
                        kv_block_evictions_total=b.evictions,
+                       kv_blocks_peak_used=b.peak_used,
+                       kv_block_window_frees_total=b.window_frees,
                        prefix_cache_queries_tokens_total=s.prefix_queried_tokens,
                        prefix_cache_hits_tokens_total=s.prefix_hit_tokens)
         out["preemptions_total"] = s.preemptions

@@ -25,13 +25,15 @@ def decoder_family(name: str, **differs: Any) -> Family:
 
 _LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", rotary_fraction=1.0)
 
-GPT2 = decoder_family("gpt2", traits=dict(norm="layernorm", position="learned", bias=True))
+GPT2 = decoder_family("gpt2", traits=dict(norm="layernorm", position="learned", bias=True,
+                                          sliding_window=None))
 LLAMA = decoder_family("llama", traits=_LLAMA)
 NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation="squared_relu",
-                                                  position="rope"))
+                                                  position="rope", sliding_window=None))
 # Qwen2 / Qwen2.5: biases on q/k/v only.
 QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
-QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
+QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True,
+                                            sliding_window=None))
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
 QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)

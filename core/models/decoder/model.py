@@ -41,6 +41,7 @@ from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
 from tessera.core.qk_norm import HeadNorm
 from tessera.core.rope_scaling import rotary_angles
+from tessera.core.sliding_window import causal_window_mask, in_window
 from tessera.core.stage import init_stage
 
 
@@ -102,6 +103,7 @@ class Attention(nn.Module):
         # tp > num_kv_heads: one kv head per rank, replicated (see sharding).
         self.n_heads, self.n_kv = config.num_heads // tp, local_kv_heads(config, tp)
         self.dropout, self.selective_recompute = config.dropout, selective_recompute
+        self.window = config.layer_window(layer)  # None: the whole causal context
         qkv_rows = local_shape(f"layers.{layer}.attention.wqkv.weight", config, tp)[0]
         self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.qkv_bias,
                                          groups.tp_group, sp)
@@ -118,7 +120,9 @@ class Attention(nn.Module):
         # to draw, and swapping the RNG state (a few KB, twice) cost 4% of a decode step.
         with tracker.fork() if p > 0 else contextlib.nullcontext():
             if seq is not None:  # context parallel and/or packed documents
-                return cpar.attention(q, k, v, seq, p)
+                return cpar.attention(q, k, v, seq, p, window=self.window)
+            if mask is None and self.window is not None:
+                mask = causal_window_mask(q.shape[2], self.window, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                   is_causal=mask is None, enable_gqa=True)
 
@@ -138,10 +142,13 @@ class Attention(nn.Module):
             q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None
         if cache is not None and cache.attends:  # a paged kernel reading the blocks in place
-            y = cache.attend(self.layer, q, k, v, positions, slots)
+            y = cache.attend(self.layer, q, k, v, positions, slots, self.window)
         else:
             if cache is not None:
                 k, v, mask = cache.update(self.layer, k, v, positions, slots)
+                if self.window is not None:  # cached keys sit at their positions 0..L-1
+                    key_pos = torch.arange(k.shape[2], device=k.device)
+                    mask = mask & in_window(positions, key_pos, self.window).unsqueeze(1)
             if self.selective_recompute and self.training and torch.is_grad_enabled():
                 y = recompute(self._core, q, k, v, mask, seq)
             else:
