@@ -127,14 +127,15 @@ class PagedSpace:
     """Blocks from a `BlockManager`, shared through the prefix cache.
 
     `window`: the model's widest sliding window when every layer has one (None: some layer
-    attends to the whole context, so every block is kept). `lookahead`: tokens a sequence may
-    roll back by (speculative drafts): blocks their window would need again are kept.
+    attends to the whole context, so every block is kept). Blocks are dropped only where
+    `cached` is final (`computed`, `rollback`), never after a speculative pass that a rollback
+    may still cut back.
     """
 
-    def __init__(self, manager: BlockManager, window: int | None = None, lookahead: int = 0):
+    def __init__(self, manager: BlockManager, window: int | None = None):
         self.manager = manager
         self.block_size = manager.block_size
-        self.window, self.lookahead = window, lookahead
+        self.window = window
 
     def _held(self, blocks: list[int]) -> list[int]:
         """The blocks of a table that a sequence holds (not the scratch of dropped ones)."""
@@ -142,10 +143,10 @@ class PagedSpace:
 
     def _drop_outside_window(self, seq: SeqState) -> None:
         """Free the leading blocks no later query of `seq` can see (positions before
-        `seq.cached - lookahead - window + 1`, the first key of its next token's window)."""
+        `seq.cached - window + 1`, the first key of its next token's window)."""
         if self.window is None:
             return
-        first_key = seq.cached - self.lookahead - self.window + 1
+        first_key = seq.cached - self.window + 1
         dropped = []
         for i in range(min(max(first_key, 0) // self.block_size, len(seq.blocks))):
             if seq.blocks[i] != SCRATCH_BLOCK:
@@ -206,6 +207,7 @@ class PagedSpace:
         seq.registered = min(seq.registered, n_tokens // self.block_size)
         if seq.hasher is not None:
             seq.hasher.truncate(n_tokens)
+        self._drop_outside_window(seq)
 
     def rows(self, seqs: list[SeqState], length: int) -> torch.Tensor:
         width = self.manager.blocks_for(length)
@@ -216,16 +218,16 @@ class PagedSpace:
         return tables
 
 
-def kv_space_for(cache: KVCache | PagedKVCache, kv: KVCacheConfig | None, max_batch: int,
-                 lookahead: int = 0) -> tuple[KVSpace, BlockManager | None, int | None]:
+def kv_space_for(cache: KVCache | PagedKVCache, kv: KVCacheConfig | None, max_batch: int
+                 ) -> tuple[KVSpace, BlockManager | None, int | None]:
     """The scheduler's view of a runner's cache: the space, the paged cache's bookkeeping (None
     for slots) and the tokens the whole pool holds (None for slots). Prefix caching follows
     `kv.prefix_caching` (on without a config). A paged cache whose every layer has a sliding
-    window (`PagedKVCache.windows`) frees blocks outside it; `lookahead`: see `PagedSpace`."""
+    window (`PagedKVCache.windows`) frees blocks outside it (`PagedSpace`)."""
     if not isinstance(cache, PagedKVCache):
         return SlotSpace(max_batch), None, None
     blocks = BlockManager(cache.num_blocks, cache.block_size,
                           kv.prefix_caching if kv is not None else True)
     window = None if None in cache.windows else max(cache.windows)
-    return (PagedSpace(blocks, window, lookahead), blocks,
+    return (PagedSpace(blocks, window), blocks,
             blocks.num_usable * cache.block_size)

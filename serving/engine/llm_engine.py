@@ -90,8 +90,7 @@ class LLMEngine:
         self.max_queue = max_queue
         self.pad_id = tokenizer.pad_id if tokenizer is not None else 0
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
-        lookahead = 0 if speculative is None else speculative.num_speculative_tokens
-        space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch, lookahead)
+        space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch)
         self._task_len = dict(runner.tasks)
         self._limits = Limits(self.config.vocab_size, self.context, dict(self._task_len),
                               max_logprobs, tokenizer is not None,
