@@ -149,6 +149,8 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
                                or window < 1):
         raise ConversionError(f"{hf['model_type']} config: sliding_window={window!r} is not "
                               "supported (supported: a positive number of tokens, or null)")
+    if window is not None and window >= hf["max_position_embeddings"]:
+        window = None  # it covers every position: plain causal attention, the fast path
     fields = llama_like_fields(hf, 1.0)
     if fields["rotary_fraction"] != 1.0:
         raise ConversionError(f"{hf['model_type']} config: partial_rotary_factor="

@@ -61,6 +61,8 @@ def qwen2_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConversionError(f"qwen2 config: sliding_window={window!r} is not supported "
                               "(supported: a positive number of tokens with use_sliding_window)")
+    if window >= hf["max_position_embeddings"]:
+        return None, None  # it covers every position: plain causal attention, the fast path
     if types is None:
         first = hf.get("max_window_layers", n)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -87,11 +89,9 @@ def qwen2_config(hf: dict[str, Any]) -> ModelConfig:
 def _window_to_hf(c: ModelConfig) -> dict[str, Any]:
     """The sliding-window fields; `layer_types` names the layers, `max_window_layers` the
     first sliding one (what older transformers read, exact when they form a suffix)."""
-    n = c.num_layers
-    if c.sliding_window is None:
-        return dict(use_sliding_window=False, sliding_window=None, max_window_layers=n,
-                    layer_types=["full_attention"] * n)
-    sliding = [c.layer_window(i) is not None for i in range(n)]
+    if c.sliding_window is None:  # transformers' defaults then make every layer full
+        return dict(use_sliding_window=False, sliding_window=None)
+    sliding = [c.layer_window(i) is not None for i in range(c.num_layers)]
     return dict(use_sliding_window=True, sliding_window=c.sliding_window,
                 max_window_layers=sliding.index(True),
                 layer_types=[_LAYER_TYPES[s] for s in sliding])

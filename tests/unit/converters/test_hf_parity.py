@@ -167,6 +167,7 @@ def test_mistral_without_a_real_sliding_window_imports(tmp_path, window):
     _convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
     model = load_checkpoint(tmp_path / "ckpt")
     assert model.config.family == "llama"
+    assert model.config.sliding_window is None  # covering every position: no window to mask
     assert _max_logit_diff(hf_model, model, _ids()) <= 1e-4
 
 

@@ -188,3 +188,31 @@ def test_qwen2_window_needs_use_sliding_window():
     # transformers ignores sliding_window unless use_sliding_window: so does the import.
     config = config_from_hf(_hf_config("qwen2", use_sliding_window=False).to_dict())
     assert config.sliding_window is None and config.sliding_window_layers is None
+
+
+def test_a_window_covering_every_position_is_no_window():
+    # The plain causal path (no mask to build) serves it, as transformers computes the same.
+    assert config_from_hf(_hf_config("qwen2", sliding_window=128).to_dict()).sliding_window is None
+    assert config_from_hf(_hf_config("mistral", sliding_window=128).to_dict()).sliding_window \
+        is None
+
+
+def test_export_refuses_a_window_the_hf_model_cannot_hold():
+    from tessera.converters.hf_mapping import check_exportable
+    from tessera.core.config import ModelConfig
+
+    check_exportable(ModelConfig(family="llama", sliding_window=WINDOW))
+    check_exportable(ModelConfig(family="qwen2", qkv_bias=True, sliding_window=WINDOW,
+                                 sliding_window_layers=(1,)))
+    refused = {
+        "'sliding_window_layers': (1,)": ModelConfig(family="llama", sliding_window=WINDOW,
+                                                     sliding_window_layers=(1,)),
+        "'bias': True": ModelConfig(family="llama", sliding_window=WINDOW, bias=True),
+        "'sliding_window': 8": ModelConfig(family="qwen3", qk_norm=True,
+                                                    sliding_window=WINDOW),
+        "sliding_window=8: qwen3_moe is written without one":
+            ModelConfig.from_name("qwen3-moe-tiny", sliding_window=WINDOW),
+    }
+    for message, config in refused.items():
+        with pytest.raises(ConversionError, match=re.escape(message)):
+            check_exportable(config)
