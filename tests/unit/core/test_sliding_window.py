@@ -136,6 +136,12 @@ def test_ring_formulas_with_a_window_match_autograd_of_sdpa():
 
 
 def test_dynamic_cp_refuses_a_window():
+    from tessera.core.config import Layout, TrainSchedule
+    from tessera.core.parallel.pipeline import validate_training
+
+    with pytest.raises(ConfigError, match="the model has sliding_window=4; use a fixed cp"):
+        validate_training(_config(), Layout(cp=2), TrainSchedule(cp_dynamic=True))
+    validate_training(_config(), Layout(cp=2), TrainSchedule())
     segmented = cpar.SegmentedContext((), (), torch.zeros(1, 0, dtype=torch.long), 2, None)
     q = torch.zeros(1, 4, 0, 8)
     with pytest.raises(NotImplementedError, match="dynamic context parallelism does not "
