@@ -187,7 +187,8 @@ class PagedSpace:
             return
         digests = seq.hasher.update(seq.tokens)
         for i in range(seq.registered, full):
-            self.manager.register(seq.blocks[i], digests[i])
+            if seq.blocks[i] != SCRATCH_BLOCK:  # dropped from a window before it was published
+                self.manager.register(seq.blocks[i], digests[i])
         seq.registered = full
 
     def computed(self, seq: SeqState) -> None:
