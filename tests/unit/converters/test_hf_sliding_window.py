@@ -216,3 +216,20 @@ def test_export_refuses_a_window_the_hf_model_cannot_hold():
     for message, config in refused.items():
         with pytest.raises(ConversionError, match=re.escape(message)):
             check_exportable(config)
+
+
+def test_mixtral_window_imports_and_exports_with_its_logits(tmp_path):
+    config = transformers.MixtralConfig(**{**_COMMON, "num_local_experts": 4,
+                                           "sliding_window": WINDOW})
+    torch.manual_seed(0)
+    hf_model = check.perturbed(transformers.AutoModelForCausalLM.from_config(config))
+    hf_model.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model = load_checkpoint(tmp_path / "ckpt").eval()
+    assert model.config.sliding_window == WINDOW
+    tokens = check.ids(VOCAB, 40, batch=2)
+    assert check.logit_diff(hf_model, model, tokens) <= 1e-4
+    check.convert("--to", "hf", "--input", tmp_path / "ckpt", "--output", tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    assert reloaded.config.sliding_window == WINDOW
+    assert check.logit_diff(reloaded, model, tokens) <= 1e-4
