@@ -4,7 +4,7 @@ prompts and generations much longer than the window.
 Tiny random models built from a config (nothing downloaded): imported logits within 1e-4 (fp32)
 for a 40-token prompt under a window of 8; greedy serving equal to `generate` for 20 tokens past
 the window with the slot cache, the paged cache (gather and flex kernels) and the static,
-bucketed decode step; the export giving the same config and logits; a long generation holding
+bucketed decode step; the export giving the same config and logits; a tp2 reshard keeping them; a long generation holding
 at most ceil(window / block_size) + 1 KV blocks; and the window fields Tessera cannot honour
 refused by name.
 """
@@ -109,6 +109,12 @@ def test_export_gives_the_same_config_and_logits(imported, tmp_path):
     _, hf_model, root = imported
     check.export_matches(root / "ckpt", tmp_path / "out", hf_model, check.ids(VOCAB, 40),
                          transformers)
+
+
+def test_tp2_reshard_keeps_the_window_and_logits(imported, tmp_path):
+    _, _, root = imported
+    check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 40))
+    assert load_checkpoint(tmp_path / "tp2").config.sliding_window == WINDOW
 
 
 def test_long_generation_holds_only_the_window_blocks(tmp_path):
