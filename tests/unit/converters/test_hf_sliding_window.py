@@ -1,12 +1,13 @@
-"""Sliding-window attention (Mistral, Qwen2 with `max_window_layers`) against transformers, for
-prompts and generations much longer than the window.
+"""Sliding-window attention (Mistral, Qwen2 with `max_window_layers`, Mixtral) against
+transformers, for prompts and generations much longer than the window.
 
 Tiny random models built from a config (nothing downloaded): imported logits within 1e-4 (fp32)
 for a 40-token prompt under a window of 8; greedy serving equal to `generate` for 20 tokens past
 the window with the slot cache, the paged cache (gather and flex kernels) and the static,
-bucketed decode step; the export giving the same config and logits; a tp2 reshard keeping them; a long generation holding
-at most ceil(window / block_size) + 1 KV blocks; and the window fields Tessera cannot honour
-refused by name.
+bucketed decode step, also with prefix reuse and speculative decoding; the export giving the
+same config and logits; a tp2 reshard keeping them; a long generation holding at most
+ceil(window / block_size) + 1 KV blocks; and the window fields Tessera cannot honour refused by
+name.
 """
 
 from __future__ import annotations
