@@ -41,8 +41,8 @@ examples:
   tessera convert --to peft --input runs/lora/adapter --checkpoint BASE --output peft-lora
   tessera convert --from peft --input peft-lora --checkpoint BASE --output adapters/imported
 
-Hugging Face model types: gpt2, llama and mistral (plain RoPE, no rope scaling; a sliding
-window only if it spans every position), nemotron. A LoRA adapter converts for the Hugging
+Hugging Face model types: gpt2, llama, mistral (with its sliding window), qwen2, nemotron and
+more (docs/hf-models.md). A LoRA adapter converts for the Hugging
 Face export of its base (`--to hf` of the same --checkpoint). Output directories are written
 atomically and an existing one is replaced only with --overwrite.
 """

@@ -67,6 +67,11 @@ class ModelConfig:
     # `x + f(norm(x))`); "output" its output before the residual add (OLMo-2, `x + norm(f(x))`);
     # "sandwich" both, with two more norms per layer (Gemma 2, `x + norm2(f(norm1(x)))`).
     norm_placement: Literal["input", "output", "sandwich"] = "input"
+    # Sliding-window attention (Mistral, Qwen2): a query at position i sees the keys at
+    # positions j with i - sliding_window < j <= i. None: the whole causal context.
+    sliding_window: int | None = None
+    # The layers the window applies to (Qwen2's `max_window_layers`); None: every layer.
+    sliding_window_layers: tuple[int, ...] | None = None
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
@@ -120,6 +125,7 @@ class ModelConfig:
         if self.norm_placement not in ("input", "output", "sandwich"):
             raise ConfigError(f"norm_placement must be 'input', 'output' or 'sandwich', not "
                               f"{self.norm_placement!r}")
+        self._check_sliding_window()
         if self.moe.num_experts:
             from tessera.core.moe.validate import moe_problems
 
@@ -127,6 +133,33 @@ class ModelConfig:
             if problems:
                 raise ConfigError("invalid Mixture-of-Experts config:\n  - "
                                   + "\n  - ".join(problems))
+
+    def _check_sliding_window(self) -> None:
+        if self.sliding_window_layers is not None:
+            self.sliding_window_layers = tuple(int(i) for i in self.sliding_window_layers)
+        if self.sliding_window is None:
+            if self.sliding_window_layers is not None:
+                raise ConfigError(f"sliding_window_layers={list(self.sliding_window_layers)} "
+                                  "needs a sliding_window; set one or drop the layers")
+            return
+        if isinstance(self.sliding_window, bool) or int(self.sliding_window) < 1:
+            raise ConfigError(f"sliding_window={self.sliding_window!r} must be a positive number "
+                              "of tokens (or None for the whole causal context)")
+        if self.family in ("t5", "bert"):
+            raise ConfigError(f"sliding_window={self.sliding_window} is supported by the decoder "
+                              f"families only, not {self.family!r}")
+        bad = [i for i in self.sliding_window_layers or () if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"sliding_window_layers {bad} are not layers of a "
+                              f"{self.num_layers}-layer model")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to the whole causal context)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is not None and layer not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
 
     def _check_options(self, options: type | None) -> None:
         """Give the family's default options for None; refuse options of another type."""

@@ -130,6 +130,7 @@ class LayerKV:
         return self.cache.store_and_read(self.keys, self.values, k, v, positions, rows)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, rows: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         return self.cache.store_and_attend(  # type: ignore[union-attr]  # only when attends
-            self.keys, self.values, q, k, v, positions, rows)
+            self.keys, self.values, q, k, v, positions, rows, window)

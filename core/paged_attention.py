@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.core.sliding_window import in_window
+
 KERNELS = ("gather", "flex")
 
 
@@ -33,26 +35,30 @@ def gather_blocks(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torc
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            tables: torch.Tensor, positions: torch.Tensor,
-                           kernel: str = "gather") -> torch.Tensor:
+                           kernel: str = "gather", window: int | None = None) -> torch.Tensor:
     """Attention output `(B, heads, 1, head_dim)` for queries `q (B, heads, 1, head_dim)`;
     `tables (B, W)` long, `positions (B,)` long (each row's position, < W * block_size).
-    Heads are grouped over the pool's kv heads (heads % kv_heads == 0)."""
+    Heads are grouped over the pool's kv heads (heads % kv_heads == 0). `window`: a sliding
+    window (`core.sliding_window`): each row sees only its last `window` positions, so table
+    entries before them may name any block (the scratch block once freed)."""
     if q.ndim != 4 or q.shape[2] != 1:
         raise ValueError(f"paged decode attention takes one query per row (B, heads, 1, dim), "
                          f"got {tuple(q.shape)}")
     if kernel == "gather":
-        return _gather(q, keys, values, tables, positions)
+        return _gather(q, keys, values, tables, positions, window)
     if kernel == "flex":
-        return _flex(q, keys, values, tables, positions)
+        return _flex(q, keys, values, tables, positions, window)
     raise ValueError(f"unknown paged attention kernel {kernel!r}: choose one of {KERNELS}")
 
 
-def _gather(q, keys, values, tables, positions):
+def _gather(q, keys, values, tables, positions, window):
     length = tables.shape[1] * keys.shape[1]
     k = gather_blocks(keys, tables, length).to(q.dtype)
     v = gather_blocks(values, tables, length).to(q.dtype)
-    mask = torch.arange(length, device=q.device).view(1, 1, 1, length) \
-        <= positions.view(-1, 1, 1, 1)
+    key_pos = torch.arange(length, device=q.device).view(1, 1, 1, length)
+    mask = key_pos <= positions.view(-1, 1, 1, 1)
+    if window is not None:
+        mask = mask & in_window(positions.view(-1, 1, 1), key_pos, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -65,22 +71,27 @@ def block_owners(tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return owners.scatter_(1, tables, torch.arange(W, device=tables.device).expand(B, W))
 
 
-def _flex(q, keys, values, tables, positions):
-    mask = flex_block_mask(tables, positions, keys.shape[0], keys.shape[1])
+def _flex(q, keys, values, tables, positions, window):
+    mask = flex_block_mask(tables, positions, keys.shape[0], keys.shape[1], window)
     return flex_decode(q, keys, values, mask)
 
 
 def flex_block_mask(tables: torch.Tensor, positions: torch.Tensor, num_blocks: int,
-                    block_size: int):
+                    block_size: int, window: int | None = None):
     """FlexAttention's `BlockMask` for rows with block `tables (B, W)` at `positions (B,)` over
-    a pool of `num_blocks` blocks: one per pass, shared by every layer (`flex_decode`)."""
+    a pool of `num_blocks` blocks: one per pass and window, shared by the layers with that
+    sliding `window` (None: the whole context) (`flex_decode`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     owners = block_owners(tables, num_blocks)
 
     def visible(b, h, q_idx, kv_idx):
         logical = owners[q_idx, kv_idx // block_size]
-        return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[q_idx])
+        key_pos = logical * block_size + kv_idx % block_size
+        seen = (logical >= 0) & (key_pos <= positions[q_idx])
+        if window is None:
+            return seen
+        return seen & (positions[q_idx] - key_pos < window)
 
     B = tables.shape[0]
     return create_block_mask(visible, None, None, B, num_blocks * block_size,

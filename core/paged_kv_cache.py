@@ -25,6 +25,8 @@ it, and no query of the row attends that far before they do).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from tessera.core.kv_cache import LayerKV
@@ -34,12 +36,14 @@ from tessera.core.paged_attention import KERNELS, flex_block_mask, flex_decode, 
 class PagedKVCache:
     """Keys and values of the layers `layer_ids` in `num_blocks` blocks of `block_size` tokens.
 
-    `max_seq` bounds the positions a pass may hold (the model's context).
+    `max_seq` bounds the positions a pass may hold (the model's context). `windows`: the
+    layers' sliding windows (None: whole context), one flex block mask per pass for each.
     """
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, max_seq: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", decode_attention: str = "gather"):
+                 device: torch.device | str = "cpu", decode_attention: str = "gather",
+                 windows: Iterable[int | None] = (None,)):
         if decode_attention not in KERNELS:
             raise ValueError(f"paged decode attention {decode_attention!r} is not one of "
                              f"{', '.join(KERNELS)}")
@@ -52,7 +56,9 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.max_seq = num_blocks, block_size, max_seq
         self._pass: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.decode_attention = decode_attention
-        self._block_mask = None  # the planned one-token pass's, with decode_attention "flex"
+        self.windows = tuple(dict.fromkeys(windows))
+        # The planned one-token pass's block masks by window, with decode_attention "flex".
+        self._block_masks: dict[int | None, object] = {}
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
@@ -91,35 +97,41 @@ class PagedKVCache:
         key_pos = torch.arange(length, device=positions.device)
         mask = key_pos.view(1, 1, 1, length) <= positions.view(*positions.shape, 1).unsqueeze(1)
         self._pass = (length, tables[:, :width], blocks, offsets, mask)
-        self._block_mask = None
+        self._block_masks = {}
         if self.decode_attention == "flex" and positions.shape[1] == 1:
-            self._block_mask = flex_block_mask(tables[:, :width], positions[:, 0],
-                                               self.num_blocks, self.block_size)
+            self._block_masks = {w: flex_block_mask(tables[:, :width], positions[:, 0],
+                                                    self.num_blocks, self.block_size, w)
+                                 for w in self.windows}
 
     @property
     def attends(self) -> bool:
         """Whether the planned pass's attention runs here (`attend`) rather than over the
         keys `update` returns: one-token passes with `decode_attention="flex"`."""
-        return self._block_mask is not None
+        return bool(self._block_masks)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, tables: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         """Store `k, v` as `update` does and return attention's output `(B, heads, 1, hd)` for
         `q (B, heads, 1, hd)`, read from the blocks in place (`core.paged_attention`)."""
         return self.store_and_attend(self.keys[layer], self.values[layer], q, k, v, positions,
-                                     tables)
+                                     tables, window)
 
     def store_and_attend(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor,
                          k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                         tables: torch.Tensor) -> torch.Tensor:
-        """`attend` on one layer's `keys` and `values` (tensors of this cache)."""
-        if self._pass is None or self._block_mask is None:
+                         tables: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """`attend` on one layer's `keys` and `values` (tensors of this cache); `window`: the
+        layer's sliding window, one of `windows`."""
+        if self._pass is None or not self._block_masks:
             raise RuntimeError("PagedKVCache.attend needs a one-token pass planned with "
                                "decode_attention='flex' (PagedKVCache.begin)")
+        if window not in self._block_masks:
+            raise ValueError(f"sliding window {window} is not one of this cache's windows "
+                             f"{list(self.windows)}; build the cache with windows=...")
         _, _, blocks, offsets, _ = self._pass
         keys[blocks, offsets] = k.transpose(1, 2).to(keys.dtype)
         values[blocks, offsets] = v.transpose(1, 2).to(values.dtype)
-        return flex_decode(q, keys, values, self._block_mask)
+        return flex_decode(q, keys, values, self._block_masks[window])
 
     @property
     def pass_length(self) -> int:

@@ -1,13 +1,13 @@
 """The Hugging Face <-> Tessera contract of `LlamaForCausalLM` (model types llama and mistral,
-a Llama with an optional sliding window, accepted only when the window covers every position).
+a Llama with an optional sliding window on every layer: `ModelConfig.sliding_window`, written
+back as a `MistralForCausalLM`).
 
 Also the Llama-like pieces the other RoPE decoders build on (Nemotron, Qwen3, the MoE
 families): the attention/norm/embedding name map, the shared config fields and RoPE. q/k/v are
 stacked into the fused `attention.wqkv`, gate/up into the fused SwiGLU `feed_forward.w1`; the
 split sizes on the way back come from `sharding.shard_spec`. The RoPE variants (llama3, linear,
 dynamic, yarn, longrope) are read as transformers reads them (`rope_parameters`); an unknown
-variant or rope key, a real sliding window and separate attention/MLP bias flags are errors
-that name the field.
+variant or rope key and separate attention/MLP bias flags are errors that name the field.
 """
 
 from __future__ import annotations
@@ -144,18 +144,20 @@ def llama_like_fields(hf: dict[str, Any], default_fraction: float) -> dict[str, 
 def llama_config(hf: dict[str, Any]) -> ModelConfig:
     """`ModelConfig` of a `LlamaForCausalLM` / `MistralForCausalLM` config.json."""
     require(hf, "hidden_act", ("silu",), "silu")
-    window = hf.get("sliding_window")  # Mistral: a window covering every position is no window
-    if window is not None and window < hf["max_position_embeddings"]:
-        raise ConversionError(
-            f"{hf['model_type']} config: sliding_window={window} is smaller than "
-            f"max_position_embeddings={hf['max_position_embeddings']}; Tessera attends to the "
-            "whole causal context, so sliding-window attention cannot be converted exactly")
+    window = hf.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ConversionError(f"{hf['model_type']} config: sliding_window={window!r} is not "
+                              "supported (supported: a positive number of tokens, or null)")
+    if window is not None and window >= hf["max_position_embeddings"]:
+        window = None  # it covers every position: plain causal attention, the fast path
     fields = llama_like_fields(hf, 1.0)
     if fields["rotary_fraction"] != 1.0:
         raise ConversionError(f"{hf['model_type']} config: partial_rotary_factor="
                               f"{fields['rotary_fraction']} is not supported for Llama models")
     return ModelConfig(name=hf["model_type"], family="llama", norm="rmsnorm",
-                       norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", **fields)
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu",
+                       sliding_window=window, **fields)
 
 
 def rope_decoder_fields(c: ModelConfig, architecture: str, hidden_act: str) -> dict[str, Any]:
@@ -172,10 +174,24 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
     fields = {**rope_decoder_fields(c, "LlamaForCausalLM", "silu"),
               "rope_parameters": rope_to_hf(c), "rope_theta": c.rope_theta,
               "rms_norm_eps": c.norm_eps}  # top-level keys: for v4
+    if c.sliding_window is not None:  # Llama has no window: Mistral is Llama with one
+        fields.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                      sliding_window=c.sliding_window)
+        del fields["attention_bias"], fields["mlp_bias"]  # Mistral has no biases
     return with_shared_fields(fields, c, **shared)
+
+
+def _check_exportable(c: ModelConfig) -> None:
+    # Mistral's window covers every layer; a per-layer choice has no Llama/Mistral field.
+    clash: dict[str, Any] = {}
+    if c.sliding_window_layers is not None:
+        clash["sliding_window_layers"] = c.sliding_window_layers
+    if c.sliding_window is not None and c.bias:  # written as a Mistral, which has none
+        clash["bias"] = c.bias
+    check_traits(c, clash)
 
 
 LLAMA = HfFamily(
     family="llama", config_from_hf=llama_config,
-    check_exportable=check_traits, config_to_hf=_config_to_hf,
+    check_exportable=_check_exportable, config_to_hf=_config_to_hf,
     name_map={**LLAMA_LIKE, **SWIGLU_MLP}, ignored=ROTARY_BUFFERS, fp8_export=True)

@@ -190,12 +190,17 @@ def _common_problems(c: ModelConfig, qk_norm: bool, qkv_bias: bool = False) -> l
         out.append("router must be softmax, dropless, without expert bias or z-loss")
     if c.qk_norm != qk_norm:  # Qwen3's per-head q/k norm (core.qk_norm)
         out.append(f"qk_norm must be {qk_norm} for {c.family}")
+    if c.sliding_window is not None and c.family != "mixtral":
+        out.append(f"sliding_window={c.sliding_window}: {c.family} is written without one")
     if c.qkv_bias and not qkv_bias:
         out.append(f"{c.family} has no q/k/v biases: qkv_bias must be False")
     return out
 
 
 def _mixtral_problems(c: ModelConfig) -> list[str]:
+    if c.sliding_window_layers is not None:
+        return [f"sliding_window_layers={list(c.sliding_window_layers)}: Mixtral's window "
+                "covers every layer"]
     if not c.moe.norm_topk or c.moe.shared_ffn_hidden_size or c.moe.layer_freq != 1 or (
             c.moe.ffn_hidden_size not in (None, c.ffn_hidden_size)):
         return ["Mixtral normalizes the top-k weights, has no shared expert, an MoE block in "
@@ -240,7 +245,7 @@ def _common_fields(c: ModelConfig) -> dict[str, Any]:
 
 def _mixtral_fields(c: ModelConfig) -> dict[str, Any]:
     return dict(architectures=["MixtralForCausalLM"], num_local_experts=c.moe.num_experts,
-                router_jitter_noise=0.0, sliding_window=None)
+                router_jitter_noise=0.0, sliding_window=c.sliding_window)
 
 
 def _qwen2_moe_fields(c: ModelConfig) -> dict[str, Any]:

@@ -20,9 +20,11 @@ keys and values. Two ways to get them, chosen by `TrainSchedule.cp_comm`:
 
 The mask compares GLOBAL token indices (query index >= key index), and, for packed documents,
 document ids (`document_ids`, one per token, equal within a document): no token attends across a
-document boundary. Positions (RoPE and learned) are the global ones, restarted per document when
-documents are packed (`document_positions`), so a cp rank's tokens are embedded as they would be
-in one process. Everything here also runs with cp 1 (packed documents without cp).
+document boundary. A sliding window (`core.sliding_window`) compares global indices too: within a
+document they differ as its positions do. Positions (RoPE and learned) are the global ones,
+restarted per document when documents are packed (`document_positions`), so a cp rank's tokens
+are embedded as they would be in one process. Everything here also runs with cp 1 (packed
+documents without cp).
 
 `zigzag_index` and `SequenceContext` take the cp size and rank as plain numbers, so dynamic cp
 (`dynamic_cp_runtime`) builds a context per sequence over a sub-group. The ring skips what lies
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from tessera.core.sliding_window import in_window
 
 # ------------------------------------------------------------------------------- the split
 
@@ -151,9 +155,13 @@ class SequenceContext:
             return x
         return x.index_select(dim, self.index)
 
-    def mask(self, key_index: torch.Tensor) -> torch.Tensor:
-        """Which keys each local query may see: `(B or 1, T_local, T_keys)` booleans."""
-        allowed = (self.index[:, None] >= key_index[None, :]).unsqueeze(0)
+    def mask(self, key_index: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Which keys each local query may see: `(B or 1, T_local, T_keys)` booleans;
+        `window`: only the last `window` keys up to each query's own (sliding window)."""
+        allowed = self.index[:, None] >= key_index[None, :]
+        if window is not None:
+            allowed = allowed & in_window(self.index, key_index, window)
+        allowed = allowed.unsqueeze(0)
         if self.documents is not None:
             docs = self.documents
             allowed = allowed & (docs[:, self.index, None] == docs[:, None, key_index])
@@ -204,9 +212,13 @@ class SegmentedContext:
         return x
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  dropout_p: float) -> torch.Tensor:
+                  dropout_p: float, window: int | None = None) -> torch.Tensor:
         """Each segment's attention over its own group, in segment order (the same order on
-        every rank, so the groups' collectives never cross), concatenated along the tokens."""
+        every rank, so the groups' collectives never cross), concatenated along the tokens.
+        Raises NotImplementedError for a sliding `window` (dynamic cp runs full attention)."""
+        if window is not None:
+            raise NotImplementedError(f"dynamic context parallelism does not support "
+                                      f"sliding_window={window}; use a fixed cp size")
         if not self.segments:  # nothing placed here this micro-batch
             return q * 0.0
         outs = []
@@ -227,15 +239,17 @@ class SegmentedContext:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              seq: SequenceContext | SegmentedContext, dropout_p: float = 0.0) -> torch.Tensor:
+              seq: SequenceContext | SegmentedContext, dropout_p: float = 0.0,
+              window: int | None = None) -> torch.Tensor:
     """Causal attention of the local queries `q (B, H, T_local, D)` against the keys and values
     of the whole sequence (`k`, `v`: `(B, H_kv, T_local, D)` local; grouped-query heads when
-    H_kv < H), masked by global index and document. Returns `(B, H, T_local, D)`."""
+    H_kv < H), masked by global index, document and sliding `window`. Returns
+    `(B, H, T_local, D)`."""
     if isinstance(seq, SegmentedContext):
-        return seq.attention(q, k, v, dropout_p)
+        return seq.attention(q, k, v, dropout_p, window)
     if seq.cp_size > 1 and seq.comm == "ring":
         seed = int(torch.randint(0, 2**62, ())) if dropout_p else 0  # this rank's generator
-        return _RingAttention.apply(q, k, v, seq, dropout_p, seed)
+        return _RingAttention.apply(q, k, v, seq, dropout_p, seed, window)
     if seq.cp_size > 1:
         from torch.distributed._functional_collectives import all_gather_single_autograd
 
@@ -245,7 +259,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_index = torch.cat([seq.rank_index(r) for r in range(seq.cp_size)])
     else:
         key_index = seq.index
-    mask = seq.mask(key_index).unsqueeze(1)  # (B or 1, 1, Tq, Tk)
+    mask = seq.mask(key_index, window).unsqueeze(1)  # (B or 1, 1, Tq, Tk)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           enable_gqa=True)
 
@@ -359,7 +373,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                seq: SequenceContext, dropout_p: float = 0.0, seed: int = 0) -> torch.Tensor:
+                seq: SequenceContext, dropout_p: float = 0.0, seed: int = 0,
+                window: int | None = None) -> torch.Tensor:
         dtype = torch.promote_types(q.dtype, torch.float32)
         B, H, Tq, D = q.shape
         Hkv = k.shape[1]
@@ -374,7 +389,7 @@ class _RingAttention(torch.autograd.Function):
             src = (seq.cp_rank - step) % cp
             qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
             key_index = seq.rank_index(src)[ks]
-            mask = seq.mask(key_index)[:, qs]
+            mask = seq.mask(key_index, window)[:, qs]
             keep = (dropout_scale(seed, dropout_p, (B, Hkv, H // Hkv), seq.index[qs], key_index)
                     if dropout_p else None)
             block_out, block_lse = block_attention(q5[:, :, :, qs], kv[0][:, :, ks],
@@ -389,6 +404,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         ring.finish()
         ctx.seq, ctx.scale, ctx.in_dtype, ctx.dropout = seq, scale, q.dtype, (dropout_p, seed)
+        ctx.window = window
         ctx.save_for_backward(q5, k.to(dtype), v.to(dtype), out, lse)
         return out.reshape(B, H, Tq, D).to(q.dtype)
 
@@ -409,7 +425,7 @@ class _RingAttention(torch.autograd.Function):
             src = (seq.cp_rank - step) % cp
             qs, ks = visible_block(step, src, seq.cp_rank, Tq // 2)
             key_index = seq.rank_index(src)[ks]
-            mask = seq.mask(key_index)[:, qs]
+            mask = seq.mask(key_index, ctx.window)[:, qs]
             q_sub, do_sub, kb, vb = q5[:, :, :, qs], do5[:, :, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
             s = _scores(q_sub, kb, mask, scale)
             p = torch.exp(s - lse[..., qs].unsqueeze(-1)).masked_fill(~mask[:, None, None], 0.0)
@@ -440,7 +456,7 @@ class _RingAttention(torch.autograd.Function):
             work.wait()
         ring.finish()
         dq = dq5.reshape(B, Hkv * G, Tq, D).to(ctx.in_dtype)
-        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None, None, None
+        return dq, buf[0].to(ctx.in_dtype), buf[1].to(ctx.in_dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------- loss

@@ -188,6 +188,9 @@ def context_parallel_problems(
     out: list[str] = []
     if schedule.cp_comm not in CP_COMMS:
         out.append(f"unknown cp_comm {schedule.cp_comm!r}; choose one of {list(CP_COMMS)}")
+    if schedule.cp_dynamic and model.sliding_window is not None:
+        out.append(f"dynamic cp runs full causal attention, but the model has sliding_window="
+                   f"{model.sliding_window}; use a fixed cp (cp_dynamic off)")
     if layout.cp <= 1:
         return out + _dynamic_cp_problems(layout, schedule)
     if layout.pp > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES:

@@ -18,6 +18,9 @@ sequence uses which.
   block stays findable until the LRU queue hands it out again (eviction). A sequence's blocks
   are freed last-first, so the tail of a prefix (which hashes more tokens and is less likely
   to be shared) is evicted before its head, as vLLM does.
+- Counters: `evictions`; `window_frees`, blocks given back because they slid out of a
+  sliding-window model's window (`serving.engine.kv_space.PagedSpace`); `peak_used`, the most
+  blocks held at once.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, int] = {}
         self.evictions = 0
+        self.window_frees = 0
+        self.peak_used = 0
 
     @property
     def num_usable(self) -> int:
@@ -110,6 +115,7 @@ class BlockManager:
             if self._ref[b] == 0:
                 del self._free[b]
             self._ref[b] += 1
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def allocate(self, n: int) -> list[int] | None:
         """`n` fresh blocks (ref 1), evicting the least recently freed cached ones; None (and
@@ -126,6 +132,7 @@ class BlockManager:
                 self.evictions += 1
             self._ref[b] = 1
             out.append(b)
+        self.peak_used = max(self.peak_used, self.num_used)
         return out
 
     def register(self, block: int, digest: bytes) -> None:
@@ -135,8 +142,11 @@ class BlockManager:
             self._cached[digest] = block
             self._digest[block] = digest
 
-    def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each of a sequence's `blocks`, last block first."""
+    def free(self, blocks: Sequence[int], outside_window: bool = False) -> None:
+        """Drop one reference on each of a sequence's `blocks`, last block first;
+        `outside_window`: they slid out of a sliding window (counted in `window_frees`)."""
+        if outside_window:
+            self.window_frees += len(blocks)
         for b in reversed(blocks):
             if self._ref[b] <= 0:
                 raise RuntimeError(f"KV block {b} freed more often than it was taken")

@@ -9,6 +9,13 @@ Two kinds, one interface (`KVSpace`), so one scheduler serves both:
   With prefix caching, admission starts a sequence on the cached blocks of its prefix, and
   blocks are registered for others as soon as they are full and computed.
 
+Sliding-window models (`ModelConfig.sliding_window`): a block wholly before the window of the
+next token a sequence computes is given back as soon as the sequence has computed past it, and
+its table entry becomes the scratch block (which the window masks out), so a sequence holds at
+most ceil(window / block_size) + 1 blocks however long it grows. A freed block that was
+registered stays findable in the prefix cache until evicted: its keys and values still match
+its digest, so another request may share it.
+
 `rollback` cuts a sequence back to fewer cached tokens (freeing trailing blocks): speculative
 decoding (`serving.engine.speculative`) drops rejected draft tokens with it.
 """
@@ -117,11 +124,36 @@ class SlotSpace:
 
 
 class PagedSpace:
-    """Blocks from a `BlockManager`, shared through the prefix cache."""
+    """Blocks from a `BlockManager`, shared through the prefix cache.
 
-    def __init__(self, manager: BlockManager):
+    `window`: the model's widest sliding window when every layer has one (None: some layer
+    attends to the whole context, so every block is kept). Blocks are dropped only where
+    `cached` is final (`computed`, `rollback`), never after a speculative pass that a rollback
+    may still cut back.
+    """
+
+    def __init__(self, manager: BlockManager, window: int | None = None):
         self.manager = manager
         self.block_size = manager.block_size
+        self.window = window
+
+    def _held(self, blocks: list[int]) -> list[int]:
+        """The blocks of a table that a sequence holds (not the scratch of dropped ones)."""
+        return [b for b in blocks if b != SCRATCH_BLOCK]
+
+    def _drop_outside_window(self, seq: SeqState) -> None:
+        """Free the leading blocks no later query of `seq` can see (positions before
+        `seq.cached - window + 1`, the first key of its next token's window)."""
+        if self.window is None:
+            return
+        first_key = seq.cached - self.window + 1
+        dropped = []
+        for i in range(min(max(first_key, 0) // self.block_size, len(seq.blocks))):
+            if seq.blocks[i] != SCRATCH_BLOCK:
+                dropped.append(seq.blocks[i])
+                seq.blocks[i] = SCRATCH_BLOCK
+        if dropped:
+            self.manager.free(dropped, outside_window=True)
 
     def can_admit(self) -> bool:
         return True
@@ -137,6 +169,7 @@ class PagedSpace:
         self.manager.share(hits)
         seq.blocks, seq.registered = list(hits), len(hits)
         seq.cached = len(hits) * self.block_size
+        self._drop_outside_window(seq)
 
     def grow(self, seq: SeqState, n_tokens: int) -> bool:
         need = self.manager.blocks_for(n_tokens) - len(seq.blocks)
@@ -148,28 +181,34 @@ class PagedSpace:
         seq.blocks.extend(new)
         return True
 
-    def computed(self, seq: SeqState) -> None:
+    def _register_full(self, seq: SeqState) -> None:
         full = seq.cached // self.block_size
         if seq.hasher is None or full <= seq.registered:
             return
         digests = seq.hasher.update(seq.tokens)
         for i in range(seq.registered, full):
-            self.manager.register(seq.blocks[i], digests[i])
+            if seq.blocks[i] != SCRATCH_BLOCK:  # dropped from a window before it was published
+                self.manager.register(seq.blocks[i], digests[i])
         seq.registered = full
 
+    def computed(self, seq: SeqState) -> None:
+        self._register_full(seq)
+        self._drop_outside_window(seq)
+
     def release(self, seq: SeqState) -> None:
-        self.manager.free(seq.blocks)
+        self.manager.free(self._held(seq.blocks))
         seq.blocks, seq.registered = [], 0
 
     def rollback(self, seq: SeqState, n_tokens: int) -> None:
         # A registered block past the cut stays cached: its content still matches its digest.
         keep = self.manager.blocks_for(n_tokens)
-        self.manager.free(seq.blocks[keep:])
+        self.manager.free(self._held(seq.blocks[keep:]))
         del seq.blocks[keep:]
         seq.cached = min(seq.cached, n_tokens)
         seq.registered = min(seq.registered, n_tokens // self.block_size)
         if seq.hasher is not None:
             seq.hasher.truncate(n_tokens)
+        self._drop_outside_window(seq)
 
     def rows(self, seqs: list[SeqState], length: int) -> torch.Tensor:
         width = self.manager.blocks_for(length)
@@ -184,9 +223,12 @@ def kv_space_for(cache: KVCache | PagedKVCache, kv: KVCacheConfig | None, max_ba
                  ) -> tuple[KVSpace, BlockManager | None, int | None]:
     """The scheduler's view of a runner's cache: the space, the paged cache's bookkeeping (None
     for slots) and the tokens the whole pool holds (None for slots). Prefix caching follows
-    `kv.prefix_caching` (on without a config)."""
+    `kv.prefix_caching` (on without a config). A paged cache whose every layer has a sliding
+    window (`PagedKVCache.windows`) frees blocks outside it (`PagedSpace`)."""
     if not isinstance(cache, PagedKVCache):
         return SlotSpace(max_batch), None, None
     blocks = BlockManager(cache.num_blocks, cache.block_size,
                           kv.prefix_caching if kv is not None else True)
-    return PagedSpace(blocks), blocks, blocks.num_usable * cache.block_size
+    window = None if None in cache.windows else max(cache.windows)
+    return (PagedSpace(blocks, window), blocks,
+            blocks.num_usable * cache.block_size)

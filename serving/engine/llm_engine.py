@@ -209,6 +209,8 @@ class LLMEngine:
             out.update(kv_blocks_total=b.num_usable, kv_blocks_used=b.num_used,
                        kv_blocks_free=b.num_free, kv_blocks_cached=b.num_cached,
                        kv_block_evictions_total=b.evictions,
+                       kv_blocks_peak_used=b.peak_used,
+                       kv_block_window_frees_total=b.window_frees,
                        prefix_cache_queries_tokens_total=s.prefix_queried_tokens,
                        prefix_cache_hits_tokens_total=s.prefix_hit_tokens)
         out["preemptions_total"] = s.preemptions

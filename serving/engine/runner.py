@@ -156,7 +156,8 @@ class ModelRunner:
                 max_seq=self.max_seq)
             self.cache = PagedKVCache(layer_ids, num_blocks, kv.block_size, self.max_seq,
                                       local_kv_heads(c, tp), c.head_dim, self.dtype, self.device,
-                                      decode_attention=kv.decode_attention)
+                                      decode_attention=kv.decode_attention,
+                                      windows={c.layer_window(i) for i in layer_ids})
         else:
             # A static decode step pads its batches with rows that write to one more slot.
             slots = max_batch + 1 if compile_decode else max_batch

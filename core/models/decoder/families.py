@@ -26,23 +26,26 @@ def decoder_family(name: str, **differs: Any) -> Family:
 
 _LLAMA = dict(norm="rmsnorm", activation="swiglu", position="rope", rotary_fraction=1.0)
 
-GPT2 = decoder_family("gpt2", traits=dict(norm="layernorm", position="learned", bias=True))
+GPT2 = decoder_family("gpt2", traits=dict(norm="layernorm", position="learned", bias=True,
+                                          sliding_window=None))
 LLAMA = decoder_family("llama", traits=_LLAMA)
 NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation="squared_relu",
-                                                  position="rope"))
+                                                  position="rope", sliding_window=None))
 # Qwen2 / Qwen2.5: biases on q/k/v only.
 QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
-QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
+QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True,
+                                            sliding_window=None))
 # Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed.
 PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", position="rope",
-                                          bias=False, qkv_bias=False))
+                                          bias=False, qkv_bias=False, sliding_window=None))
 # OLMo-2: norms on the sublayer outputs, an RMSNorm over the whole q and k projections.
 OLMO2 = decoder_family("olmo2", traits=dict(_LLAMA, bias=False, qkv_bias=False, qk_norm=True,
-                                            qk_norm_width="projection", norm_placement="output"))
+                                            qk_norm_width="projection", norm_placement="output",
+                                            sliding_window=None))
 # Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, soft caps (Gemma2Options).
 GEMMA2 = decoder_family("gemma2", traits=dict(norm="rmsnorm1p", activation="geglu", position="rope",
                                              rotary_fraction=1.0, bias=False, qkv_bias=False,
-                                             norm_placement="sandwich"),
+                                             norm_placement="sandwich", sliding_window=None),
                         options=Gemma2Options)
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)

@@ -41,6 +41,7 @@ from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
 from tessera.core.qk_norm import HeadNorm, ProjectionNorm
 from tessera.core.rope_scaling import rotary_angles
+from tessera.core.sliding_window import causal_window_mask, in_window
 from tessera.core.softcap_attention import softcapped_attention
 from tessera.core.stage import init_stage
 
@@ -113,6 +114,7 @@ class Attention(nn.Module):
         scalar = getattr(config.options, "query_pre_attn_scalar", None)
         self.scale = None if scalar is None else float(scalar) ** -0.5
         self.softcap = getattr(config.options, "attn_logit_softcapping", None)
+        self.window = config.layer_window(layer)  # None: the whole causal context
         qkv_rows = local_shape(f"layers.{layer}.attention.wqkv.weight", config, tp)[0]
         self.wqkv = ColumnParallelLinear(config.hidden_size, qkv_rows, config.qkv_bias,
                                          groups.tp_group, sp)
@@ -137,7 +139,9 @@ class Attention(nn.Module):
                 if self.scale is not None or self.softcap is not None:
                     raise NotImplementedError("context parallelism and packed documents use "
                                               "the default score scale without a soft cap")
-                return cpar.attention(q, k, v, seq, p)
+                return cpar.attention(q, k, v, seq, p, window=self.window)
+            if mask is None and self.window is not None:
+                mask = causal_window_mask(q.shape[2], self.window, q.device)
             if self.softcap is not None:
                 scale = self.scale if self.scale is not None else self.head_dim ** -0.5
                 return softcapped_attention(q, k, v, mask, scale, self.softcap, p)
@@ -163,10 +167,13 @@ class Attention(nn.Module):
             q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None
         if cache is not None and cache.attends:  # a paged kernel reading the blocks in place
-            y = cache.attend(self.layer, q, k, v, positions, slots)
+            y = cache.attend(self.layer, q, k, v, positions, slots, self.window)
         else:
             if cache is not None:
                 k, v, mask = cache.update(self.layer, k, v, positions, slots)
+                if self.window is not None:  # cached keys sit at their positions 0..L-1
+                    key_pos = torch.arange(k.shape[2], device=k.device)
+                    mask = mask & in_window(positions, key_pos, self.window).unsqueeze(1)
             if self.selective_recompute and self.training and torch.is_grad_enabled():
                 y = recompute(self._core, q, k, v, mask, seq)
             else:

@@ -109,9 +109,6 @@ def test_peft_lora_round_trips(imported, tmp_path):
 
 
 @pytest.mark.parametrize("name, change, message", [
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]},
-     "layer_types holds ['sliding_attention']; only 'full_attention'"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported (supported: 'silu')"),
     ("qwen2", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6}},
      "rope type 'proportional' is not supported"),
