@@ -20,7 +20,7 @@ BENCHES = ["bench_async_save", "bench_compile", "bench_convert", "bench_convert_
            "bench_memory", "bench_mm_layout", "bench_moe", "bench_parallel",
            "bench_serving_paged", "bench_speculative", "bench_structured", "bench_train",
            "bench_tune", "gpu_check",
-           "serve_load"]
+           "serve_check", "serve_load"]
 
 # Every script's `--help` in one interpreter: one torch import instead of one per script.
 _HELP = """

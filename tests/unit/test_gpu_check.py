@@ -26,6 +26,9 @@ def _run(tmp_path: Path, *args: str, timeout: int = 600) -> tuple[subprocess.Com
     return out, report
 
 
+# Every stage in turn: a minute and a half on 2 cores, so `make test-slow` runs it; the stage
+# machinery itself is checked in the default run by the out-of-time case below.
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # as the run's own limit: minutes of stages on a busy 2-core CPU
 def test_cpu_tiny_check_measures_every_stage_and_reports(tmp_path):
     out, report = _run(tmp_path, "--stages", "env", "tests", "calibrate", "train", "loss",

@@ -56,6 +56,7 @@ def _compile(capability: str, cache_dir: str) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow  # two cold Inductor compiles (40 s here): `make test-slow` runs it
 def test_each_cpu_isa_compiles_its_own_kernels(tmp_path):
     vectorised = _vectorised_capability()
     cache = str(tmp_path / "inductor")
