@@ -47,6 +47,9 @@ def uninterrupted(tiny, tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
+# Every seed runs under `make test-slow` (50 s each on 2 cores); the launcher's restart
+# decisions are unit-tested in tests/unit/core/test_launch.py in the default run.
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow),
                                   pytest.param(2, marks=pytest.mark.slow)])
 def test_a_killed_rank_restarts_and_ends_as_an_uninterrupted_run(tiny, uninterrupted, tmp_path,

@@ -293,7 +293,9 @@ def test_sigterm_saves_then_resume_continues(tiny, run30, tmp_path):
     assert [losses[s] for s in range(1, 31)] == [run30[s] for s in range(1, 31)]
 
 
-@pytest.mark.parametrize("mode", [(), ("--async-save",)], ids=["sync", "async"])
+# The async case also runs in the default run as test_async_save.py's kill mid-write.
+@pytest.mark.parametrize("mode", [(), pytest.param(("--async-save",), marks=pytest.mark.slow)],
+                         ids=["sync", "async"])
 def test_sigkill_while_saving_leaves_a_resumable_checkpoint(tiny, run30, tmp_path, mode):
     """Kill the run at random moments while it saves every step; every time, the latest
     checkpoint must load and the run must resume from it, ending on the uninterrupted losses."""
