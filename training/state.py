@@ -57,7 +57,7 @@ from tessera.core.checkpoint import (
 from tessera.core.fp8_recipe import Fp8Recipe
 from tessera.core.fp8_training import Fp8Training
 from tessera.core.host_copy import host_copy
-from tessera.core.parallel.random import tracker
+from tessera.core.parallel.random import load_rank_rng_states, rank_rng_states
 from tessera.core.parallel.zero import ShardedOptimizer, row_range
 from tessera.training.expert_moments import collect_expert_moments
 from tessera.training.moments import collect_moments, load_moments, optimizer_record
@@ -145,11 +145,7 @@ def prepare_training_checkpoint(run_dir: str | os.PathLike, models: list[nn.Modu
             file, tensors, meta = found
             pending.add(f"training/{file}",
                         {k: host_copy(t, copy) for k, t in tensors.items()}, meta)
-    rng = {"cpu": torch.get_rng_state()}
-    rng.update(tracker.state_tensors("tracker"))  # the CPU's, and the CUDA device's if used
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    pending.add(f"training/rng-rank{_global_rank():05d}.safetensors", rng)
+    pending.add(f"training/rng-rank{_global_rank():05d}.safetensors", rank_rng_states())
     if fp8 is not None:
         pending.add(f"training/fp8-rank{_global_rank():05d}.safetensors",
                     {k: host_copy(t, copy) for k, t in fp8.state_tensors().items()})
@@ -227,11 +223,7 @@ def load_training_checkpoint(path: Path, models: list[nn.Module],
         load_fp8_state(path, record, fp8)
     rng_file = path / "training" / f"rng-rank{_global_rank():05d}.safetensors"
     if same_layout and rng_file.is_file():
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["cpu"])
-        tracker.load_state_tensors(rng, "tracker")
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        load_rank_rng_states(load_file(str(rng_file)))
     return record
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tessera.core.parallel.groups import ParallelGroups
-from tessera.core.parallel.random import tracker
+from tessera.core.parallel.random import load_rank_rng_states, rank_rng_states
 
 RNG_FILE = "rng.safetensors"
 
@@ -29,20 +29,13 @@ def _layout(groups: ParallelGroups) -> dict[str, str]:
             "layout": f"tp{groups.tp_size} pp{groups.pp_size} cp{groups.cp_size}"}
 
 
-def _mine() -> dict[str, torch.Tensor]:
-    states = {"cpu": torch.get_rng_state(), **tracker.state_tensors("tracker")}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
 def gather_rng_states() -> dict[str, torch.Tensor] | None:
     """Every rank's RNG states, keyed `rank{r}/...`, on global rank 0; None on the other ranks.
     Collective when distributed."""
     if not dist.is_initialized():
-        return {f"rank0/{k}": v for k, v in _mine().items()}
+        return {f"rank0/{k}": v for k, v in rank_rng_states().items()}
     gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(_mine(), gathered, dst=0)
+    dist.gather_object(rank_rng_states(), gathered, dst=0)
     if gathered is None:
         return None
     return {f"rank{r}/{k}": v for r, states in enumerate(gathered) for k, v in states.items()}
@@ -67,8 +60,5 @@ def restore_rng_states(directory: Path, groups: ParallelGroups) -> bool:
         if f.metadata() != _layout(groups):
             return False
         mine = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-    torch.set_rng_state(mine["cpu"])
-    tracker.load_state_tensors(mine, "tracker")
-    if "cuda" in mine and torch.cuda.is_available():
-        torch.cuda.set_rng_state(mine["cuda"])
+    load_rank_rng_states(mine)
     return True

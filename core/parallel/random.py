@@ -111,6 +111,24 @@ class ModelParallelRNG:
 tracker = ModelParallelRNG()
 
 
+def rank_rng_states() -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensor-file entries: `cpu` (torch's default generator),
+    the tracker's (`tracker`, `tracker.cuda:N`) and `cuda` where CUDA is in use. Training and
+    tuning checkpoints store one such dict per rank."""
+    states = {"cpu": torch.get_rng_state(), **tracker.state_tensors("tracker")}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def load_rank_rng_states(states: Mapping[str, torch.Tensor]) -> None:
+    """Set this process's RNG states from `rank_rng_states()`'s entries."""
+    torch.set_rng_state(states["cpu"])
+    tracker.load_state_tensors(states, "tracker")
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
 def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     """`torch.utils.checkpoint` that also replays the model-parallel RNG on recomputation."""
     saved = tracker.get_states()
