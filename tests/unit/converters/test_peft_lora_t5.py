@@ -1,0 +1,91 @@
+"""A peft LoRA on transformers' `T5ForConditionalGeneration` round-trips through Tessera.
+
+A tiny random T5 (built locally, nothing downloaded) is imported; a `peft.LoraConfig` adapter
+trained a few steps with peft imports (`tessera convert --from peft`) as a Tessera adapter whose
+unmerged T5 gives `PeftModel`'s logits, and exports back (`--to peft`) to a directory peft loads
+with the same logits again. T5 v1.1 (gated GELU, more decoder than encoder layers) with every
+linear adapted (self- and cross-attention q/k/v/o, wi_0/wi_1, wo), and the original T5 (ReLU,
+tied and scaled output) with only q and v (parts of the fused wqkv, and the cross-attention's
+q and the v half of its wkv) and wi.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from tessera.converters.hf_io import import_hf  # noqa: E402
+from tessera.converters.peft_lora import PeftLoraError, hf_modules  # noqa: E402
+from tessera.core.lora import attach_lora  # noqa: E402
+from tessera.core.lora_format import load_adapter  # noqa: E402
+from tessera.core.models.t5.init import load_t5_checkpoint  # noqa: E402
+from tests.unit.converters.hf_family_checks import convert  # noqa: E402
+from tests.unit.converters.test_hf_t5 import ORIGINAL, V11, batch, hf_t5  # noqa: E402
+
+CASES = {"v1.1-all": (V11, ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]),
+         "original-q-v-wi": (ORIGINAL, ["q", "v", "wi"])}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def trained(request, tmp_path_factory):
+    """The HF T5, its Tessera import, and a peft LoRA trained 3 steps on it (saved)."""
+    root = tmp_path_factory.mktemp(request.param)
+    fields, targets = CASES[request.param]
+    hf_t5(fields, root / "hf")
+    import_hf(root / "hf", root / "ckpt")
+    torch.manual_seed(3)
+    model = peft.get_peft_model(
+        transformers.T5ForConditionalGeneration.from_pretrained(root / "hf").float(),
+        peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets, task_type="SEQ_2_SEQ_LM"))
+    enc, mask, dec, labels = batch()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(input_ids=enc, attention_mask=mask, decoder_input_ids=dec,
+              labels=labels).loss.backward()
+        optimizer.step()
+    model.save_pretrained(root / "trained")
+    return request.param, root
+
+
+def test_peft_lora_round_trips_with_peft_logits(trained):
+    name, root = trained
+    convert("--from", "peft", "--input", root / "trained", "--checkpoint", root / "ckpt",
+            "--output", root / "adapter")
+    convert("--to", "peft", "--input", root / "adapter", "--checkpoint", root / "ckpt",
+            "--output", root / "again")
+    assert json.loads((root / "again" / "adapter_config.json").read_text())["task_type"] == \
+        "SEQ_2_SEQ_LM"
+    adapter, tensors = load_adapter(root / "adapter")
+    cross = [m for m in adapter.modules if ".cross_attention." in m]
+    assert cross and all(m.startswith(("encoder.", "decoder.")) for m in adapter.modules)
+    ours = load_t5_checkpoint(str(root / "ckpt"))
+    attach_lora([ours], adapter, tensors=tensors)
+    enc, mask, dec, _ = batch()
+    with torch.no_grad():
+        got = ours(enc, decoder_input_ids=dec, encoder_mask=mask)
+    for directory in ("trained", "again"):
+        base = transformers.T5ForConditionalGeneration.from_pretrained(root / "hf").float()
+        reference = peft.PeftModel.from_pretrained(base, root / directory).eval()
+        with torch.no_grad():
+            want = reference(input_ids=enc, attention_mask=mask, decoder_input_ids=dec).logits
+            with reference.disable_adapter():  # the adapter must matter
+                plain = reference(input_ids=enc, attention_mask=mask,
+                                  decoder_input_ids=dec).logits
+        diff, effect = (got - want).abs().max().item(), (plain - want).abs().max().item()
+        assert diff <= 1e-4 and effect > 1e-3, (name, directory, diff, effect)
+
+
+def test_t5_modules_map_onto_hf_modules_and_norms_are_refused(trained):
+    name, root = trained
+    config = load_t5_checkpoint(str(root / "ckpt")).config
+    assert hf_modules(config, "decoder.layers.1.cross_attention.wkv") == [
+        ("decoder.block.1.layer.1.EncDecAttention.k", 32),
+        ("decoder.block.1.layer.1.EncDecAttention.v", 32)]
+    with pytest.raises(PeftLoraError, match="encoder.layers.0.ffn_norm is not a linear layer"):
+        hf_modules(config, "encoder.layers.0.ffn_norm")
