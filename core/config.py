@@ -555,8 +555,23 @@ def _layout_problems(
             out.append(f"each cp rank's {seq_len // lay.cp} tokens (sequence length {seq_len} / "
                        f"cp {lay.cp}) do not split over tp {lay.tp} (sequence parallel); use a "
                        f"sequence length that is a multiple of {lay.tp * 2 * lay.cp}")
+    if lay.cp > 1:
+        out += _cp_attention_problems(model, lay.cp)
     out += expert_layout_problems(lay, model)  # expert parallelism
     return out
+
+
+def _cp_attention_problems(model: ModelConfig, cp: int) -> list[str]:
+    """The context parallel attention (`parallel.context_parallel.attention`) scores with
+    1 / sqrt(head_dim), uncapped: a model with another score scale or a soft cap refuses cp."""
+    fields = {f: getattr(model.options, f, None)
+              for f in ("query_pre_attn_scalar", "attn_logit_softcapping")}
+    named = ", ".join(f"{f}={v}" for f, v in fields.items() if v is not None)
+    if not named:
+        return []
+    return [f"cp {cp}: context parallel attention scores with 1 / sqrt(head_dim) and no soft "
+            f"cap, but the model sets {named}; use cp 1 (tp, sequence parallelism and pp hold "
+            "this model)"]
 
 
 def _kv_head_problems(model: ModelConfig, tp: int) -> list[str]:

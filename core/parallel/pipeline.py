@@ -193,15 +193,6 @@ def context_parallel_problems(
                    f"{model.sliding_window}; use a fixed cp (cp_dynamic off)")
     if layout.cp <= 1:
         return out + _dynamic_cp_problems(layout, schedule)
-    # The cp attention (`context_parallel.attention`) scores with 1 / sqrt(head_dim), uncapped.
-    unsupported = {f: getattr(model.options, f, None)
-                   for f in ("query_pre_attn_scalar", "attn_logit_softcapping")}
-    unsupported = {f: v for f, v in unsupported.items() if v is not None}
-    if unsupported:
-        fields = ", ".join(f"{f}={v}" for f, v in unsupported.items())
-        out.append(f"cp {layout.cp}: context parallel attention scores with 1 / sqrt(head_dim) "
-                   f"and no soft cap, but the model sets {fields}; use cp 1 (tp, sequence "
-                   "parallelism and pp hold this model)")
     if layout.pp > 1 and schedule.schedule in SPLIT_BACKWARD_SCHEDULES:
         out.append(f"cp {layout.cp} with schedule {schedule.schedule!r}: the split-backward "
                    "(zero-bubble) schedules are not checked with context parallelism yet; use "

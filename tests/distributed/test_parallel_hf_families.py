@@ -5,13 +5,13 @@ and its tied output, Phi-3's partial rotary, Qwen2-MoE's biases with a shared ex
 with llama3 and yarn rope scaling past an original length shorter than the sequence.
 
 OLMo-2, Gemma 2 (test_parallel_olmo2_gemma2) and Mistral's window (test_sliding_window_parallel)
-are covered there; Gemma 2's soft caps refuse context parallelism (test below)."""
+are covered there; Gemma 2's score scale and soft caps refuse context parallelism
+(tests/unit/core/test_config_validation.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tessera.core.config import Layout, ModelConfig
 from tests.distributed._parity import Case, check_case, spawn_cases
 
 GQA = {"num_kv_heads": 2}
@@ -42,22 +42,3 @@ def test_family_on_2_ranks_matches_single_process(case, results):
     diffs = check_case(case, results[case.name])
     print(case.name, diffs)
 
-
-@pytest.mark.parametrize("option, value", [("attn_logit_softcapping", 50.0),
-                                           ("query_pre_attn_scalar", 256)])
-def test_gemma2_attention_refuses_context_parallelism_by_field(option, value):
-    """Gemma 2's score scale and soft cap are not in the cp attention: a cp layout is refused
-    before anything is built, naming the field and its value; cp 1 is accepted."""
-    from tessera.core.config import ConfigError, TrainSchedule
-    from tessera.core.models.decoder.gemma_options import Gemma2Options
-    from tessera.core.parallel.pipeline import validate_training
-
-    options = Gemma2Options(**{"query_pre_attn_scalar": None, "attn_logit_softcapping": None,
-                               option: value})
-    gemma2 = ModelConfig.from_name("llama-tiny", family="gemma2", norm="rmsnorm1p",
-                                   activation="geglu", norm_placement="sandwich",
-                                   options=options)
-    with pytest.raises(ConfigError, match=rf"cp 2: .*{option}={value}; use cp 1"):
-        validate_training(gemma2, Layout(cp=2), TrainSchedule(), world_size=2)
-    validate_training(gemma2, Layout(tp=2, sequence_parallel=True), TrainSchedule(),
-                      world_size=2)
