@@ -123,3 +123,20 @@ def test_gemma2_attention_refuses_context_parallelism_by_field(option, value):
         validate_training(gemma2, Layout(cp=2), TrainSchedule(), world_size=2)
     validate_training(gemma2, Layout(tp=2, sequence_parallel=True), TrainSchedule(),
                       world_size=2)
+
+
+def test_gemma2_attention_refuses_isolated_documents_in_pretraining(tmp_path):
+    """Packed documents kept apart run the same attention as cp: refused before any data is
+    read, naming the field."""
+    from tessera.training.config import load_config
+    from tessera.training.objectives import check_objective
+    from tessera.training.run_plan import resolve_plan
+
+    argv = ["--data", str(tmp_path / "none"), "--model", "gemma2-2b", "--seq-len", "64",
+            "--global-batch", "2"]
+    cfg, _ = load_config([*argv, "--isolate-documents", "true"])
+    with pytest.raises(ConfigError, match=r"--isolate-documents: .*query_pre_attn_scalar=256, "
+                                          r"attn_logit_softcapping=50.0; train without it"):
+        check_objective(resolve_plan(cfg, 1))
+    cfg, _ = load_config(argv)
+    check_objective(resolve_plan(cfg, 1))

@@ -146,3 +146,16 @@ def test_tuned_family_trains_and_serves(family_base, method, tmp_path):
         assert got == full_forward_greedy(reference, context, 6)[0], (name, method)
         # The tuned prompts / adapter matter: the bare base continues otherwise.
         assert got != full_forward_greedy(load_checkpoint(base).eval(), context, 6)[0]
+
+
+@pytest.mark.parametrize("family_base", ["gemma2"], indirect=True)
+def test_packing_a_gemma2_base_is_refused_by_field(family_base, tmp_path):
+    """Packed rows run the packed-document attention, which has no soft cap: refused before
+    anything is built, naming the field."""
+    from tessera.core.config import ConfigError
+
+    _, base, train = family_base
+    cfg, _ = load_config(tune_argv(base, tmp_path / "run", train, None, "--method", "lora",
+                                   "--pack", "true"))
+    with pytest.raises(ConfigError, match=r"--pack: .*attn_logit_softcapping=2.0; tune without"):
+        prepare_inputs(cfg, train=cfg.tune.data)
