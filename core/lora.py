@@ -105,7 +105,7 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
                    else "")
             raise AdapterError(f"LoRA target {item!r} matches no module of this model (its "
                                f"modules are {modules[0]} ... {modules[-1]}: layers.N."
-                               f"{{{', '.join(SHORT_NAMES.values())}}}){moe}; targets are "
+                               f"{{{', '.join(dict.fromkeys(map(_in_layer, modules)))}}}){moe}; targets are "
                                f"{TARGETS_HELP}")
         chosen.update(matched)
     return tuple(m for m in modules if m in chosen)

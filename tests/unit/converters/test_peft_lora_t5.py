@@ -89,3 +89,21 @@ def test_t5_modules_map_onto_hf_modules_and_norms_are_refused(trained):
         ("decoder.block.1.layer.1.EncDecAttention.v", 32)]
     with pytest.raises(PeftLoraError, match="encoder.layers.0.ffn_norm is not a linear layer"):
         hf_modules(config, "encoder.layers.0.ffn_norm")
+
+
+def test_lora_targets_name_t5_modules_inside_their_blocks():
+    """`--lora-targets` short names and patterns match a T5 module by its name inside the
+    block, in both stacks; the error for no match lists T5's own block modules."""
+    from tessera.core.config import ModelConfig
+    from tessera.core.lora import resolve_targets
+    from tessera.core.lora_format import AdapterError
+
+    config = ModelConfig.from_name("t5-tiny", num_layers=2, options={"num_decoder_layers": 1})
+    assert resolve_targets("qkv", config) == ("encoder.layers.0.attention.wqkv",
+                                              "encoder.layers.1.attention.wqkv",
+                                              "decoder.layers.0.attention.wqkv")
+    assert resolve_targets(r"cross_attention\.w.*", config) == (
+        "decoder.layers.0.cross_attention.wq", "decoder.layers.0.cross_attention.wkv",
+        "decoder.layers.0.cross_attention.wo")
+    with pytest.raises(AdapterError, match=r"layers\.N\.\{.*cross_attention\.wkv"):
+        resolve_targets("q_proj", config)
