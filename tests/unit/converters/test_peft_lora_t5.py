@@ -107,3 +107,29 @@ def test_lora_targets_name_t5_modules_inside_their_blocks():
         "decoder.layers.0.cross_attention.wo")
     with pytest.raises(AdapterError, match=r"layers\.N\.\{.*cross_attention\.wkv"):
         resolve_targets("q_proj", config)
+
+
+def test_each_tp2_rank_holds_its_shard_of_the_merged_t5_weight():
+    """The tp rule of every T5 LoRA module (`sharding.shard_spec` on its factors): a rank's
+    factors merged into its weight shard give that rank's shard of the merged global weight
+    (q/k/v and cross k/v cut per head in each part, wo / w2 by input columns)."""
+    from tessera.core.config import ModelConfig
+    from tessera.core.lora import adaptable_modules
+    from tessera.core.lora_format import lora_names, merge_weight
+    from tessera.core.parallel.sharding import global_param_shapes, shard_tensor
+
+    config = ModelConfig.from_name("t5-tiny", num_layers=1)
+    shapes, gen = global_param_shapes(config), torch.Generator().manual_seed(0)
+    for module in adaptable_modules(config):
+        rows, cols = shapes[f"{module}.weight"]
+        full = {f"{module}.weight": torch.randn(rows, cols, generator=gen)}
+        a_name, b_name = lora_names(module)
+        full[a_name], full[b_name] = (torch.randn(3, cols, generator=gen),
+                                      torch.randn(rows, 3, generator=gen))
+        merged = merge_weight(*(full[n] for n in (f"{module}.weight", a_name, b_name)), 0.5)
+        for rank in range(2):
+            w, a, b = (shard_tensor(n, full[n], config, rank, 2)
+                       for n in (f"{module}.weight", a_name, b_name))
+            torch.testing.assert_close(
+                merge_weight(w, a, b, 0.5),
+                shard_tensor(f"{module}.weight", merged, config, rank, 2))
