@@ -2,7 +2,7 @@
 loss and every gradient of one process (`_parity`), each family's traits on the tiny Llama shape
 (4 heads, 2 kv heads: each tp2 rank holds one): Qwen2's q/k/v-only biases split with their heads
 and its tied output, Phi-3's partial rotary, Qwen2-MoE's biases with a shared expert, and Llama
-with llama3 and yarn rope scaling past an original length shorter than the sequence.
+with llama3, yarn, longrope and dynamic rope scaling past a length shorter than the sequence.
 
 OLMo-2, Gemma 2 (test_parallel_olmo2_gemma2) and Mistral's window (test_sliding_window_parallel)
 are covered there; Gemma 2's score scale and soft caps refuse context parallelism
@@ -25,8 +25,15 @@ LLAMA3 = {**GQA, "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_fac
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}
 YARN = {**GQA, "rope_scaling": {"type": "yarn", "factor": 4.0,
                                 "original_max_position_embeddings": 8}}
+# Frequencies chosen by the sequence length (longrope past its original length, dynamic NTK
+# past max_position_embeddings): every cp rank must choose by the whole sequence.
+LONGROPE = {**GQA, "rope_scaling": {"type": "longrope", "original_max_position_embeddings": 8,
+                                    "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                    "long_factor": [1.0, 2.5, 5.0, 9.0]}}
+DYNAMIC = {**GQA, "max_position_embeddings": 8, "rope_scaling": {"type": "dynamic",
+                                                                  "factor": 4.0}}
 FAMILIES = {"qwen2": QWEN2, "phi3": PHI3, "qwen2_moe": QWEN2_MOE, "llama3-rope": LLAMA3,
-            "yarn-rope": YARN}
+            "yarn-rope": YARN, "longrope": LONGROPE, "dynamic-rope": DYNAMIC}
 LAYOUTS = {"tp2-sp": {"tp": 2, "sequence_parallel": True}, "cp2": {"cp": 2}}
 CASES = [Case(f"{family}-{layout}", "llama-tiny", parallel, model=model, batch=4)
          for family, model in FAMILIES.items() for layout, parallel in LAYOUTS.items()]
