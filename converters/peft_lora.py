@@ -99,8 +99,10 @@ def _linear_map(config: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 def hf_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:
-    """The HF modules (full names in the *ForCausalLM) that Tessera `module` is made of, with
-    the number of B's rows each takes, in row order."""
+    """The HF modules (full names in the *ForCausalLM or T5ForConditionalGeneration) that
+    Tessera `module` is made of, with the number of B's rows each takes, in row order."""
+    if _listed_by_pairs(config):
+        return _paired_modules(config, module)
     m = _LAYER_MODULE.match(module)
     if not m or m.group(2) not in LORA_LINEARS or int(m.group(1)) >= config.num_layers:
         raise PeftLoraError(f"{module} is not a linear layer of this {config.num_layers}-layer "
@@ -113,6 +115,28 @@ def hf_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:
     parts = shard_spec(f"{module}.weight", config).parts
     rows = list(parts) if len(targets) > 1 else [global_param_shapes(config)[f"{module}.weight"][0]]
     return [(t.format(layer), r) for t, r in zip(targets, rows, strict=True)]
+
+
+def _listed_by_pairs(config: ModelConfig) -> bool:
+    """Whether the family lists its HF tensors (`HfFamily.pairs`) instead of a name map (T5)."""
+    try:
+        return hf_family(config.family).name_map is None
+    except ConversionError as exc:
+        raise PeftLoraError(str(exc)) from None
+
+
+def _paired_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:
+    """`hf_modules` from the family's tensor listing (the HF tensors a weight is stacked from)."""
+    modules = adaptable_modules(config)
+    if module not in modules:
+        raise PeftLoraError(f"{module} is not a linear layer LoRA adapts in this "
+                            f"{config.family} model; its LoRA modules are {modules[0]} ... "
+                            f"{modules[-1]}")
+    pairs = dict(hf_family(config.family).tensor_pairs(config))[f"{module}.weight"]
+    targets = [name.removesuffix(".weight") for name, _ in pairs]
+    parts = shard_spec(f"{module}.weight", config).parts
+    rows = list(parts) if len(targets) > 1 else [global_param_shapes(config)[f"{module}.weight"][0]]
+    return list(zip(targets, rows, strict=True))
 
 
 def _hf_index(config: ModelConfig) -> dict[str, tuple[str, int]]:
@@ -128,6 +152,8 @@ def _target_names(config: ModelConfig, modules: list[str]) -> list[str]:
     """PEFT `target_modules` matching exactly `modules` (HF names): the short leaf names (with
     their parent where a leaf alone is ambiguous, GPT-2's `attn.c_proj` / `mlp.c_proj`) when
     every layer has the same set, else the full names."""
+    if _listed_by_pairs(config):  # no per-layer patterns: each module by its full name
+        return sorted(modules)
     patterns = [t for ts in _linear_map(config).values() for t in ts]
     last = [p.rsplit(".", 1)[-1] for p in patterns]
     short = {p: (leaf if last.count(leaf) == 1 else ".".join(p.rsplit(".", 2)[-2:]))
@@ -178,7 +204,7 @@ def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLi
     check_base(adapter, fingerprint, base_checkpoint)
     config = read_manifest(base_checkpoint).model
     try:
-        config_to_hf(config)  # a base with no HF equivalent has no PEFT adapter either
+        hf_config = config_to_hf(config)  # a base with no HF equivalent has no PEFT adapter
     except ConversionError as exc:
         raise PeftLoraError(str(exc)) from None
     out: dict[str, torch.Tensor] = {}
@@ -199,7 +225,8 @@ def export_peft(adapter_dir: str | os.PathLike, base_checkpoint: str | os.PathLi
     # Full module names as pattern keys: peft matches `(.*\.)?(KEY)$`, so each hits one module.
     rank_pattern = {n: r for n, r in ranks.items() if r != adapter.rank}
     peft_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": hf_model,
+        "peft_type": "LORA", "base_model_name_or_path": hf_model,
+        "task_type": "SEQ_2_SEQ_LM" if hf_config.get("is_encoder_decoder") else "CAUSAL_LM",
         "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": adapter.dropout,
         "target_modules": _target_names(config, list(ranks)),
         "rank_pattern": rank_pattern,

@@ -555,8 +555,25 @@ def _layout_problems(
             out.append(f"each cp rank's {seq_len // lay.cp} tokens (sequence length {seq_len} / "
                        f"cp {lay.cp}) do not split over tp {lay.tp} (sequence parallel); use a "
                        f"sequence length that is a multiple of {lay.tp * 2 * lay.cp}")
+    if lay.cp > 1:
+        out += packed_attention_problems(
+            model, f"cp {lay.cp}", "use cp 1 (tp, sequence parallelism and pp hold this model)")
     out += expert_layout_problems(lay, model)  # expert parallelism
     return out
+
+
+def packed_attention_problems(model: ModelConfig, what: str, instead: str) -> list[str]:
+    """Why `what` (context parallelism, packed documents) cannot run `model`, with `instead` as
+    the fix: the attention over cp chunks or packed documents
+    (`parallel.context_parallel.attention`) scores with 1 / sqrt(head_dim), uncapped, so a
+    model with another score scale or a soft cap (Gemma 2's options) is refused."""
+    fields = {f: getattr(model.options, f, None)
+              for f in ("query_pre_attn_scalar", "attn_logit_softcapping")}
+    named = ", ".join(f"{f}={v}" for f, v in fields.items() if v is not None)
+    if not named:
+        return []
+    return [f"{what}: the attention over context-parallel chunks and packed documents scores "
+            f"with 1 / sqrt(head_dim) and no soft cap, but the model sets {named}; {instead}"]
 
 
 def _kv_head_problems(model: ModelConfig, tp: int) -> list[str]:

@@ -46,6 +46,7 @@ from torch import nn
 
 from tessera.core.config import ModelConfig
 from tessera.core.lora_format import AdapterConfig, AdapterError, lora_names, merge_weight
+from tessera.core.models.registry import family as model_family
 from tessera.core.moe.shapes import is_moe_layer
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import ParallelLinear
@@ -59,11 +60,17 @@ TARGETS_HELP = ("comma-separated: qkv, wo, w1, w2 (in every layer), attention (q
                 "(w1,w2), all, or a regular expression matched against the whole module name "
                 r"or the name after `layers.N.` (e.g. 'layers\.[01]\.attention\.wqkv')")
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.weight$")
+_IN_LAYER = re.compile(r"^(?:\w+\.)?layers\.\d+\.")
 
 
 def adaptable_modules(config: ModelConfig) -> list[str]:
-    """Every module LoRA may target, in model order: each block's qkv, wo, w1 and w2 (not w1 /
-    w2 of Mixture-of-Experts layers, whose experts are grouped weights, not linear layers)."""
+    """Every module LoRA may target, in model order: the family's `lora_modules` (T5: every
+    linear of its encoder and decoder blocks), by default each block's qkv, wo, w1 and w2 (not
+    w1 / w2 of Mixture-of-Experts layers, whose experts are grouped weights, not linear
+    layers)."""
+    own = model_family(config).lora_modules
+    if own is not None:
+        return list(own(config))
     return [f"layers.{i}.{m}" for i in range(config.num_layers) for m in SHORT_NAMES.values()
             if not (m.startswith("feed_forward.") and is_moe_layer(config, i))]
 
@@ -83,7 +90,7 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
     for item in items:
         if item in GROUP_NAMES or item in SHORT_NAMES:
             suffixes = {SHORT_NAMES[s] for s in GROUP_NAMES.get(item, (item,))}
-            matched = [m for m in modules if m.split(".", 2)[2] in suffixes]
+            matched = [m for m in modules if _in_layer(m) in suffixes]
         else:
             try:
                 pattern = re.compile(item)
@@ -91,17 +98,23 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
                 raise AdapterError(f"LoRA target {item!r} is not a valid regular expression "
                                    f"({exc}); targets are {TARGETS_HELP}") from exc
             matched = [m for m in modules
-                       if pattern.fullmatch(m) or pattern.fullmatch(m.split(".", 2)[2])]
+                       if pattern.fullmatch(m) or pattern.fullmatch(_in_layer(m))]
         if not matched:
             moe = (" (the Mixture-of-Experts layers have no w1 / w2: their experts are grouped "
                    "weights LoRA does not adapt; target the attention)" if config.moe.num_experts
                    else "")
             raise AdapterError(f"LoRA target {item!r} matches no module of this model (its "
                                f"modules are {modules[0]} ... {modules[-1]}: layers.N."
-                               f"{{{', '.join(SHORT_NAMES.values())}}}){moe}; targets are "
+                               f"{{{', '.join(dict.fromkeys(map(_in_layer, modules)))}}}){moe}; targets are "
                                f"{TARGETS_HELP}")
         chosen.update(matched)
     return tuple(m for m in modules if m in chosen)
+
+
+def _in_layer(module: str) -> str:
+    """The module's name inside its block: `attention.wqkv` of `layers.3.attention.wqkv` (or
+    of T5's `decoder.layers.3.attention.wqkv`)."""
+    return _IN_LAYER.sub("", module, count=1)
 
 
 def is_lora_parameter(name: str) -> bool:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tessera.core.config import ConfigError, ModelConfig
+from tessera.core.config import ConfigError, ModelConfig, packed_attention_problems
 from tessera.core.models.family import import_named
 from tessera.core.models.registry import family as model_family
 
@@ -103,9 +103,16 @@ def _gpt_datasets(plan: RunPlan) -> tuple[Any, Any]:
     return train_ds, valid_ds
 
 
+def _causal_lm_problems(plan: RunPlan) -> list[str]:
+    """Isolated documents run the packed-document attention, which not every model can use."""
+    if not plan.data.isolate_documents:
+        return []
+    return packed_attention_problems(plan.model, "--isolate-documents", "train without it")
+
+
 CAUSAL_LM = Objective(
     name="causal-lm",
-    problems=lambda plan: [],
+    problems=_causal_lm_problems,
     model_vocab=lambda data_vocab, set_vocab: data_vocab,
     datasets=_gpt_datasets,
     split_batch=lambda batch: (batch["tokens"], batch["labels"], {}),

@@ -41,7 +41,7 @@ from tessera.core.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from tessera.core.config import ConfigError, ModelConfig
+from tessera.core.config import ConfigError, ModelConfig, packed_attention_problems
 from tessera.core.flops import model_flops_per_token
 from tessera.core.lora import (
     attach_lora,
@@ -154,6 +154,9 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
     require_decoder(model, "prompt tuning (and LoRA tuning)")  # BERT: no generation to tune
+    refused = packed_attention_problems(model, "--pack", "tune without --pack") if t.pack else []
+    if refused:
+        raise ConfigError(refused[0])
     lora = t.method == "lora"
     no_virtual = t.method in ("lora", "full")
     modules: tuple[str, ...] = ()

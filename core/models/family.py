@@ -95,6 +95,8 @@ class Family:
     - `options`: the dataclass of what only this family's configs say (`ModelConfig.options`,
       e.g. `T5Options`), built with its defaults when a config gives none; None: the family has
       no options. It must import without torch, like the family module.
+    - `lora_modules(config)`: every linear module name LoRA may adapt, in model order
+      (`core.lora.adaptable_modules`); None: each decoder block's qkv, wo, w1 and w2.
     - `transformer_engine`: whether `build_model(backend="auto" | "te")` may swap its linears
       for Transformer Engine's.
     """
@@ -112,6 +114,7 @@ class Family:
     traits: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     norm: Lazy | None = None
     norm_shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+    lora_modules: Callable[[Any], list[str]] | None = None
     transformer_engine: bool = True
     options: type | None = None
 

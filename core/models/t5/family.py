@@ -27,6 +27,7 @@ T5 = Family(
     layout_problems=t5_layout_problems,  # encoder and decoder share out the stages
     objective="span-corruption",
     traits=MappingProxyType(dict(norm="rmsnorm", position="relative", bias=False)),
+    lora_modules=Lazy(f"{_HERE}.sharding:t5_lora_modules"),
     transformer_engine=False,
     options=T5Options,
 )

@@ -62,6 +62,17 @@ def t5_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_LINEARS = ("attention.wqkv", "attention.wo", "cross_attention.wq", "cross_attention.wkv",
+            "cross_attention.wo", "feed_forward.w1", "feed_forward.w2")
+
+
+def t5_lora_modules(config: ModelConfig) -> list[str]:
+    """Every linear layer of the encoder and decoder blocks (the modules LoRA may adapt), in
+    model order: `{encoder,decoder}.layers.N.attention.wqkv`, ..., `feed_forward.w2`."""
+    modules = (n.removesuffix(".weight") for n in t5_param_shapes(config))
+    return [m for m in modules if ".layers." in m and m.split(".", 3)[-1] in _LINEARS]
+
+
 def t5_shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     """How the global T5 parameter `name` is split over the tensor-parallel group."""
     if name in ("tok_embeddings.weight", "output.weight"):

@@ -5,9 +5,9 @@ Tiny random models built from a config (nothing downloaded): imported logits wit
 for a 40-token prompt under a window of 8; greedy serving equal to `generate` for 20 tokens past
 the window with the slot cache, the paged cache (gather and flex kernels) and the static,
 bucketed decode step, also with prefix reuse and speculative decoding; the export giving the
-same config and logits; a tp2 reshard keeping them; a long generation holding at most
-ceil(window / block_size) + 1 KV blocks; and the window fields Tessera cannot honour refused by
-name.
+same config and logits; a tp2 reshard keeping them; a peft LoRA round-trip past Mistral's
+window; a long generation holding at most ceil(window / block_size) + 1 KV blocks; and the
+window fields Tessera cannot honour refused by name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.converters.hf_mapping import ConversionError, config_from_hf  # noqa: E402
@@ -116,6 +117,14 @@ def test_tp2_reshard_keeps_the_window_and_logits(imported, tmp_path):
     _, _, root = imported
     check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 40))
     assert load_checkpoint(tmp_path / "tp2").config.sliding_window == WINDOW
+
+
+@pytest.mark.parametrize("imported", ["mistral"], indirect=True)
+def test_peft_lora_round_trips_past_the_window(imported, tmp_path):
+    name, hf_model, root = imported
+    check.peft_round_trip(root / "hf", root / "ckpt", tmp_path,
+                          ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"], check.ids(VOCAB, 24, batch=2), transformers, peft)
 
 
 def test_long_generation_holds_only_the_window_blocks(tmp_path):

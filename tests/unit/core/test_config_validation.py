@@ -1,5 +1,7 @@
 """Every invalid layout raises a ConfigError that names the numbers and the fix."""
 
+import re
+
 import pytest
 
 from tessera.core import ConfigError, Layout, ModelConfig, TrainSchedule
@@ -100,3 +102,41 @@ def test_presets_round_trip_and_real_sizes():
     assert abs(num_parameters(ModelConfig.from_name("gpt2-124m")) / 1e6 - 124.4) < 0.5
     assert abs(num_parameters(ModelConfig.from_name("llama2-7b")) / 1e9 - 6.74) < 0.01
     assert abs(num_parameters(ModelConfig.from_name("llama3-8b")) / 1e9 - 8.03) < 0.01
+
+
+@pytest.mark.parametrize("option, value", [("attn_logit_softcapping", 50.0),
+                                           ("query_pre_attn_scalar", 256)])
+def test_gemma2_attention_refuses_context_parallelism_by_field(option, value):
+    """Gemma 2's score scale and soft cap are not in the cp attention: a cp layout is refused
+    (by `Layout.problems`, so the planner skips it too, and before a run builds anything),
+    naming the field and its value; tp with sequence parallelism is accepted."""
+    from tessera.core.models.decoder.gemma_options import Gemma2Options
+
+    options = Gemma2Options(**{"query_pre_attn_scalar": None, "attn_logit_softcapping": None,
+                               option: value})
+    gemma2 = ModelConfig.from_name("llama-tiny", family="gemma2", norm="rmsnorm1p",
+                                   activation="geglu", norm_placement="sandwich",
+                                   options=options)
+    message = rf"cp 2: .*{option}={value}; use cp 1"
+    assert any(re.search(message, p) for p in Layout(cp=2).problems(gemma2, seq_len=16))
+    with pytest.raises(ConfigError, match=message):
+        validate_training(gemma2, Layout(cp=2), TrainSchedule(), world_size=2)
+    validate_training(gemma2, Layout(tp=2, sequence_parallel=True), TrainSchedule(),
+                      world_size=2)
+
+
+def test_gemma2_attention_refuses_isolated_documents_in_pretraining(tmp_path):
+    """Packed documents kept apart run the same attention as cp: refused before any data is
+    read, naming the field."""
+    from tessera.training.config import load_config
+    from tessera.training.objectives import check_objective
+    from tessera.training.run_plan import resolve_plan
+
+    argv = ["--data", str(tmp_path / "none"), "--model", "gemma2-2b", "--seq-len", "64",
+            "--global-batch", "2"]
+    cfg, _ = load_config([*argv, "--isolate-documents", "true"])
+    with pytest.raises(ConfigError, match=r"--isolate-documents: .*query_pre_attn_scalar=256, "
+                                          r"attn_logit_softcapping=50.0; train without it"):
+        check_objective(resolve_plan(cfg, 1))
+    cfg, _ = load_config(argv)
+    check_objective(resolve_plan(cfg, 1))
