@@ -72,6 +72,10 @@ class ModelConfig:
     sliding_window: int | None = None
     # The layers the window applies to (Qwen2's `max_window_layers`); None: every layer.
     sliding_window_layers: tuple[int, ...] | None = None
+    # The RoPE base of the windowed layers (Gemma 3's local layers): they rotate with plain,
+    # unscaled RoPE of this base while the others keep `rope_theta` and `rope_scaling`.
+    # None: every layer rotates alike.
+    sliding_window_rope_theta: float | None = None
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
@@ -116,9 +120,11 @@ class ModelConfig:
         if problems:
             raise ConfigError(f"a family {self.family!r} model cannot take "
                               + "; ".join(problems))
-        if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
-            raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
-                              f"not {self.norm!r}")
+        if self.qk_norm and (self.norm, self.qk_norm_width) not in (  # core.qk_norm
+                ("rmsnorm", "head"), ("rmsnorm", "projection"), ("rmsnorm1p", "head")):
+            raise ConfigError(f"qk_norm is an RMSNorm of q and k; it needs norm='rmsnorm' (or "
+                              f"'rmsnorm1p' with qk_norm_width='head'), not norm={self.norm!r} "
+                              f"with qk_norm_width={self.qk_norm_width!r}")
         if self.qk_norm_width not in ("head", "projection"):
             raise ConfigError(f"qk_norm_width must be 'head' or 'projection', not "
                               f"{self.qk_norm_width!r}")
@@ -138,10 +144,15 @@ class ModelConfig:
         if self.sliding_window_layers is not None:
             self.sliding_window_layers = tuple(int(i) for i in self.sliding_window_layers)
         if self.sliding_window is None:
-            if self.sliding_window_layers is not None:
-                raise ConfigError(f"sliding_window_layers={list(self.sliding_window_layers)} "
-                                  "needs a sliding_window; set one or drop the layers")
+            for name in ("sliding_window_layers", "sliding_window_rope_theta"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name}={getattr(self, name)!r} needs a sliding_window; "
+                                      "set one or drop it")
             return
+        if self.sliding_window_rope_theta is not None and (
+                self.position != "rope" or not self.sliding_window_rope_theta > 0):
+            raise ConfigError(f"sliding_window_rope_theta={self.sliding_window_rope_theta!r} "
+                              f"needs position='rope' (got {self.position!r}) and a base > 0")
         if isinstance(self.sliding_window, bool) or int(self.sliding_window) < 1:
             raise ConfigError(f"sliding_window={self.sliding_window!r} must be a positive number "
                               "of tokens (or None for the whole causal context)")
