@@ -333,15 +333,26 @@ PRESETS["olmo2-1b"] = {
     "num_heads": 16, "ffn_hidden_size": 8192, "max_position_embeddings": 4096,
     "rope_theta": 500000.0, "norm_eps": 1e-6, "qk_norm": True, "qk_norm_width": "projection",
     "norm_placement": "output"}
-# Gemma 2 2B (its config.json): its 4096-token sliding windows are not modelled (Tessera attends
-# to the whole context), which changes neither the parameters nor the memory plan's weights.
+# Gemma 2 2B (its config.json): 4096-token sliding windows on every other layer from the first.
 PRESETS["gemma2-2b"] = {
     "family": "gemma2", "norm": "rmsnorm1p", "activation": "geglu", "position": "rope",
     "bias": False, "tied_embeddings": True, "norm_placement": "sandwich", "vocab_size": 256000,
     "hidden_size": 2304, "num_layers": 26, "num_heads": 8, "num_kv_heads": 4, "head_dim": 256,
     "ffn_hidden_size": 9216, "max_position_embeddings": 8192, "norm_eps": 1e-6,
+    "sliding_window": 4096, "sliding_window_layers": tuple(range(0, 26, 2)),
     "options": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                     final_logit_softcapping=30.0)}
+# Gemma 3 1B (google/gemma-3-1b-pt's config.json): 512-token windows on five of every six
+# layers, which rotate at base 10000; the global layers (5, 11, 17, 23) at 1000000.
+PRESETS["gemma3-1b"] = {
+    "family": "gemma3", "norm": "rmsnorm1p", "activation": "geglu", "position": "rope",
+    "bias": False, "tied_embeddings": True, "norm_placement": "sandwich", "qk_norm": True,
+    "vocab_size": 262144, "hidden_size": 1152, "num_layers": 26, "num_heads": 4,
+    "num_kv_heads": 1, "head_dim": 256, "ffn_hidden_size": 6912,
+    "max_position_embeddings": 32768, "norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "sliding_window": 512, "sliding_window_layers": tuple(i for i in range(26) if (i + 1) % 6),
+    "sliding_window_rope_theta": 10000.0,
+    "options": dict(query_pre_attn_scalar=256)}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",
