@@ -144,15 +144,19 @@ class ModelConfig:
         if self.sliding_window_layers is not None:
             self.sliding_window_layers = tuple(int(i) for i in self.sliding_window_layers)
         if self.sliding_window is None:
-            for name in ("sliding_window_layers", "sliding_window_rope_theta"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"{name}={getattr(self, name)!r} needs a sliding_window; "
-                                      "set one or drop it")
+            layers = self.sliding_window_layers
+            for name, value in (("sliding_window_layers", layers and list(layers)),
+                                ("sliding_window_rope_theta", self.sliding_window_rope_theta)):
+                if value is not None:
+                    raise ConfigError(f"{name}={value!r} needs a sliding_window; set one or "
+                                      "drop it")
             return
-        if self.sliding_window_rope_theta is not None and (
-                self.position != "rope" or not self.sliding_window_rope_theta > 0):
-            raise ConfigError(f"sliding_window_rope_theta={self.sliding_window_rope_theta!r} "
-                              f"needs position='rope' (got {self.position!r}) and a base > 0")
+        theta = self.sliding_window_rope_theta
+        if theta is not None and self.position != "rope":
+            raise ConfigError(f"sliding_window_rope_theta={theta!r} needs position='rope', not "
+                              f"{self.position!r}; drop it or use RoPE")
+        if theta is not None and not theta > 0:
+            raise ConfigError(f"sliding_window_rope_theta={theta!r} must be a RoPE base > 0")
         if isinstance(self.sliding_window, bool) or int(self.sliding_window) < 1:
             raise ConfigError(f"sliding_window={self.sliding_window!r} must be a positive number "
                               "of tokens (or None for the whole causal context)")
