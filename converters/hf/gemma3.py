@@ -79,11 +79,11 @@ def rope_by_layer_type(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return full, local
 
 
-def _local_theta(local: dict[str, Any], full: dict[str, Any]) -> float:
-    """The local layers' RoPE base: they rotate with plain RoPE, or exactly as the global
-    layers do."""
+def _local_theta(local: dict[str, Any], full: dict[str, Any]) -> float | None:
+    """The local layers' own RoPE base (they rotate with plain RoPE of it), or None when they
+    rotate exactly as the global layers do."""
     if local == full:
-        return float(full["rope_theta"])
+        return None
     kind = local.get("rope_type", local.get("type", "default"))
     extra = sorted(set(local) - {"rope_type", "type", "rope_theta"})
     if kind != "default" or extra:

@@ -126,6 +126,13 @@ def test_the_older_config_form_reads_alike():
     assert config_from_hf(older) == config_from_hf(newer.to_dict())
 
 
+def test_local_layers_rotating_as_the_global_ones_keep_their_scaling():
+    same = {**ROPE["full_attention"]}
+    config = config_from_hf({**_hf_config().to_dict(), "rope_parameters": {
+        "full_attention": same, "sliding_attention": same}})
+    assert (config.sliding_window_rope_theta, config.rope_scaling.type) == (None, "linear")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings=False is not supported (supported: "
