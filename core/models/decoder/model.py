@@ -185,7 +185,9 @@ class Attention(nn.Module):
             rope = rope[2:] if len(rope) == 4 and self.window is not None else rope[:2]
             q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None
-        if cache is not None and cache.attends:  # a paged kernel reading the blocks in place
+        # A paged kernel reading the blocks in place; it knows only the default score, so a
+        # scaled or soft-capped one (Gemma) reads the gathered keys instead.
+        if cache is not None and cache.attends and self.scale is None and self.softcap is None:
             y = cache.attend(self.layer, q, k, v, positions, slots, self.window)
         else:
             if cache is not None:
