@@ -72,6 +72,10 @@ class ModelConfig:
     sliding_window: int | None = None
     # The layers the window applies to (Qwen2's `max_window_layers`); None: every layer.
     sliding_window_layers: tuple[int, ...] | None = None
+    # The RoPE base of the windowed layers (Gemma 3's local layers): they rotate with plain,
+    # unscaled RoPE of this base while the others keep `rope_theta` and `rope_scaling`.
+    # None: every layer rotates alike.
+    sliding_window_rope_theta: float | None = None
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
@@ -116,9 +120,11 @@ class ModelConfig:
         if problems:
             raise ConfigError(f"a family {self.family!r} model cannot take "
                               + "; ".join(problems))
-        if self.qk_norm and self.norm != "rmsnorm":  # Qwen3 (core.qk_norm)
-            raise ConfigError(f"qk_norm is Qwen3's per-head RMSNorm; it needs norm='rmsnorm', "
-                              f"not {self.norm!r}")
+        if self.qk_norm and (self.norm, self.qk_norm_width) not in (  # core.qk_norm
+                ("rmsnorm", "head"), ("rmsnorm", "projection"), ("rmsnorm1p", "head")):
+            raise ConfigError(f"qk_norm is an RMSNorm of q and k; it needs norm='rmsnorm' (or "
+                              f"'rmsnorm1p' with qk_norm_width='head'), not norm={self.norm!r} "
+                              f"with qk_norm_width={self.qk_norm_width!r}")
         if self.qk_norm_width not in ("head", "projection"):
             raise ConfigError(f"qk_norm_width must be 'head' or 'projection', not "
                               f"{self.qk_norm_width!r}")
@@ -138,10 +144,19 @@ class ModelConfig:
         if self.sliding_window_layers is not None:
             self.sliding_window_layers = tuple(int(i) for i in self.sliding_window_layers)
         if self.sliding_window is None:
-            if self.sliding_window_layers is not None:
-                raise ConfigError(f"sliding_window_layers={list(self.sliding_window_layers)} "
-                                  "needs a sliding_window; set one or drop the layers")
+            layers = self.sliding_window_layers
+            for name, value in (("sliding_window_layers", layers and list(layers)),
+                                ("sliding_window_rope_theta", self.sliding_window_rope_theta)):
+                if value is not None:
+                    raise ConfigError(f"{name}={value!r} needs a sliding_window; set one or "
+                                      "drop it")
             return
+        theta = self.sliding_window_rope_theta
+        if theta is not None and self.position != "rope":
+            raise ConfigError(f"sliding_window_rope_theta={theta!r} needs position='rope', not "
+                              f"{self.position!r}; drop it or use RoPE")
+        if theta is not None and not theta > 0:
+            raise ConfigError(f"sliding_window_rope_theta={theta!r} must be a RoPE base > 0")
         if isinstance(self.sliding_window, bool) or int(self.sliding_window) < 1:
             raise ConfigError(f"sliding_window={self.sliding_window!r} must be a positive number "
                               "of tokens (or None for the whole causal context)")
@@ -322,15 +337,26 @@ PRESETS["olmo2-1b"] = {
     "num_heads": 16, "ffn_hidden_size": 8192, "max_position_embeddings": 4096,
     "rope_theta": 500000.0, "norm_eps": 1e-6, "qk_norm": True, "qk_norm_width": "projection",
     "norm_placement": "output"}
-# Gemma 2 2B (its config.json): its 4096-token sliding windows are not modelled (Tessera attends
-# to the whole context), which changes neither the parameters nor the memory plan's weights.
+# Gemma 2 2B (its config.json): 4096-token sliding windows on every other layer from the first.
 PRESETS["gemma2-2b"] = {
     "family": "gemma2", "norm": "rmsnorm1p", "activation": "geglu", "position": "rope",
     "bias": False, "tied_embeddings": True, "norm_placement": "sandwich", "vocab_size": 256000,
     "hidden_size": 2304, "num_layers": 26, "num_heads": 8, "num_kv_heads": 4, "head_dim": 256,
     "ffn_hidden_size": 9216, "max_position_embeddings": 8192, "norm_eps": 1e-6,
+    "sliding_window": 4096, "sliding_window_layers": tuple(range(0, 26, 2)),
     "options": dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                     final_logit_softcapping=30.0)}
+# Gemma 3 1B (google/gemma-3-1b-pt's config.json): 512-token windows on five of every six
+# layers, which rotate at base 10000; the global layers (5, 11, 17, 23) at 1000000.
+PRESETS["gemma3-1b"] = {
+    "family": "gemma3", "norm": "rmsnorm1p", "activation": "geglu", "position": "rope",
+    "bias": False, "tied_embeddings": True, "norm_placement": "sandwich", "qk_norm": True,
+    "vocab_size": 262144, "hidden_size": 1152, "num_layers": 26, "num_heads": 4,
+    "num_kv_heads": 1, "head_dim": 256, "ffn_hidden_size": 6912,
+    "max_position_embeddings": 32768, "norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "sliding_window": 512, "sliding_window_layers": tuple(i for i in range(26) if (i + 1) % 6),
+    "sliding_window_rope_theta": 10000.0,
+    "options": dict(query_pre_attn_scalar=256)}
 # T5 (`core.models.t5.model`): v1.1 (gated GELU, untied output, no output scaling); relu + tied +
 # `options.scaled_output` gives the original T5.
 _T5 = dict(family="t5", norm="rmsnorm", norm_eps=1e-6, activation="geglu", position="relative",

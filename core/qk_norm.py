@@ -2,7 +2,8 @@
 RoPE (so the KV cache stores normalized, rotated keys), in fp32 with `config.norm_eps`.
 
 - `qk_norm_width="head"` (Qwen3's `q_norm` / `k_norm`, `HeadNorm`): each head's `head_dim`
-  values are normalized and multiplied by one learned `(head_dim,)` weight shared by all heads.
+  values are normalized and multiplied by one learned `(head_dim,)` weight shared by all heads
+  (by `1 + weight`, in fp32, when `config.norm == "rmsnorm1p"`: Gemma 3).
   Under tensor parallelism heads are split, the weights replicated (`sharding.shard_spec` gives
   them `dim=None`). Every rank normalizes only its own heads, so no communication is needed
   forward, but each rank's weight gradient covers only its heads: the weights carry the
@@ -34,12 +35,16 @@ class HeadNorm(nn.Module):
 
     def __init__(self, config: ModelConfig, tp_size: int):
         super().__init__()
-        self.eps = config.norm_eps
+        self.eps, self.offset = config.norm_eps, config.norm == "rmsnorm1p"
         self.weight = nn.Parameter(torch.empty(config.head_dim))
         # Partial over tp (each rank sees its own heads): summed by the tp gradient sync.
         self.weight.sequence_parallel = tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:  # weight stored as the offset from 1, applied in fp32 (Gemma)
+            h = x.float()
+            h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return fused.rms_norm(x, self.weight, self.eps)
 
 

@@ -39,17 +39,6 @@ def require(hf: dict[str, Any], key: str, allowed: tuple[Any, ...], default: Any
     return value
 
 
-def whole_context_window(hf: dict[str, Any], key: str = "sliding_window") -> None:
-    """Refuse `hf[key]` when it is a window smaller than max_position_embeddings (it would mask
-    positions Tessera attends to), naming the field, its value and what converts."""
-    window, context = hf.get(key), hf["max_position_embeddings"]
-    if window is not None and window < context:
-        raise ConversionError(
-            f"{hf['model_type']} config: {key}={window} is smaller than max_position_embeddings="
-            f"{context}; Tessera has no sliding-window attention, so only {key}=None or >= "
-            f"{context} (a window that masks nothing) converts")
-
-
 def check_traits(config: ModelConfig, clash: dict[str, Any] | None = None) -> None:
     """Raise ConversionError when `config` differs from its family's `traits` (the values the
     family fixes, `core.models.family.Family`: what its HF model computes) or `clash` (further

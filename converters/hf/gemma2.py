@@ -4,8 +4,10 @@ Gemma 2 is a Llama-shaped decoder with `(1 + w)` RMSNorms (`norm="rmsnorm1p"`, w
 as the offset, as HF stores them) before and after each sublayer (`norm_placement="sandwich"`),
 GeGLU with tanh GELU, embeddings scaled by sqrt(hidden_size), scores scaled by
 `query_pre_attn_scalar ** -0.5` and soft-capped, final logits soft-capped (`Gemma2Options`),
-and the output tied to the embedding. Its alternating sliding-window layers are accepted only
-when the window covers every position (Tessera has no sliding-window attention).
+and the output tied to the embedding. Its `sliding_attention` layers (`layer_types`, else every
+other layer from the first, as transformers derives them) attend through `sliding_window`
+(`ModelConfig.sliding_window` and `sliding_window_layers`); a window covering every position is
+no window.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from tessera.converters.hf.family import (
     HfFamily,
     check_traits,
     require,
-    whole_context_window,
     with_shared_fields,
 )
 from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, SWIGLU_MLP, llama_like_fields, rope_to_hf
@@ -29,23 +30,19 @@ GEMMA2_NORMS: dict[str, tuple[str, ...]] = {
     "layers.{}.ffn_norm.weight": ("model.layers.{}.pre_feedforward_layernorm.weight",),
     "layers.{}.post_ffn_norm.weight": ("model.layers.{}.post_feedforward_layernorm.weight",),
 }
-_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def gemma2_config(hf: dict[str, Any]) -> ModelConfig:
     """`ModelConfig` of a `Gemma2ForCausalLM` config.json."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _GELU_TANH:
+    if act not in GELU_TANH:
         raise ConversionError(f"gemma2 config: hidden_activation={act!r} is not supported "
-                              f"(supported: {', '.join(map(repr, _GELU_TANH))})")
+                              f"(supported: {', '.join(map(repr, GELU_TANH))})")
     require(hf, "use_bidirectional_attention", (False, None), False)
     require(hf, "tie_word_embeddings", (True,), True)
-    kinds = set(hf.get("layer_types") or ["full_attention"])
-    if kinds - {"full_attention", "sliding_attention"}:
-        raise ConversionError(f"gemma2 config: layer_types holds {sorted(kinds)}; only "
-                              "'full_attention' and 'sliding_attention' layers are known")
-    if "sliding_attention" in kinds:
-        whole_context_window(hf)
+    window, layers = gemma2_window(hf)
     if hf.get("attention_bias", False):
         raise ConversionError("gemma2 config: attention_bias=True is not supported (supported: "
                               "False)")
@@ -58,7 +55,30 @@ def gemma2_config(hf: dict[str, Any]) -> ModelConfig:
                             final_logit_softcapping=hf.get("final_logit_softcapping"))
     return ModelConfig(name="gemma2", family="gemma2", norm="rmsnorm1p",
                        norm_eps=hf.get("rms_norm_eps", 1e-6), activation="geglu",
-                       norm_placement="sandwich", options=options, **fields)
+                       norm_placement="sandwich", sliding_window=window,
+                       sliding_window_layers=layers, options=options, **fields)
+
+
+def gemma2_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding window, the layers it applies to, None for all) of a Gemma 2 config.json, as
+    transformers' `Gemma2Config` derives them; no window when it covers every position."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        types = [_LAYER_TYPES[(i + 1) % 2] for i in range(n)]
+    if len(types) != n or set(types) - set(_LAYER_TYPES):
+        raise ConversionError(f"gemma2 config: layer_types={types} is not supported "
+                              f"(supported: {n} entries of {list(_LAYER_TYPES)})")
+    layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    if not layers:
+        return None, None
+    window = hf.get("sliding_window", 4096)  # transformers' default
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConversionError(f"gemma2 config: sliding_window={window!r} is not supported "
+                              "(supported: a positive number of tokens)")
+    if window >= hf["max_position_embeddings"]:
+        return None, None  # it masks nothing: plain causal attention, the fast path
+    return window, (None if len(layers) == n else layers)
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
@@ -73,13 +93,20 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
                   query_pre_attn_scalar=o.query_pre_attn_scalar,
                   attn_logit_softcapping=o.attn_logit_softcapping,
                   final_logit_softcapping=o.final_logit_softcapping,
-                  # transformers' Gemma 2 always builds its sliding layers' mask: a window as
-                  # wide as the context, which masks nothing, over its alternating layers.
-                  sliding_window=c.max_position_embeddings,
-                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                               for i in range(c.num_layers)],
+                  **_window_to_hf(c),
                   rope_parameters=rope_to_hf(c))
     return with_shared_fields(fields, c, **shared)
+
+
+def _window_to_hf(c: ModelConfig) -> dict[str, Any]:
+    if c.sliding_window is None:
+        # transformers' Gemma 2 always builds its sliding layers' mask: a window as wide as
+        # the context, which masks nothing, over its alternating layers.
+        return dict(sliding_window=c.max_position_embeddings,
+                    layer_types=[_LAYER_TYPES[(i + 1) % 2] for i in range(c.num_layers)])
+    return dict(sliding_window=c.sliding_window,
+                layer_types=[_LAYER_TYPES[c.layer_window(i) is not None]
+                             for i in range(c.num_layers)])
 
 
 def _check_exportable(c: ModelConfig) -> None:
@@ -93,9 +120,10 @@ def _check_exportable(c: ModelConfig) -> None:
     check_traits(c, clash)
 
 
-_NAMES = {k: v for k, v in LLAMA_LIKE.items() if not k.startswith("layers.{}.ffn_norm")}
+GEMMA2_NAMES = {**{k: v for k, v in LLAMA_LIKE.items() if not k.startswith("layers.{}.ffn_norm")},
+                **SWIGLU_MLP, **GEMMA2_NORMS}
 GEMMA2 = HfFamily(
     family="gemma2", config_from_hf=gemma2_config, check_exportable=_check_exportable,
-    config_to_hf=_config_to_hf, name_map={**_NAMES, **SWIGLU_MLP, **GEMMA2_NORMS},
+    config_to_hf=_config_to_hf, name_map=GEMMA2_NAMES,
     ignored=ROTARY_BUFFERS,
     fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")

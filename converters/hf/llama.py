@@ -141,16 +141,24 @@ def llama_like_fields(hf: dict[str, Any], default_fraction: float) -> dict[str, 
         dropout=hf.get("attention_dropout", 0.0), init_std=hf.get("initializer_range", 0.02))
 
 
-def llama_config(hf: dict[str, Any]) -> ModelConfig:
-    """`ModelConfig` of a `LlamaForCausalLM` / `MistralForCausalLM` config.json."""
-    require(hf, "hidden_act", ("silu",), "silu")
+def sliding_window(hf: dict[str, Any]) -> int | None:
+    """The `sliding_window` of a config.json whose window applies to every layer (Mistral,
+    Phi-3): None when unset or when it covers every position (plain causal attention, the
+    fast path); a value that is not a positive number of tokens is refused."""
     window = hf.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise ConversionError(f"{hf['model_type']} config: sliding_window={window!r} is not "
                               "supported (supported: a positive number of tokens, or null)")
     if window is not None and window >= hf["max_position_embeddings"]:
-        window = None  # it covers every position: plain causal attention, the fast path
+        return None
+    return window
+
+
+def llama_config(hf: dict[str, Any]) -> ModelConfig:
+    """`ModelConfig` of a `LlamaForCausalLM` / `MistralForCausalLM` config.json."""
+    require(hf, "hidden_act", ("silu",), "silu")
+    window = sliding_window(hf)
     fields = llama_like_fields(hf, 1.0)
     if fields["rotary_fraction"] != 1.0:
         raise ConversionError(f"{hf['model_type']} config: partial_rotary_factor="

@@ -20,10 +20,11 @@ So both directions remain pure re-arrangements: HF -> Tessera -> HF is bit-ident
 
 Qwen2-MoE's `qkv_bias` (biases on q/k/v alone) is `ModelConfig.qkv_bias`. Config fields Tessera
 cannot compute exactly are errors that name the field: Mixtral's router jitter noise, Qwen's
-`mlp_only_layers` and sliding windows (Qwen3-MoE's `mlp_only_layers` converts only when it
-names layers that are dense anyway: Tessera places MoE layers only by `decoder_sparse_step`,
-its `moe.layer_freq`). Qwen's dense layers (`decoder_sparse_step > 1`) use the
-model's `intermediate_size`, the routed experts `moe_intermediate_size`.
+`mlp_only_layers` (Qwen3-MoE's converts only when it names layers that are dense anyway:
+Tessera places MoE layers only by `decoder_sparse_step`, its `moe.layer_freq`) and Qwen3-MoE's
+sliding window. Qwen2-MoE's window converts (`qwen2.qwen_window`). Qwen's dense layers
+(`decoder_sparse_step > 1`) use the model's `intermediate_size`, the routed experts
+`moe_intermediate_size`.
 
 The load-balancing loss: Hugging Face computes one loss over the router logits of all MoE layers
 pooled (`load_balancing_loss_func`), Tessera by default one per layer, averaged (Megatron). An
@@ -50,7 +51,7 @@ from tessera.converters.hf.family import (
     with_shared_fields,
 )
 from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_config, rope_to_hf
-from tessera.converters.hf.qwen2 import full_attention_only
+from tessera.converters.hf.qwen2 import qwen_window, window_to_hf
 from tessera.converters.hf.qwen3 import QK_NORM_NAMES, qwen3_base
 from tessera.core.config import ModelConfig
 from tessera.core.moe.config import MoEConfig
@@ -144,7 +145,7 @@ def _mixtral_config(hf: dict[str, Any]) -> ModelConfig:
 
 def _qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
     require(hf, "mlp_only_layers", ([], None), [])
-    full_attention_only(hf)
+    window, layers = qwen_window(hf, _qwen2_moe_slides)
     moe = MoEConfig(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                     ffn_hidden_size=hf["moe_intermediate_size"],
                     shared_ffn_hidden_size=hf.get("shared_expert_intermediate_size") or 0,
@@ -154,10 +155,18 @@ def _qwen2_moe_config(hf: dict[str, Any]) -> ModelConfig:
                     aux_loss_pooling=HF_AUX_LOSS_POOLING)
     qkv_bias = bool(hf.get("qkv_bias", False))
     return ModelConfig.from_dict({**_moe_base({**hf, "sliding_window": None}, qkv_bias),
-                                  "moe": moe})
+                                  "moe": moe, "sliding_window": window,
+                                  "sliding_window_layers": layers})
+
+
+def _qwen2_moe_slides(hf: dict[str, Any], layer: int) -> bool:
+    """Qwen2-MoE's default sliding layers: every other one from the first, below
+    `max_window_layers` (transformers' `Qwen2MoeConfig`)."""
+    return layer % 2 == 0 and layer < hf.get("max_window_layers", 28)
 
 
 def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
+    require(hf, "use_sliding_window", (False, None), False)
     step = hf.get("decoder_sparse_step", 1)
     sparse_anyway = [i for i in hf.get("mlp_only_layers") or [] if (i + 1) % step == 0]
     if sparse_anyway:
@@ -190,7 +199,7 @@ def _common_problems(c: ModelConfig, qk_norm: bool, qkv_bias: bool = False) -> l
         out.append("router must be softmax, dropless, without expert bias or z-loss")
     if c.qk_norm != qk_norm:  # Qwen3's per-head q/k norm (core.qk_norm)
         out.append(f"qk_norm must be {qk_norm} for {c.family}")
-    if c.sliding_window is not None and c.family != "mixtral":
+    if c.sliding_window is not None and c.family == "qwen3_moe":
         out.append(f"sliding_window={c.sliding_window}: {c.family} is written without one")
     if c.qkv_bias and not qkv_bias:
         out.append(f"{c.family} has no q/k/v biases: qkv_bias must be False")
@@ -253,7 +262,8 @@ def _qwen2_moe_fields(c: ModelConfig) -> dict[str, Any]:
                 moe_intermediate_size=c.moe.ffn_hidden_size or c.ffn_hidden_size,
                 shared_expert_intermediate_size=c.moe.shared_ffn_hidden_size,
                 decoder_sparse_step=c.moe.layer_freq, mlp_only_layers=[],
-                norm_topk_prob=c.moe.norm_topk, qkv_bias=c.qkv_bias, use_sliding_window=False)
+                norm_topk_prob=c.moe.norm_topk, qkv_bias=c.qkv_bias,
+                **window_to_hf(c, max_window_layers_is_first=False))
 
 
 def _qwen3_moe_fields(c: ModelConfig) -> dict[str, Any]:

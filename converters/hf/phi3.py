@@ -5,8 +5,8 @@ Phi-3 is Llama with q/k/v stored as one `qkv_proj` (rows q, k, v) and gate/up as
 `gate_up_proj` (rows gate, up): exactly the row order of Tessera's fused `attention.wqkv` and
 SwiGLU `feed_forward.w1`, so each maps one to one. RoPE may be partial
 (`partial_rotary_factor`) and is usually longrope, with `original_max_position_embeddings` at
-the top level. A `sliding_window` is accepted only when it covers every position (None or >=
-max_position_embeddings): Tessera attends to the whole causal context.
+the top level. A `sliding_window` (Phi-3-mini-4k: 2047) applies to every layer, as transformers
+applies it (`ModelConfig.sliding_window`); one covering every position is no window.
 """
 
 from __future__ import annotations
@@ -18,10 +18,15 @@ from tessera.converters.hf.family import (
     HfFamily,
     check_traits,
     require,
-    whole_context_window,
     with_shared_fields,
 )
-from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, llama_like_fields, rope_to_hf
+from tessera.converters.hf.llama import (
+    LLAMA_LIKE,
+    ROTARY_BUFFERS,
+    llama_like_fields,
+    rope_to_hf,
+    sliding_window,
+)
 from tessera.core.config import ModelConfig
 
 PHI3_FUSED: dict[str, tuple[str, ...]] = {
@@ -33,7 +38,7 @@ PHI3_FUSED: dict[str, tuple[str, ...]] = {
 def phi3_config(hf: dict[str, Any]) -> ModelConfig:
     """`ModelConfig` of a `Phi3ForCausalLM` config.json."""
     require(hf, "hidden_act", ("silu",), "silu")
-    whole_context_window(hf)
+    window = sliding_window(hf)
     dropout = hf.get("attention_dropout", 0.0)
     for key in ("resid_pdrop", "embd_pdrop"):
         if hf.get(key, dropout) != dropout:
@@ -41,7 +46,8 @@ def phi3_config(hf: dict[str, Any]) -> ModelConfig:
                                   f"{dropout}; Tessera has one dropout rate, so they must be equal")
     fields = llama_like_fields({**hf, "head_dim": None}, 1.0)
     return ModelConfig(name="phi3", family="phi3", norm="rmsnorm",
-                       norm_eps=hf.get("rms_norm_eps", 1e-5), activation="swiglu", **fields)
+                       norm_eps=hf.get("rms_norm_eps", 1e-5), activation="swiglu",
+                       sliding_window=window, **fields)
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
@@ -57,13 +63,16 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
                       c.rope_scaling.original_max_position_embeddings
                       or c.max_position_embeddings),
                   rms_norm_eps=c.norm_eps, attention_dropout=c.dropout, resid_pdrop=c.dropout,
-                  embd_pdrop=c.dropout, sliding_window=None, rope_parameters=rope)
+                  embd_pdrop=c.dropout, sliding_window=c.sliding_window,
+                  rope_parameters=rope)
     return with_shared_fields(fields, c, **shared)
 
 
 def _check_exportable(c: ModelConfig) -> None:
     # Phi-3's head_dim is always hidden_size / num_attention_heads.
     clash = {"head_dim": c.head_dim} if c.head_dim * c.num_heads != c.hidden_size else {}
+    if c.sliding_window_layers is not None:  # its window applies to every layer
+        clash["sliding_window_layers"] = c.sliding_window_layers
     check_traits(c, clash)
 
 

@@ -6,12 +6,13 @@ MLP have none), RMSNorm eps 1e-6 and, for the small sizes, the output tied to th
 `model.layers.{i}.self_attn.{q,k,v}_proj.bias` stack into `layers.{i}.attention.wqkv.bias`.
 Sliding-window attention (`use_sliding_window`, `sliding_window`, and which layers have it:
 `layer_types`, else the layers from `max_window_layers` on, as transformers derives them) maps
-to `ModelConfig.sliding_window` and `sliding_window_layers`. Qwen2-MoE keeps refusing it
-(`full_attention_only`).
+to `ModelConfig.sliding_window` and `sliding_window_layers` (`qwen_window`, which Qwen3 and
+Qwen2-MoE share with their own default layers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tessera.converters.hf.family import (
@@ -30,42 +31,41 @@ from tessera.converters.hf.llama import (
 )
 from tessera.core.config import ModelConfig
 
-
-def full_attention_only(hf: dict[str, Any]) -> None:
-    """Refuse a Qwen config with sliding-window layers, naming the field."""
-    require(hf, "use_sliding_window", (False, None), False)
-    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
-    if kinds:
-        raise ConversionError(f"{hf['model_type']} config: layer_types holds {kinds}; only "
-                              "'full_attention' layers are supported (Tessera attends to the "
-                              "whole causal context)")
-
-
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def qwen2_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
-    """(sliding window, the layers it applies to, None for all) of a Qwen2 config.json, as
-    transformers' `Qwen2Config` derives them: no window unless `use_sliding_window`; the
-    sliding layers from `layer_types`, else those at or past `max_window_layers`."""
-    n = hf["num_hidden_layers"]
+def _from_max_window_layers(hf: dict[str, Any], layer: int) -> bool:
+    """Qwen2's and Qwen3's rule: the layers at or past `max_window_layers` slide."""
+    return layer >= hf.get("max_window_layers", hf["num_hidden_layers"])
+
+
+def qwen_window(hf: dict[str, Any], slides: Callable[[dict[str, Any], int], bool]
+                = _from_max_window_layers) -> tuple[int | None, tuple[int, ...] | None]:
+    """(sliding window, the layers it applies to, None for all) of a Qwen config.json, as
+    transformers derives them: no window unless `use_sliding_window`; the sliding layers from
+    `layer_types`, else those `slides(hf, layer)` picks (from `max_window_layers`)."""
+    n, kind = hf["num_hidden_layers"], hf["model_type"]
     types = hf.get("layer_types")
     if types is not None:
         unknown = sorted(set(types) - set(_LAYER_TYPES))
         if unknown or len(types) != n:
-            raise ConversionError(f"qwen2 config: layer_types={types} is not supported "
+            raise ConversionError(f"{kind} config: layer_types={types} is not supported "
                                   f"(supported: {n} entries of {list(_LAYER_TYPES)})")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    if window is None:
+    if not hf.get("use_sliding_window"):
+        if types is not None and "sliding_attention" in types:
+            raise ConversionError(
+                f"{kind} config: layer_types names sliding_attention layers but "
+                "use_sliding_window is false, so transformers has no window for them (supported: "
+                "use_sliding_window=true with a sliding_window, or only full_attention layers)")
         return None, None
+    window = hf.get("sliding_window")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConversionError(f"qwen2 config: sliding_window={window!r} is not supported "
+        raise ConversionError(f"{kind} config: sliding_window={window!r} is not supported "
                               "(supported: a positive number of tokens with use_sliding_window)")
     if window >= hf["max_position_embeddings"]:
         return None, None  # it covers every position: plain causal attention, the fast path
     if types is None:
-        first = hf.get("max_window_layers", n)
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        types = [_LAYER_TYPES[slides(hf, i)] for i in range(n)]
     layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     if not layers:
         return None, None
@@ -75,7 +75,7 @@ def qwen2_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None
 def qwen2_config(hf: dict[str, Any]) -> ModelConfig:
     """`ModelConfig` of a `Qwen2ForCausalLM` config.json."""
     require(hf, "hidden_act", ("silu",), "silu")
-    window, layers = qwen2_window(hf)
+    window, layers = qwen_window(hf)
     fields = llama_like_fields({**hf, "attention_bias": False, "mlp_bias": False}, 1.0)
     if fields["rotary_fraction"] != 1.0:
         raise ConversionError(f"qwen2 config: partial_rotary_factor={fields['rotary_fraction']} "
@@ -86,15 +86,16 @@ def qwen2_config(hf: dict[str, Any]) -> ModelConfig:
                        sliding_window_layers=layers)
 
 
-def _window_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """The sliding-window fields; `layer_types` names the layers, `max_window_layers` the
-    first sliding one (what older transformers read, exact when they form a suffix)."""
+def window_to_hf(c: ModelConfig, max_window_layers_is_first: bool = True) -> dict[str, Any]:
+    """The sliding-window fields; `layer_types` names the layers, `max_window_layers` the first
+    sliding one (Qwen2, Qwen3) or one past the last (Qwen2-MoE), as older transformers read it."""
     if c.sliding_window is None:  # transformers' defaults then make every layer full
         return dict(use_sliding_window=False, sliding_window=None)
     sliding = [c.layer_window(i) is not None for i in range(c.num_layers)]
+    bound = (sliding.index(True) if max_window_layers_is_first
+             else c.num_layers - sliding[::-1].index(True))
     return dict(use_sliding_window=True, sliding_window=c.sliding_window,
-                max_window_layers=sliding.index(True),
-                layer_types=[_LAYER_TYPES[s] for s in sliding])
+                max_window_layers=bound, layer_types=[_LAYER_TYPES[s] for s in sliding])
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
@@ -104,7 +105,7 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
                   num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
                   hidden_act="silu", max_position_embeddings=c.max_position_embeddings,
                   rms_norm_eps=c.norm_eps, attention_dropout=c.dropout,
-                  **_window_to_hf(c), rope_parameters=rope_to_hf(c), rope_theta=c.rope_theta)
+                  **window_to_hf(c), rope_parameters=rope_to_hf(c), rope_theta=c.rope_theta)
     return with_shared_fields(fields, c, **shared)
 
 

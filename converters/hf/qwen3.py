@@ -4,9 +4,10 @@ the Qwen3 pieces `Qwen3MoeForCausalLM` (family `qwen3_moe`, in `converters.hf.mo
 Qwen3 is Llama plus a per-head RMSNorm of q and k before RoPE (`ModelConfig.qk_norm`,
 `core.qk_norm`), whose `(head_dim,)` weights map one to one:
 `model.layers.{i}.self_attn.{q,k}_norm.weight` <-> `layers.{i}.attention.{q,k}_norm.weight`.
-`head_dim` is explicit and may differ from hidden_size / num_heads. Sliding windows and
-q/k/v-only biases (`attention_bias`; Tessera has one bias flag for every linear layer) are
-errors, never approximations.
+`head_dim` is explicit and may differ from hidden_size / num_heads. Qwen3's sliding window is
+read as Qwen2's (`qwen2.qwen_window`); Qwen3-MoE's (every layer, transformers ignoring
+`max_window_layers`) is refused, and so are q/k/v-only biases (`attention_bias`; Tessera has
+one bias flag for every linear layer): errors, never approximations.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from tessera.converters.hf.family import (
     ConversionError,
     HfFamily,
     check_traits,
-    require,
     with_shared_fields,
 )
 from tessera.converters.hf.llama import (
@@ -27,6 +27,7 @@ from tessera.converters.hf.llama import (
     llama_config,
     rope_to_hf,
 )
+from tessera.converters.hf.qwen2 import qwen_window, window_to_hf
 from tessera.core.config import ModelConfig
 
 QK_NORM_NAMES: dict[str, tuple[str, ...]] = {
@@ -38,8 +39,7 @@ QK_NORM_NAMES: dict[str, tuple[str, ...]] = {
 
 
 def qwen3_base(hf: dict[str, Any]) -> dict[str, Any]:
-    """The Llama-like fields of a Qwen3 / Qwen3-MoE config.json, qk_norm on."""
-    require(hf, "use_sliding_window", (False, None), False)
+    """The Llama-like fields of a Qwen3 / Qwen3-MoE config.json, qk_norm on, no window."""
     bias = hf.get("attention_bias", False)
     if bias:
         raise ConversionError(f"{hf['model_type']} config: attention_bias=True puts biases on the "
@@ -51,8 +51,10 @@ def qwen3_base(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def qwen3_config(hf: dict[str, Any]) -> ModelConfig:
-    """`ModelConfig` of a `Qwen3ForCausalLM` config.json."""
-    return ModelConfig.from_dict(qwen3_base(hf))
+    """`ModelConfig` of a `Qwen3ForCausalLM` config.json, its sliding window read as Qwen2's."""
+    window, layers = qwen_window(hf)
+    return ModelConfig.from_dict({**qwen3_base(hf), "sliding_window": window,
+                                  "sliding_window_layers": layers})
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
@@ -62,8 +64,8 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                   num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_act="silu",
                   max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
-                  attention_bias=False, attention_dropout=c.dropout, use_sliding_window=False,
-                  sliding_window=None, rope_parameters=rope, rope_theta=c.rope_theta)
+                  attention_bias=False, attention_dropout=c.dropout, **window_to_hf(c),
+                  rope_parameters=rope, rope_theta=c.rope_theta)
     return with_shared_fields(fields, c, **shared)
 
 

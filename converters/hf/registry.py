@@ -20,6 +20,7 @@ _FAMILIES: dict[str, str] = {
     "phi3": _P + "phi3:PHI3",
     "olmo2": _P + "olmo2:OLMO2",
     "gemma2": _P + "gemma2:GEMMA2",
+    "gemma3": _P + "gemma3:GEMMA3",
     "mixtral": _P + "moe:MIXTRAL",
     "qwen2_moe": _P + "moe:QWEN2_MOE",
     "qwen3_moe": _P + "moe:QWEN3_MOE",
@@ -33,7 +34,9 @@ _MODEL_TYPES: dict[str, str] = {
     "gpt2": "gpt2", "llama": "llama", "mistral": "llama", "nemotron": "nemotron", "t5": "t5",
     "bert": "bert", "mixtral": "mixtral", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "phi3": "phi3",
-    "olmo2": "olmo2", "gemma2": "gemma2",
+    "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3",
+    # The multimodal Gemma 3: its family refuses it, saying to import the text model.
+    "gemma3": "gemma3",
 }
 
 

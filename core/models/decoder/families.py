@@ -33,19 +33,21 @@ NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation
                                                   position="rope", sliding_window=None))
 # Qwen2 / Qwen2.5: biases on q/k/v only.
 QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
-QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True,
-                                            sliding_window=None))
+QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
 # Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed.
 PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", position="rope",
-                                          bias=False, qkv_bias=False, sliding_window=None))
+                                          bias=False, qkv_bias=False))
 # OLMo-2: norms on the sublayer outputs, an RMSNorm over the whole q and k projections.
 OLMO2 = decoder_family("olmo2", traits=dict(_LLAMA, bias=False, qkv_bias=False, qk_norm=True,
                                             qk_norm_width="projection", norm_placement="output",
                                             sliding_window=None))
 # Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, soft caps (Gemma2Options).
-GEMMA2 = decoder_family("gemma2", traits=dict(norm="rmsnorm1p", activation="geglu", position="rope",
-                                             rotary_fraction=1.0, bias=False, qkv_bias=False,
-                                             norm_placement="sandwich", sliding_window=None),
+_GEMMA2 = dict(norm="rmsnorm1p", activation="geglu", position="rope", rotary_fraction=1.0,
+               bias=False, qkv_bias=False, norm_placement="sandwich")
+GEMMA2 = decoder_family("gemma2", traits=_GEMMA2, options=Gemma2Options)
+# Gemma 3 (text): Gemma 2 plus a (1 + w) RMSNorm of each q and k head; its local layers rotate
+# with their own base (`sliding_window_rope_theta`).
+GEMMA3 = decoder_family("gemma3", traits=dict(_GEMMA2, qk_norm=True, qk_norm_width="head"),
                         options=Gemma2Options)
 # Mixture-of-Experts is a block option of the decoder (`core.moe`).
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)

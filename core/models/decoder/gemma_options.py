@@ -1,4 +1,5 @@
-"""What only a Gemma 2 config says (`ModelConfig.options` of family `gemma2`). Torch-free."""
+"""What only a Gemma config says (`ModelConfig.options` of families `gemma2` and `gemma3`).
+Torch-free."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass
 class Gemma2Options:
-    """Gemma 2's attention and output details (transformers' names; None: off / default).
+    """Gemma 2's and Gemma 3's attention and output details (transformers' names; None: off / default).
 
     - `query_pre_attn_scalar`: attention scores are scaled by `query_pre_attn_scalar ** -0.5`
       instead of `head_dim ** -0.5`;

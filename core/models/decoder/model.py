@@ -12,6 +12,7 @@ tensor-parallel regions. Callers see `(B, T, ...)`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,7 @@ from tessera.core.parallel.mappings import gather_from_tp, scatter_to_sequence
 from tessera.core.parallel.random import recompute, tracker
 from tessera.core.parallel.sharding import local_kv_heads, local_shape, stage_layers
 from tessera.core.qk_norm import HeadNorm, ProjectionNorm
+from tessera.core.rope_config import RopeScaling
 from tessera.core.rope_scaling import rotary_angles
 from tessera.core.sliding_window import causal_window_mask, in_window
 from tessera.core.softcap_attention import softcapped_attention
@@ -83,15 +85,30 @@ class Rotary(nn.Module):
     The frequencies are computed in fp32 on every call (a few dozen numbers) rather than kept
     as a buffer, so casting the model to bf16 can never coarsen the angles, and the variants
     that depend on the sequence length see each call's.
+
+    With `config.sliding_window_rope_theta` the windowed layers rotate by another, plain RoPE:
+    `cos_sin` then returns `(cos, sin, sliding_cos, sliding_sin)` and `Attention` takes its pair.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.sliding = None if config.sliding_window_rope_theta is None else dataclasses.replace(
+            config, rope_theta=config.sliding_window_rope_theta, rope_scaling=RopeScaling(),
+            sliding_window_rope_theta=None)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin of shape `(B, 1, T, rotary_dim)` for integer `positions (B, T)`."""
-        inv_freq, scale = rotary_angles(self.config, positions)  # (B, 1, rotary_dim / 2)
+        """cos and sin of shape `(B, 1, T, rotary_dim)` for integer `positions (B, T)` (and the
+        windowed layers' pair after them when they have their own base)."""
+        tables = self._cos_sin(self.config, positions, dtype)
+        if self.sliding is None:
+            return tables
+        return tables + self._cos_sin(self.sliding, positions, dtype)
+
+    @staticmethod
+    def _cos_sin(config: ModelConfig, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scale = rotary_angles(config, positions)  # (B, 1, rotary_dim / 2)
         freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         if scale == 1.0:
@@ -164,9 +181,13 @@ class Attention(nn.Module):
         if self.qk_norm:  # before RoPE, as Qwen3 does
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
+            # The windowed layers' own pair, when `Rotary` made one (see there).
+            rope = rope[2:] if len(rope) == 4 and self.window is not None else rope[:2]
             q, k = fused.rotary(q, *rope), fused.rotary(k, *rope)
         mask = None
-        if cache is not None and cache.attends:  # a paged kernel reading the blocks in place
+        # A paged kernel reading the blocks in place; it knows only the default score, so a
+        # scaled or soft-capped one (Gemma) reads the gathered keys instead.
+        if cache is not None and cache.attends and self.scale is None and self.softcap is None:
             y = cache.attend(self.layer, q, k, v, positions, slots, self.window)
         else:
             if cache is not None:

@@ -17,6 +17,7 @@ from tessera.core.lora import attach_lora
 from tessera.core.lora_format import load_adapter
 from tessera.serving.engine import LLMEngine
 from tessera.serving.engine.executor import LocalExecutor
+from tessera.serving.engine.kv_config import KVCacheConfig
 from tessera.serving.engine.runner import ModelRunner
 from tessera.serving.types import GenerationRequest, SamplingParams
 from tests.serving_helper import collect
@@ -61,6 +62,17 @@ def engine_greedy(model, prompt: list[int], n: int, context: int | None = None) 
         result = collect(engine, [GenerationRequest("r", prompt, SamplingParams(
             max_tokens=n, temperature=0, ignore_eos=True))])[0]
     return result.token_ids
+
+
+def engine_run(model, prompt: list[int], n: int, kv: KVCacheConfig | None = None
+               ) -> tuple[list[int], dict[str, float]]:
+    """Greedy tokens of one request through the serving engine with the KV cache `kv` (None:
+    the slot cache), and the engine's stats after it."""
+    runner = ModelRunner(model, 1, kv=kv)
+    with LLMEngine(LocalExecutor(runner), kv=kv) as engine:
+        result = collect(engine, [GenerationRequest("r", prompt, SamplingParams(
+            max_tokens=n, temperature=0, ignore_eos=True))])[0]
+        return result.token_ids, engine.stats()
 
 
 def export_matches(ckpt: Path, out: Path, hf_model, tokens: torch.Tensor, transformers) -> None:

@@ -106,8 +106,8 @@ def test_peft_lora_round_trips(imported, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"sliding_window": 16}, "sliding_window=16 is smaller than max_position_embeddings=64; "
-                             "Tessera has no sliding-window attention"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types=['sliding_attention'] is not "
+                                             "supported (supported: 2 entries of"),
     ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings=False is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported (supported: False)"),

@@ -113,9 +113,8 @@ def test_peft_lora_on_the_fused_modules_round_trips(imported, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"sliding_window": 32}, "sliding_window=32 is smaller than max_position_embeddings=64; "
-                             "Tessera has no sliding-window attention, so only "
-                             "sliding_window=None or >= 64"),
+    ({"sliding_window": 0}, "phi3 config: sliding_window=0 is not supported (supported: a "
+                            "positive number of tokens, or null)"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported (supported: 'silu')"),
     ({"resid_pdrop": 0.1}, "resid_pdrop=0.1 differs from attention_dropout=0.0"),
     ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},

@@ -224,8 +224,8 @@ def test_export_refuses_a_window_the_hf_model_cannot_hold():
         "'sliding_window_layers': (1,)": ModelConfig(family="llama", sliding_window=WINDOW,
                                                      sliding_window_layers=(1,)),
         "'bias': True": ModelConfig(family="llama", sliding_window=WINDOW, bias=True),
-        "'sliding_window': 8": ModelConfig(family="qwen3", qk_norm=True,
-                                                    sliding_window=WINDOW),
+        "'sliding_window_layers': (0,)": ModelConfig(family="phi3", sliding_window=WINDOW,
+                                                     sliding_window_layers=(0,)),
         "sliding_window=8: qwen3_moe is written without one":
             ModelConfig.from_name("qwen3-moe-tiny", sliding_window=WINDOW),
     }

@@ -67,3 +67,29 @@ def test_bad_tables_and_a_stale_plan_are_refused():
         cache.update(model.layer_ids[0], k, k, torch.tensor([[0]]), torch.tensor([[1]]))
     assert cache.nbytes() == 2 * 2 * 16 * 2 * 4 * 16 * 4
     assert PagedKVCache.block_bytes(2, 4, 2, 16, torch.float32) * 16 == cache.nbytes()
+
+
+_GEMMA = dict(norm="rmsnorm1p", activation="geglu", norm_placement="sandwich", num_kv_heads=2,
+              tied_embeddings=True, sliding_window=6, sliding_window_layers=(0,))
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("gemma2", dict(options=dict(query_pre_attn_scalar=2, attn_logit_softcapping=0.5))),
+    ("gemma3", dict(qk_norm=True, sliding_window_rope_theta=100.0,
+                    options=dict(query_pre_attn_scalar=2))),
+])
+@torch.no_grad()
+def test_flex_decode_keeps_gemma_score_scale_and_soft_cap(family, fields):
+    """One-token passes over a flex-planned cache still scale (and soft-cap) the scores as
+    the model's own attention does."""
+    config = ModelConfig.from_name("llama-tiny", family=family, **_GEMMA, **fields)
+    model = build_model(config, seed=6).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = PagedKVCache(model.layer_ids, 8, 4, 16, 2, config.head_dim,
+                         decode_attention="flex", windows=(None, 6))
+    tables = torch.tensor([[1, 2, 3]])
+    out = [model(ids[:, :8], positions=torch.arange(8)[None], cache=cache, slots=tables)]
+    for t in range(8, 12):
+        out.append(model(ids[:, t:t + 1], positions=torch.full((1, 1), t), cache=cache,
+                         slots=tables))
+    torch.testing.assert_close(torch.cat(out, dim=1), model(ids), atol=1e-5, rtol=1e-5)

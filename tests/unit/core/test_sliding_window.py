@@ -46,6 +46,12 @@ def test_config_fields_and_their_errors():
                                                                  sliding_window_layers=[1]),
         "sliding_window_layers [2] are not layers of a 2-layer model":
             dict(sliding_window_layers=[2]),
+        "sliding_window_rope_theta=100.0 needs a sliding_window":
+            dict(sliding_window=None, sliding_window_rope_theta=100.0),
+        "sliding_window_rope_theta=0.0 must be a RoPE base > 0":
+            dict(sliding_window_rope_theta=0.0),
+        "sliding_window_rope_theta=100.0 needs position='rope', not 'learned'": dict(
+            position="learned", sliding_window_rope_theta=100.0),
     }
     for message, change in cases.items():
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
