@@ -29,6 +29,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import anyio
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -129,6 +130,16 @@ class Service:
         self.base_names = (model_name, *(a for a in aliases if a != model_name))
         self.admitted = 0
         self.metrics = ServingMetrics(engine, model_name, admitted=lambda: self.admitted)
+
+    def sampling_for(self, body: BaseModel) -> dict[str, float | int]:
+        """`temperature`, `top_p` and `top_k` as `body` gives them, the model's
+        (`sampling_defaults`) for those it leaves out: a request that sets none samples as the
+        model's `generation_config.json` says, on every protocol. Values in the protocol's own
+        terms (a Megatron `top_p` of 0 is still 0 here)."""
+        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k")}
+        given.update({k: v for k, v in self.sampling_defaults.items()
+                      if k not in body.model_fields_set})
+        return given
 
     # ------------------------------------------------------------------ decoding helpers
 
