@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tessera.core.chat_template import chat_adds_bos, template_specials
 from tessera.serving.http.errors import ApiError
 from tessera.serving.http.metrics import ServingMetrics
 from tessera.serving.types import (
@@ -140,6 +141,18 @@ class Service:
         given.update({k: v for k, v in self.sampling_defaults.items()
                       if k not in body.model_fields_set})
         return given
+
+    def chat_specials(self) -> dict[str, str]:
+        """`bos_token` / `eos_token` as the chat template renders them for this engine's
+        tokenizer (`core.chat_template.template_specials`)."""
+        return template_specials(getattr(self.engine, "tokenizer", None))
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered conversation's tokens, as transformers' `apply_chat_template` tokenizes it
+        (`core.chat_template.encode_chat`): BOS only where the template wrote it, except for a
+        sentencepiece tokenizer, which gets it prepended."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        return self.encode(text, add_bos=tokenizer is None or chat_adds_bos(tokenizer))
 
     # ------------------------------------------------------------------ decoding helpers
 
