@@ -96,7 +96,7 @@ def load_pairs(path: str, template: ChatTemplate, tokenizer: Tokenizer, context:
 
 def _tokenized(template: ChatTemplate, tokenizer: Tokenizer, prompt: Any, chosen: Any,
                rejected: Any, tools: Any) -> tuple[list[int], list[int], list[int]]:
-    bos = tokenizer.bos_id is not None
+    bos = tokenizer.adds_bos
     if isinstance(prompt, list):
         specials = template_specials(tokenizer)
 

@@ -161,7 +161,7 @@ class LLMEngine:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer: send token ids")
-        bos = add_bos and self.tokenizer.bos_id is not None
+        bos = add_bos and self.tokenizer.adds_bos
         return self.tokenizer.encode(text, bos=bos)
 
     def decode(self, ids: list[int]) -> str:

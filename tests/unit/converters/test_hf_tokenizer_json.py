@@ -148,3 +148,20 @@ def test_chat_serving_and_tuning_tokenize_as_apply_chat_template(root, template)
     ids, trained = render_conversation(ChatTemplate(template), ours, whole)
     assert ids == _hf_chat(theirs, template, whole, False)
     assert not trained[0] and any(trained)
+
+
+def test_a_tokenizer_json_that_adds_no_bos_serves_prompts_without_one(root, tmp_path):
+    """OLMo-2's and GPT-2's tokenizer.json name a BOS token but their post-processor adds none,
+    so transformers encodes a prompt without it; the server must too."""
+    from tokenizers import processors
+
+    raw = _byte_level_tokenizer()
+    raw.post_processor = processors.ByteLevel(trim_offsets=False)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=EOT,
+                                                  eos_token=EOT)
+    hf_tok.save_pretrained(tmp_path)
+    theirs, ours = _hf_tokenizer(tmp_path), load_tokenizer(tmp_path)
+    assert ours.bos_id == theirs.bos_token_id is not None and not ours.adds_bos
+    engine = LLMEngine(load_checkpoint(root / "ckpt"), ours, background=False)
+    for text in TEXTS:
+        assert engine.encode(text) == theirs.encode(text), text
