@@ -15,6 +15,12 @@ transformers):
   writes before it stops). A template that does not render conversations prefix by prefix
   is refused there with a message asking for marks.
 - `stored_chat_template(checkpoint)` finds the template kept with a model.
+- `template_specials(tokenizer)` and `encode_chat(tokenizer, text)`: what serving and chat
+  tuning render and tokenize, as transformers' `apply_chat_template(..., tokenize=True)` does
+  for a Hugging Face tokenizer: `bos_token` / `eos_token` are the tokenizer's spellings, and the
+  text is tokenized with no special tokens added (the template writes BOS where the model wants
+  one; the spellings in the text encode to their ids). A sentencepiece tokenizer would split
+  those spellings into plain pieces, so for it they render empty and BOS is prepended.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import nodes
 from jinja2.exceptions import TemplateError
@@ -32,9 +38,12 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# "role: content" lines, then the assistant's turn opened for the model to continue.
+if TYPE_CHECKING:
+    from tessera.core.tokenizer import Tokenizer
+
+# BOS, "role: content" lines, then the assistant's turn opened for the model to continue.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -191,3 +200,28 @@ def stored_chat_template(checkpoint: str | Path) -> tuple[str | None, str]:
             if isinstance(template, str):
                 return template, name
     return None, ""
+
+
+def _spells_specials(tokenizer: Tokenizer) -> bool:
+    """Whether special-token spellings in a text encode to their ids (Hugging Face tokenizers)."""
+    return tokenizer.kind == "huggingface"
+
+
+def template_specials(tokenizer: Tokenizer | None) -> dict[str, str]:
+    """`bos_token` and `eos_token` as a template renders them for `tokenizer` (see the module
+    docstring); empty for a sentencepiece tokenizer or none."""
+    if tokenizer is None or not _spells_specials(tokenizer):
+        return {"bos_token": "", "eos_token": ""}
+    return {f"{name}_token": "" if i is None else tokenizer.token_text(i)
+            for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))}
+
+
+def chat_adds_bos(tokenizer: Tokenizer) -> bool:
+    """Whether `encode_chat` prepends BOS itself (a sentencepiece tokenizer with a BOS token)
+    rather than leaving it to the template."""
+    return not _spells_specials(tokenizer) and tokenizer.bos_id is not None
+
+
+def encode_chat(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of a conversation rendered with `template_specials(tokenizer)`."""
+    return tokenizer.encode(text, bos=chat_adds_bos(tokenizer))

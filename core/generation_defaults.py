@@ -2,7 +2,8 @@
 a model, kept in the checkpoint by `tessera convert --from hf` and written back on export.
 
 What Tessera reads of it (`GenerationDefaults`): `eos_token_id` (an id or a list: every one ends
-a generation, as in transformers' `generate`) and the sampling a request that sets none gets:
+a generation, as in transformers' `generate`) and the sampling a request (OpenAI, Triton or
+Megatron) that sets none gets:
 `temperature`, `top_p`, `top_k`, and `do_sample=false` meaning greedy (temperature 0), as
 `generate` computes. Other keys are kept in the file but not used by the server.
 """

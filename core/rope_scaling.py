@@ -1,12 +1,15 @@
 """The rotary frequencies of every RoPE variant (`core.rope_config.RopeScaling`), computed as
 transformers computes them, so converted models give its logits.
 
-`rotary_angles(config, positions)` is what the decoder's rotary embedding needs: the inverse
-frequencies for each row of a batch, and the factor cos and sin are multiplied by. The variants
-whose frequencies depend on the sequence length (`dynamic`, `longrope`) take each row's length
-as its largest position + 1, which is what transformers takes per forward call of one sequence:
-a whole prompt uses the frequencies of its full length, and each generated token those of the
-length so far. Keys cached earlier keep the rotation they were made with, as in transformers.
+`rotary_angles(config, positions, lengths)` is what the decoder's rotary embedding needs: the
+inverse frequencies for each row of a batch, and the factor cos and sin are multiplied by. The
+variants whose frequencies depend on the sequence length (`length_dependent`: `dynamic`,
+`longrope`) use each row's sequence length, which is what transformers takes per forward call of
+one sequence (its largest position + 1): a whole prompt uses the frequencies of its full length,
+and each generated token those of the length so far. Keys cached earlier keep the rotation they
+were made with, as in transformers. A caller that runs a prompt in chunks, or pads rows of
+different lengths into one pass, passes `lengths` (the serving engine does); without it a row's
+length is its largest position + 1.
 Everything is fp32 tensor arithmetic without host reads, so the decoder still compiles.
 """
 
@@ -90,23 +93,61 @@ def attention_factor(config: ModelConfig) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def rotary_angles(config: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+def length_dependent(config: ModelConfig) -> bool:
+    """Whether the rotary frequencies depend on the sequence length (`dynamic`, `longrope`)."""
+    return config.position == "rope" and config.rope_scaling.type in ("dynamic", "longrope")
+
+
+def recompute_at(config: ModelConfig) -> int | None:
+    """The cached length at which a generation re-encodes its whole sequence once: transformers'
+    Phi-3 does so (its `prepare_inputs_for_generation`) when a sequence that started within
+    `original_max_position_embeddings` first passes it, so every key gets longrope's long factors.
+    None for every other model."""
+    rope = config.rope_scaling
+    if config.family == "phi3" and config.position == "rope" and rope.type == "longrope":
+        return rope.original_max_position_embeddings
+    return None
+
+
+# (factors, theta, dim, device) -> 1 / (factors * theta ** exponents): longrope's two sets, built
+# once per device rather than copied from the host on every forward.
+_LONGROPE: dict[tuple[tuple[float, ...], float, int, torch.device], torch.Tensor] = {}
+
+
+def _longrope_inv(factors: tuple[float, ...], theta: float, dim: int,
+                  device: torch.device) -> torch.Tensor:
+    key = (factors, theta, dim, device)
+    inv = _LONGROPE.get(key)
+    if inv is None or torch.compiler.is_compiling():  # compiled: a constant of the graph
+        powers = theta ** _exponents(dim, device)
+        inv = 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * powers)
+        if not torch.compiler.is_compiling():
+            _LONGROPE[key] = inv
+    return inv
+
+
+def rotary_angles(config: ModelConfig, positions: torch.Tensor,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies `(B, 1, rotary_dim / 2)` fp32 for `positions (B, T)`, the factor
-    of cos and sin). Rows differ only for the length-dependent variants."""
+    of cos and sin). Rows differ only for the length-dependent variants, which use `lengths
+    (B,)` (each row's sequence length; default: its largest position + 1)."""
     rope, dim, theta = config.rope_scaling, config.rotary_dim, config.rope_theta
     device = positions.device
     scale = attention_factor(config)
+    if length_dependent(config):
+        if lengths is None:
+            length = positions.amax(dim=-1, keepdim=True) + 1  # (B, 1)
+        else:
+            length = lengths.to(device=device, dtype=torch.long).view(-1, 1)
     if rope.type == "dynamic":
         top = config.max_position_embeddings
-        length = (positions.amax(dim=-1, keepdim=True) + 1).clamp(min=top)  # (B, 1)
+        length = length.clamp(min=top)
         bases = theta * ((rope.factor * length / top) - (rope.factor - 1)) ** (dim / (dim - 2))
         inv = 1.0 / (bases.unsqueeze(-1) ** _exponents(dim, device))
         return inv, scale
     if rope.type == "longrope":
-        powers = theta ** _exponents(dim, device)
-        short = 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32, device=device) * powers)
-        long = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32, device=device) * powers)
-        length = positions.amax(dim=-1, keepdim=True) + 1  # (B, 1)
+        short = _longrope_inv(tuple(rope.short_factor), theta, dim, device)
+        long = _longrope_inv(tuple(rope.long_factor), theta, dim, device)
         inv = torch.where((length > rope.original_max_position_embeddings).unsqueeze(-1),
                           long, short)
         return inv, scale

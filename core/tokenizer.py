@@ -3,7 +3,11 @@
 Contract:
 - `Tokenizer.encode(text, bos=False, eos=False)` never adds special tokens on its own; BOS and
   EOS are added only when asked, so every backend behaves the same.
-- `bos_id` and `eos_id` are `None` when the model has no such token. `pad_id` is always usable
+- `bos_id` and `eos_id` are `None` when the model has no such token. `adds_bos` says whether a
+  text prompt starts with BOS (what `tessera serve` runs): for a sentencepiece model whenever it
+  has one; for a `tokenizer.json` as its post-processor says, which is what transformers'
+  `AutoTokenizer` adds (Llama 3's adds `<|begin_of_text|>`; OLMo-2's and GPT-2's add nothing,
+  though they name a BOS token). `pad_id` is always usable
   (the model's PAD, else EOS, else 0). `eod_id` is the EOS id, the separator between documents
   in pretraining data; it raises if the model has no EOS.
 - `model_bytes()` is the whole model as bytes (the sentencepiece proto or the `tokenizer.json`
@@ -67,6 +71,11 @@ class Tokenizer:
         if self.eos_id is None:
             raise ValueError(f"this {self.kind} tokenizer has no EOS token, so it has no EOD id")
         return self.eos_id
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether a text prompt starts with BOS (see the module docstring)."""
+        return self.bos_id is not None
 
     def _encode_plain(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -209,6 +218,12 @@ class HFTokenizer(Tokenizer):
         self.bos_id, self.eos_id, self._pad = (
             self._find_special(name, (config or {}).get(f"{name}_token")) for name in _HF_SPECIALS
         )
+        with_specials = self._tok.encode("a", add_special_tokens=True).ids
+        self._adds_bos = self.bos_id is not None and with_specials[:1] == [self.bos_id]
+
+    @property
+    def adds_bos(self) -> bool:
+        return self._adds_bos
 
     def _find_special(self, name: str, configured: Any) -> int | None:
         if isinstance(configured, dict):  # {"content": "</s>", "lstrip": false, ...}

@@ -37,7 +37,7 @@ def generate_text(checkpoint: str, prompt: str, *, max_tokens: int = 64,
     model = load_checkpoint(checkpoint, dtype=dtype)
     tokenizer = load_tokenizer(checkpoint)
     text = chat_prompt(checkpoint, prompt, system) if chat else prompt
-    ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None)
+    ids = tokenizer.encode(text, bos=tokenizer.adds_bos)
     output = OutputText(tokenizer, ids, list(stop))
     pieces: list[str] = []
 

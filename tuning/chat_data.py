@@ -3,14 +3,15 @@
 A chat row is `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": text,
 "tool_calls"?: [...]}, ...], "tools"?: [...]}` (the OpenAI / Hugging Face chat format); its task
 is `"task"` when given, else `chat`. The conversation is rendered by
-`core.chat_template.ChatTemplate` (the renderer `tessera serve` uses), BOS comes from the
-tokenizer as when serving, and the text is tokenized once. A token is trained on when it
+`core.chat_template.ChatTemplate` (the renderer `tessera serve` uses) and tokenized once as when
+serving (`core.chat_template.encode_chat`: transformers' `apply_chat_template`). A token is trained on when it
 overlaps the text the assistant produces (`ChatTemplate.render_with_spans`), which includes its
 end-of-turn token; with `all_tokens` every token after the first is.
 
-`eos_token` in a template is the tokenizer's EOS spelling for a Hugging Face tokenizer, which
-encodes it back to the EOS id; a sentencepiece tokenizer would split that spelling into plain
-pieces, so for it `eos_token` renders empty.
+`bos_token` / `eos_token` in a template are the tokenizer's spellings for a Hugging Face
+tokenizer, which encodes them back to their ids (BOS only where the template writes it); a
+sentencepiece tokenizer would split those spellings into plain pieces, so for it they render
+empty and BOS is prepended.
 
 As a tuning example (`render_row`), a conversation's `prompt` is its tokens before the last
 assistant turn and its `answer` the rest (so validation generates the last turn), and `trained`
@@ -24,7 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.core.chat_template import ChatTemplate, ChatTemplateError
+from tessera.core.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    chat_adds_bos,
+    template_specials,
+)
 from tessera.core.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -79,24 +85,20 @@ def check_messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def template_eos(tokenizer: Tokenizer) -> str:
-    """What `{{ eos_token }}` renders as (see the module docstring)."""
-    if tokenizer.kind != "huggingface" or tokenizer.eos_id is None:
-        return ""
-    return tokenizer.token_text(tokenizer.eos_id)
-
-
 def render_conversation(template: ChatTemplate, tokenizer: Tokenizer,
                         messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                         all_tokens: bool = False) -> tuple[list[int], list[bool]]:
-    """Token ids of the conversation (BOS first when the tokenizer has one) and, per token,
-    whether it is trained on: it overlaps an assistant span, or `all_tokens` (BOS excepted)."""
+    """Token ids of the conversation (as `core.chat_template.encode_chat` gives them) and, per
+    token, whether it is trained on: it overlaps an assistant span, or `all_tokens` (a leading
+    BOS excepted)."""
     text, spans = template.render_with_spans(messages, tools=tools,
-                                             eos_token=template_eos(tokenizer))
+                                             **template_specials(tokenizer))
     ids, offsets = tokenizer.encode_with_offsets(text)
     trained = [all_tokens or _overlaps(start, end, spans) for start, end in offsets]
-    if tokenizer.bos_id is not None:
+    if chat_adds_bos(tokenizer):
         ids, trained = [tokenizer.bos_id, *ids], [False, *trained]
+    elif all_tokens and ids and ids[0] == tokenizer.bos_id:
+        trained[0] = False
     return ids, trained
 
 

@@ -32,11 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.core.chat_template import ChatTemplate, ChatTemplateError
+from tessera.core.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    encode_chat,
+    template_specials,
+)
 from tessera.core.lora import LoRA
 from tessera.core.parallel.layers import ParallelLinear
 from tessera.core.tokenizer import Tokenizer
-from tessera.tuning.chat_data import template_eos
 from tessera.tuning.data import DataError, read_jsonl
 
 LOSSES = ("sigmoid", "ipo", "robust")
@@ -92,14 +96,14 @@ def load_pairs(path: str, template: ChatTemplate, tokenizer: Tokenizer, context:
 
 def _tokenized(template: ChatTemplate, tokenizer: Tokenizer, prompt: Any, chosen: Any,
                rejected: Any, tools: Any) -> tuple[list[int], list[int], list[int]]:
-    bos = tokenizer.bos_id is not None
+    bos = tokenizer.adds_bos
     if isinstance(prompt, list):
-        eos = template_eos(tokenizer)
+        specials = template_specials(tokenizer)
 
         def encode(messages: list[dict[str, Any]], opened: bool) -> list[int]:
             text = template.render(messages, add_generation_prompt=opened, tools=tools,
-                                   eos_token=eos)
-            return tokenizer.encode(text, bos=bos)
+                                   **specials)
+            return encode_chat(tokenizer, text)
 
         head, full_chosen, full_rejected = (encode(prompt, True), encode(prompt + chosen, False),
                                             encode(prompt + rejected, False))

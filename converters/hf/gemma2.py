@@ -126,4 +126,4 @@ GEMMA2 = HfFamily(
     family="gemma2", config_from_hf=gemma2_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map=GEMMA2_NAMES,
     ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)

@@ -67,4 +67,4 @@ OLMO2 = HfFamily(
     family="olmo2", config_from_hf=olmo2_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map={**_NAMES, **SWIGLU_MLP, **OLMO2_NORMS, **QK_NORM_NAMES},
     ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)

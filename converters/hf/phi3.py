@@ -79,4 +79,4 @@ def _check_exportable(c: ModelConfig) -> None:
 PHI3 = HfFamily(
     family="phi3", config_from_hf=phi3_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map={**LLAMA_LIKE, **PHI3_FUSED}, ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)

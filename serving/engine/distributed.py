@@ -119,18 +119,24 @@ class _Channel:
     def send_batch(self, batch: StepBatch) -> None:
         # Each row's LoRA adapter slot travels too (-1 for none: serving.engine.adapters).
         adapters = batch.adapters if batch.adapters is not None else torch.full_like(batch.tasks, -1)
+        # Each row's rope length too, where the frequencies depend on it (-1 for unset).
+        rope = batch.rope_lengths if batch.rope_lengths is not None else torch.full_like(
+            batch.tasks, -1)
         body = torch.cat([batch.ids.flatten(), batch.positions.flatten(), batch.slots.flatten(),
-                          batch.tasks, batch.keep, adapters.to(batch.tasks.device)]).to(self.device)
+                          batch.tasks, batch.keep, adapters.to(batch.tasks.device),
+                          rope.to(batch.tasks.device)]).to(self.device)
         dist.broadcast(body, src=0)
 
     def recv_batch(self, B: int, T: int, N: int, W: int = 0) -> StepBatch:
         """W: block-table width (paged cache), 0 for one slot per row."""
         S = B * max(W, 1)
-        body = torch.empty(2 * B * T + S + 2 * B + N, dtype=torch.long, device=self.device)
+        body = torch.empty(2 * B * T + S + 3 * B + N, dtype=torch.long, device=self.device)
         dist.broadcast(body, src=0)
-        ids, positions, slots, tasks, keep, adapters = body.split([B * T, B * T, S, B, N, B])
+        ids, positions, slots, tasks, keep, adapters, rope = body.split(
+            [B * T, B * T, S, B, N, B, B])
         return StepBatch(ids.view(B, T), positions.view(B, T), slots.view(B, W) if W else slots,
-                         tasks, keep, adapters if bool((adapters >= 0).any()) else None)
+                         tasks, keep, adapters if bool((adapters >= 0).any()) else None,
+                         rope_lengths=rope if bool((rope >= 0).all()) else None)
 
     def adapter_op(self, request: tuple[str, str, str | None] | None = None
                    ) -> Exception | None:

@@ -54,6 +54,7 @@ class SeqState:
     reuse_prefix: bool = True  # look cached blocks up at admission (else only register)
     registered: int = 0  # leading blocks registered in the prefix cache
     preemptions: int = 0
+    rope_recomputed: bool = False  # re-encoded once at `Scheduler.recompute_at`
     # Speculative decoding (serving.engine.speculative): draft tokens to run after `tokens` this step,
     # not yet verified (never part of `tokens`, so never hashed into the prefix cache).
     draft: list[int] = field(default_factory=list)

@@ -16,6 +16,7 @@ prefix (same tokens, task, `cache_salt` and LoRA weights) and computes the rest.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tessera.core.models.decoder.model import GPTModel
+from tessera.core.rope_scaling import length_dependent, recompute_at
 from tessera.core.tokenizer import Tokenizer
 from tessera.serving.engine.adapter_ops import AdapterOps
 from tessera.serving.engine.bridge import RequestStream, Sink
@@ -93,6 +95,9 @@ class LLMEngine:
         self.pad_id = tokenizer.pad_id if tokenizer is not None else 0
         eos_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
         self.eos_id = eos_ids[0] if eos_ids else (tokenizer.eos_id if tokenizer else None)
+        if kv is not None and kv.prefix_caching and length_dependent(self.config):
+            # Keys rotated for one request's length are not another's: nothing to share.
+            kv = dataclasses.replace(kv, prefix_caching=False)
         space, self.blocks, kv_tokens = kv_space_for(runner.cache, kv, self.max_batch)
         self._task_len = dict(runner.tasks)
         self._limits = Limits(self.config.vocab_size, self.context, dict(self._task_len),
@@ -107,6 +112,7 @@ class LLMEngine:
             kv_limit=min(self.context, kv_tokens or self.context), blocks=self.blocks,
             adapters=self.adapters, seed=seed, eos_stop_ids=eos_ids[1:])
         self.scheduler = Scheduler(space, self.max_batch, max(max_step_tokens, self.max_batch))
+        self.scheduler.recompute_at = recompute_at(self.config)
         self.grammars = GrammarCompiler(tokenizer, self.config.vocab_size, self.eos_id)
         speculator = None if speculative is None else build_speculator(
             speculative, vocab_size=self.config.vocab_size, max_batch=self.max_batch,
@@ -155,7 +161,7 @@ class LLMEngine:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this engine has no tokenizer: send token ids")
-        bos = add_bos and self.tokenizer.bos_id is not None
+        bos = add_bos and self.tokenizer.adds_bos
         return self.tokenizer.encode(text, bos=bos)
 
     def decode(self, ids: list[int]) -> str:

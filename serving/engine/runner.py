@@ -36,6 +36,7 @@ from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
 from tessera.core.parallel.sharding import local_kv_heads
 from tessera.core.prompts import VirtualPrompts, attach_prompts, fixed_prompts
+from tessera.core.rope_scaling import length_dependent
 from tessera.serving.engine.adapters import AdapterRegistry, LoRAServing, detach_stacked
 from tessera.serving.engine.compiled import CompiledDecode, bucket_for
 from tessera.serving.engine.executor import StopServing
@@ -70,10 +71,15 @@ class StepBatch:
     # (`serving.engine.compiled`): rows (B, context width), adapters always set, `keep` padded
     # to B (the logits past the wanted ones are padding's).
     static: bool = False
+    # (B,) long, each row's sequence length, set where the rotary frequencies depend on it
+    # (`core.rope_scaling.length_dependent`): a prompt chunk or a row padded to a longer one
+    # must not take its length from its largest position.
+    rope_lengths: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.ids, self.positions, self.slots, self.tasks, self.keep] + (
-            [self.adapters] if self.adapters is not None else [])
+            [self.adapters] if self.adapters is not None else []) + (
+            [self.rope_lengths] if self.rope_lengths is not None else [])
 
     def to(self, device: torch.device | str, into: torch.Tensor | None = None) -> StepBatch:
         """The batch on `device` in one copy: its tensors packed into one, copied through pinned
@@ -87,8 +93,10 @@ class StepBatch:
         packed = torch.cat([t.reshape(-1) for t in parts])
         flat = to_device(packed, device) if into is None else copy_into(into, packed)
         moved = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in parts]), parts)]
-        adapters = moved[5] if self.adapters is not None else None
-        return StepBatch(*moved[:5], adapters, self.length, self.static)
+        extra = iter(moved[5:])
+        adapters = next(extra) if self.adapters is not None else None
+        rope_lengths = next(extra) if self.rope_lengths is not None else None
+        return StepBatch(*moved[:5], adapters, self.length, self.static, rope_lengths)
 
 
 def task_names(tasks: Mapping[str, torch.Tensor] | None) -> list[str]:
@@ -223,6 +231,8 @@ class ModelRunner:
             self.adapters.rows.set(batch.adapters)
         kwargs = dict(positions=batch.positions, cache=self.cache, slots=batch.slots,
                       kv_length=batch.length)
+        if batch.rope_lengths is not None:
+            kwargs["rope_lengths"] = batch.rope_lengths
         if len(self.stages) == 1 and self.groups.pp_size == 1:
             out = self.stages[0](batch.ids, **kwargs)
         else:
@@ -309,6 +319,11 @@ class ModelRunner:
         batch = StepBatch(ids, torch.tensor(position_rows, dtype=torch.long), rows,
                           torch.tensor([s.task for s, _ in group], dtype=torch.long),
                           torch.tensor(keep, dtype=torch.long), adapters, length)
+        if length_dependent(self.config):
+            # The length transformers' forward sees for the row: the whole sequence known so
+            # far (all of a prompt, even run in chunks), plus the drafts being verified.
+            batch.rope_lengths = torch.tensor([len(s.tokens) + len(s.draft) for s, _ in group],
+                                              dtype=torch.long)
         return batch, wanted, drafted
 
     def _static_inputs(self, group: list[tuple[EngineRequest, int]],

@@ -59,6 +59,9 @@ class Scheduler:
         self.preemptions = 0
         self.prefix_queried_tokens = 0  # tokens of admitted sequences that looked up the cache
         self.prefix_hit_tokens = 0  # of those, found cached
+        # A decoding sequence whose cached tokens reach this count is re-encoded whole, once
+        # (`core.rope_scaling.recompute_at`: transformers' Phi-3 longrope); None: never.
+        self.recompute_at: int | None = None
 
     # ----------------------------------------------------------------- the queue
 
@@ -108,6 +111,9 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.n_generated == 0, *_rank(s))):
             if seq in gone:
                 continue
+            if (seq.cached == self.recompute_at and len(seq.tokens) == seq.cached + 1
+                    and not seq.draft and not seq.rope_recomputed):
+                seq.cached, seq.rope_recomputed = 0, True  # its blocks are kept and rewritten
             n = min(len(seq.tokens) + len(seq.draft) - seq.cached, budget)  # drafts: speculation
             if n <= 0:
                 continue

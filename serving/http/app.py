@@ -97,8 +97,9 @@ def create_app(
             (the header deadline is the server's: `serving.http.connections`).
         allow_runtime_lora: let `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
             load and unload LoRA adapters (`serving.http.adapter_api`); off, they answer 403.
-        sampling_defaults: `temperature` / `top_p` / `top_k` for OpenAI requests that do not
-            set them (the checkpoint's `generation_config.json`, `core.generation_defaults`).
+        sampling_defaults: `temperature` / `top_p` / `top_k` for requests of every protocol that
+            do not set them (the checkpoint's `generation_config.json`,
+            `core.generation_defaults`).
     """
     if max_concurrency < 1 or max_body_bytes < 1:
         raise ValueError("max_concurrency and max_body_bytes must be positive")

@@ -39,10 +39,12 @@ def decode_request(service: Service, body: S.MegatronRequest) -> list[Generation
     seed = None if body.random_seed in (None, -1) else body.random_seed
     base_id = f"api-{uuid.uuid4().hex}"
     requests = []
+    # A field left out is the model's (generation_config.json), else Megatron's default.
+    sampling = service.sampling_for(body)
     for i, prompt in enumerate(body.prompts):
         params = SamplingParams(
-            max_tokens=body.tokens_to_generate, temperature=body.temperature, top_k=body.top_k,
-            top_p=body.top_p if body.top_p > 0 else 1.0, seed=seed, stop=stop,
+            max_tokens=body.tokens_to_generate, temperature=sampling["temperature"],
+            top_k=sampling["top_k"], top_p=sampling["top_p"] or 1.0, seed=seed, stop=stop,
             logprobs=0 if body.logprobs else None, prompt_logprobs=body.logprobs,
             structured=structured_from_field(body.structured_outputs))
         ids = service.encode(prompt, add_bos=body.add_BOS)

@@ -64,13 +64,16 @@ class ChatTemplate(CoreChatTemplate):
         self.tool_format = format_of(self.source)
 
     def render(self, messages: list[S.ChatMessage],  # type: ignore[override]
-               tools: list[S.Tool] | None = None) -> str:
+               tools: list[S.Tool] | None = None, **specials: str) -> str:
+        """The conversation as text; `specials`: `bos_token` / `eos_token` spellings
+        (`Service.chat_specials`)."""
         try:
             turns = template_messages(messages)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         try:
-            return super().render(turns, tools=template_tools(tools) if tools else None)
+            return super().render(turns, tools=template_tools(tools) if tools else None,
+                                  **specials)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
 
@@ -208,8 +211,8 @@ def decode_chat(service: Service, body: S.ChatCompletionRequest, template: ChatT
             raise ApiError(400, "tool_choice 'required' or a named function already constrains "
                                 "the output: drop response_format / guided_*", param="tool_choice")
         structured = forced_call(template.tool_format, tools, choice)
-    text = template.render(body.messages, tools)
-    ids = service.encode(text)
+    text = template.render(body.messages, tools, **service.chat_specials())
+    ids = service.encode_chat(text)
     plan_id = f"chatcmpl-{uuid.uuid4().hex}"
     k = (body.top_logprobs or 0) if body.logprobs else None
     return Plan(plan_id, body.model or service.model_name, True,

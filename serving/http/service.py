@@ -29,10 +29,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import anyio
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tessera.core.chat_template import chat_adds_bos, template_specials
 from tessera.serving.http.errors import ApiError
 from tessera.serving.http.metrics import ServingMetrics
 from tessera.serving.types import (
@@ -129,6 +131,28 @@ class Service:
         self.base_names = (model_name, *(a for a in aliases if a != model_name))
         self.admitted = 0
         self.metrics = ServingMetrics(engine, model_name, admitted=lambda: self.admitted)
+
+    def sampling_for(self, body: BaseModel) -> dict[str, float | int]:
+        """`temperature`, `top_p` and `top_k` as `body` gives them, the model's
+        (`sampling_defaults`) for those it leaves out: a request that sets none samples as the
+        model's `generation_config.json` says, on every protocol. Values in the protocol's own
+        terms (a Megatron `top_p` of 0 is still 0 here)."""
+        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k")}
+        given.update({k: v for k, v in self.sampling_defaults.items()
+                      if k not in body.model_fields_set})
+        return given
+
+    def chat_specials(self) -> dict[str, str]:
+        """`bos_token` / `eos_token` as the chat template renders them for this engine's
+        tokenizer (`core.chat_template.template_specials`)."""
+        return template_specials(getattr(self.engine, "tokenizer", None))
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered conversation's tokens, as transformers' `apply_chat_template` tokenizes it
+        (`core.chat_template.encode_chat`): BOS only where the template wrote it, except for a
+        sentencepiece tokenizer, which gets it prepended."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        return self.encode(text, add_bos=tokenizer is None or chat_adds_bos(tokenizer))
 
     # ------------------------------------------------------------------ decoding helpers
 

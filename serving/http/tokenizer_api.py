@@ -7,7 +7,8 @@ this server does.
   "tokens", "token_strs"}`; `add_special_tokens` adds BOS as the completion routes do for a text
   prompt. The special tokens' own spellings (`</s>`) in the text are their ids, as Hugging Face
   tokenizers do (lm-eval finds the EOS id by tokenizing `eos_token`). With `"messages"` instead
-  of `"prompt"`: the tokens `/v1/chat/completions` would run (the template rendered, then BOS).
+  of `"prompt"`: the tokens `/v1/chat/completions` would run (the template rendered and
+  tokenized as transformers' `apply_chat_template` does, `core.chat_template.encode_chat`).
 - `POST /detokenize {"tokens": [...]}` -> `{"prompt": str}`; ids outside the vocabulary: 400.
 - `GET /tokenizer_info` -> the special tokens (`bos_token`, `eos_token`, `pad_token`, and their
   ids), `chat_template`, `model_max_length`, `tokenizer_class`.
@@ -61,8 +62,8 @@ async def tokenize(request: Request) -> S.TokenizeResponse:
     body = parse_body(await read_body(request), S.TokenizeRequest)  # a bad body is a 400 first
     tokenizer = _tokenizer(service)
     if body.messages is not None:
-        text = request.app.state.chat_template.render(body.messages)
-        ids = service.engine.encode(text, add_bos=True)
+        text = request.app.state.chat_template.render(body.messages, **service.chat_specials())
+        ids = service.encode_chat(text)
     else:
         ids = _encode_with_specials(service, tokenizer, body.prompt or "", body.add_special_tokens)
     strs = [tokenizer.token_text(i) for i in ids] if body.return_token_strs else None

@@ -229,9 +229,12 @@ def to_request(service: Service, inputs: S.TritonInputs, task: str | None, reque
             raise ApiError(404, f"task_id {inputs.task_id} is out of range; this model serves "
                                 f"{len(tasks)} tasks: {tasks}")
         task = tasks[inputs.task_id]
+    # An input left out is the model's (generation_config.json), else the ensemble's default.
+    sampling = service.sampling_for(inputs)
     params = SamplingParams(
-        max_tokens=inputs.max_tokens, min_tokens=inputs.min_length, temperature=inputs.temperature,
-        top_k=inputs.top_k, top_p=inputs.top_p if inputs.top_p > 0 else 1.0,
+        max_tokens=inputs.max_tokens, min_tokens=inputs.min_length,
+        temperature=sampling["temperature"], top_k=sampling["top_k"],
+        top_p=sampling["top_p"] or 1.0,
         seed=None if inputs.random_seed is None else inputs.random_seed % 2**63,
         repetition_penalty=inputs.repetition_penalty, presence_penalty=inputs.presence_penalty,
         frequency_penalty=inputs.frequency_penalty, stop=list(inputs.stop_words),

@@ -97,18 +97,20 @@ class Rotary(nn.Module):
             config, rope_theta=config.sliding_window_rope_theta, rope_scaling=RopeScaling(),
             sliding_window_rope_theta=None)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """cos and sin of shape `(B, 1, T, rotary_dim)` for integer `positions (B, T)` (and the
-        windowed layers' pair after them when they have their own base)."""
-        tables = self._cos_sin(self.config, positions, dtype)
+        windowed layers' pair after them when they have their own base); `lengths (B,)`: each
+        row's sequence length, for the length-dependent variants."""
+        tables = self._cos_sin(self.config, positions, dtype, lengths)
         if self.sliding is None:
             return tables
-        return tables + self._cos_sin(self.sliding, positions, dtype)
+        return tables + self._cos_sin(self.sliding, positions, dtype, lengths)
 
     @staticmethod
-    def _cos_sin(config: ModelConfig, positions: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scale = rotary_angles(config, positions)  # (B, 1, rotary_dim / 2)
+    def _cos_sin(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype,
+                 lengths: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scale = rotary_angles(config, positions, lengths)  # (B, 1, rotary_dim / 2)
         freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         if scale == 1.0:
@@ -374,7 +376,8 @@ class GPTModel(nn.Module):
                 slots: torch.Tensor | None = None, local_logits: bool = False,
                 document_ids: torch.Tensor | None = None,
                 sequence: SegmentedContext | None = None,
-                kv_length: int | None = None) -> torch.Tensor:
+                kv_length: int | None = None,
+                rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         sp = self.layout.sequence_parallel and cache is None
         seq, embedded = None, None
         if sequence is not None:  # dynamic cp: `x`, `labels` are this rank's tokens already
@@ -411,18 +414,21 @@ class GPTModel(nn.Module):
                 raise ValueError("a KV cache needs the positions and slots of the new tokens")
             cache.begin(positions, slots, length=kv_length)
         return self.forward_hidden(h, labels, positions=positions, cache=cache, slots=slots,
-                                   local_logits=local_logits, seq=seq)
+                                   local_logits=local_logits, seq=seq, rope_lengths=rope_lengths)
 
     def forward_hidden(self, h: torch.Tensor, labels: torch.Tensor | None = None, *,
                        positions: torch.Tensor | None = None, cache: KVCache | None = None,
                        slots: torch.Tensor | None = None, local_logits: bool = False,
-                       seq: SequenceContext | None = None) -> torch.Tensor:
+                       seq: SequenceContext | None = None,
+                       rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Everything after the embedding: `h (T, B, C)` (T / tp rows under sequence parallelism)
         through this stage's layers, and on the last stage the head, returning what `forward`
         returns. With a cache, `cache.begin(positions, slots)` must have planned this pass (as
         `forward` does). Reads no tensor values on the host, so it compiles as one graph
         (`serving.engine.compiled`). With `seq` (context parallel / packed documents, made by
-        `forward`), `positions` are the local tokens' and `labels` the whole sequence's."""
+        `forward`), `positions` are the local tokens' and `labels` the whole sequence's.
+        `rope_lengths (B,)`: each row's sequence length where the rotary frequencies depend on it
+        (`core.rope_scaling`; default: the row's largest position + 1)."""
         sp = self.layout.sequence_parallel and cache is None
         T = h.shape[0] * (self.groups.tp_size if sp else 1)
         B = h.shape[1]
@@ -430,7 +436,7 @@ class GPTModel(nn.Module):
         if self.rotary is not None:
             if positions is None:
                 positions = torch.arange(T, device=h.device).expand(B, T)
-            rope = self.rotary.cos_sin(positions, h.dtype)
+            rope = self.rotary.cos_sin(positions, h.dtype, rope_lengths)
         # Over a KV cache the key length is new every step: kernels chosen once for the pass.
         with cached_attention_backends() if cache is not None else contextlib.nullcontext():
             for i, layer in self.layers.items():

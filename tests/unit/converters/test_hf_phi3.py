@@ -79,10 +79,8 @@ def test_fused_projections_import_whole(imported):
 def test_greedy_serving_equals_generate(imported):
     name, hf_model, root = imported
     model = load_checkpoint(root / "ckpt").eval()
-    # transformers' Phi-3 re-encodes the whole prefix with the long factors once a generation
-    # crosses the original length (its `prepare_inputs_for_generation`); the engine keeps the
-    # keys it cached, as transformers' Llama does. A prompt already past the original length
-    # (20 > 16) is encoded the same way by both.
+    # A prompt already past the original length (20 > 16); one that crosses it while
+    # generating is checked in tests/unit/serving/engine/test_length_dependent_rope.py.
     prompt = check.ids(VOCAB, 20 if name == "phi3_longrope" else 10, seed=5)[0].tolist()
     want = check.hf_greedy(hf_model, prompt, 20)
     assert check.engine_greedy(model, prompt, 20) == want, name

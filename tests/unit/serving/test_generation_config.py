@@ -1,6 +1,6 @@
 """A model's `generation_config.json`: kept by `tessera convert --from hf` and written back on
 export, its eos id list ending generations in the engine, its sampling filling the fields an
-OpenAI request leaves out (`core.generation_defaults`)."""
+OpenAI, Triton or Megatron request leaves out (`core.generation_defaults`)."""
 
 from __future__ import annotations
 
@@ -102,3 +102,21 @@ def test_openai_requests_take_the_models_sampling_for_fields_they_leave_out(make
     first, second = (r.params for r in engine.started)
     assert (first.temperature, first.top_p, first.top_k) == (0.6, 0.9, 20)
     assert (second.temperature, second.top_p, second.top_k) == (0.0, 0.9, 0)
+
+
+def test_triton_and_megatron_requests_take_the_models_sampling_for_fields_they_leave_out(
+        make_client, engine):
+    """The same rule on the other protocols: a field the request gives wins, one it leaves out
+    is the model's, and the protocol's own default only where the model sets none."""
+    client = make_client(sampling_defaults={"temperature": 0.6, "top_p": 0.9})
+    sent = [
+        client.post("/v2/models/fake/generate", json={"text_input": "ab", "max_tokens": 2}),
+        client.post("/v2/models/fake/generate", json={"text_input": "ab", "max_tokens": 2,
+                                                      "temperature": 0.0, "top_p": 0.5}),
+        client.put("/api", json={"prompts": ["ab"], "tokens_to_generate": 2}),
+        client.put("/api", json={"prompts": ["ab"], "tokens_to_generate": 2,
+                                 "temperature": 0.0, "top_k": 3}),
+    ]
+    assert [r.status_code for r in sent] == [200] * 4
+    got = [(p.temperature, p.top_p, p.top_k) for p in (r.params for r in engine.started)]
+    assert got == [(0.6, 0.9, 0), (0.0, 0.5, 0), (0.6, 0.9, 0), (0.0, 0.9, 3)]

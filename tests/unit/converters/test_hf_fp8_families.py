@@ -1,0 +1,105 @@
+"""FP8 export of the families with fused or extra-normed HF layouts (Phi-3's fused `qkv_proj` and
+`gate_up_proj`, OLMo-2's post-sublayer and q/k norms, Gemma 2's four norms and soft-capping),
+block and per tensor, against transformers' own FP8 loaders (nothing downloaded).
+
+Each tiny random HF model is imported, exported with `--fp8`, and loaded by transformers, which
+dequantizes on CPU: its logits equal those of Tessera's import of the export bit for bit, and sit
+near the original fp32 model's (each weight is off by at most 2^-4 of its block's amax; the
+errors of the linears in series stay well inside 1/8 of the logits' RMS). A fused tensor
+carries one scale per tensor (per tensor) or per block of the fused tensor, as vLLM loads it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+
+from tessera.core.checkpoint import load_checkpoint  # noqa: E402
+
+from . import hf_family_checks as check  # noqa: E402
+
+VOCAB, BLOCK = 256, 16
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               initializer_range=0.1, pad_token_id=0, eos_token_id=2)
+CONFIGS = {
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, original_max_position_embeddings=64,
+                                            sliding_window=None),
+    "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+    # Gemma 2's published soft caps (50, 30): a cap near the logits' size would squeeze their
+    # range below the 1/8 bound's premise (the bound is on uncapped logits).
+    "gemma2": lambda: transformers.Gemma2Config(
+        **_COMMON, head_dim=16, sliding_window=64, query_pre_attn_scalar=12,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+}
+# The HF linears each family stores (Phi-3 fuses q/k/v and gate/up in the file).
+LINEARS = {
+    "phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+    "olmo2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
+LINEARS["gemma2"] = LINEARS["olmo2"]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def imported(request, tmp_path_factory):
+    family, root = request.param, tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    hf = check.perturbed(transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()))
+    hf.float().save_pretrained(root / "hf")
+    check.convert("--from", "hf", "--input", root / "hf", "--output", root / "ckpt")
+    return family, hf.eval(), root
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), "pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+@pytest.mark.parametrize("scheme", ["block", "tensor"])
+def test_fp8_export_loads_in_transformers(imported, scheme):
+    family, original, root = imported
+    if scheme == "tensor":
+        pytest.importorskip("compressed_tensors")
+    out = root / f"fp8-{scheme}"
+    block = ["--fp8-block", BLOCK] if scheme == "block" else []
+    check.convert("--to", "hf", "--fp8", scheme, *block, "--input", root / "ckpt", "--output", out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    skipped = qc["modules_to_not_convert" if scheme == "block" else "ignore"]
+    t = _tensors(out)
+    for i in range(2):
+        for leaf in LINEARS[family]:
+            module = f"model.layers.{i}.{leaf}"
+            assert t[f"{module}.weight"].dtype == torch.float8_e4m3fn and module not in skipped
+            rows, cols = t[f"{module}.weight"].shape
+            if scheme == "block":  # one scale per block of the whole (fused) tensor
+                assert t[f"{module}.weight_scale_inv"].shape == (rows // BLOCK, cols // BLOCK)
+            else:  # one scale for the whole (fused) tensor, as vLLM loads qkv_proj
+                assert t[f"{module}.weight_scale"].shape == (1,)
+    kwargs = ({} if scheme == "block" else
+              dict(quantization_config=transformers.CompressedTensorsConfig(dequantize=True)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                           **kwargs).eval()
+    check.convert("--from", "hf", "--input", out, "--output", root / f"back-{scheme}")
+    back = load_checkpoint(root / f"back-{scheme}")
+    ids = check.ids(VOCAB, 16, batch=2, seed=2)
+    with torch.no_grad():
+        fp8_logits, ref_logits = hf(ids).logits, original(ids).logits
+        assert torch.equal(fp8_logits, back(ids))
+    # The rounding errors are independent across weights, so their effect is bounded in RMS
+    # (the extreme element of 8k logits wanders further under Gemma 2's and OLMo-2's post-norms).
+    rms = lambda x: x.pow(2).mean().sqrt()  # noqa: E731
+    assert rms(fp8_logits - ref_logits) <= rms(ref_logits) / 8
+    ref_state, state = original.state_dict(), hf.state_dict()
+    for name, ref in ref_state.items():
+        if name.endswith(tuple(f"{leaf}.weight" for leaf in LINEARS[family])):
+            w = state[name]
+            assert not torch.equal(w, ref) and (w - ref).abs().max() <= ref.abs().max() / 16, name
+        elif name in state:  # embeddings, every norm, lm_head: not quantized
+            assert torch.equal(state[name], ref), name
