@@ -37,7 +37,7 @@ FLAT_OPTIONS: dict[str, Any] = {
 # Fields added after the flat form, with the default that says nothing new.
 _LATER_DEFAULTS: dict[str, Any] = {"qk_norm_width": "head", "norm_placement": "input",
                                    "sliding_window": None, "sliding_window_layers": None,
-                                   "sliding_window_rope_theta": None}
+                                   "sliding_window_rope_theta": None, "mla": None}
 
 
 def as_dict(value: Any) -> dict[str, Any]:
@@ -78,8 +78,8 @@ def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
     flat default where the family has no such option). Digests of a config hash this form,
     so they stay what they were (`core.fingerprint`): the fields added since (`rope_scaling`,
     `qkv_bias`, `qk_norm_width`, `norm_placement`, `sliding_window`, `sliding_window_layers`,
-    `sliding_window_rope_theta`) appear only where they say something the older fields do not
-    (a value other than their default)."""
+    `sliding_window_rope_theta`, `mla`) appear only where they say something the older fields
+    do not (a value other than their default)."""
     out = {k: v for k, v in data.items() if k not in ("moe", "options")}
     if as_dict(out.get("rope_scaling")) in ({}, _PLAIN_ROPE):
         out.pop("rope_scaling", None)

@@ -21,6 +21,8 @@ _FAMILIES: dict[str, str] = {
     "olmo2": _P + "olmo2:OLMO2",
     "gemma2": _P + "gemma2:GEMMA2",
     "gemma3": _P + "gemma3:GEMMA3",
+    "deepseek_v2": _P + "deepseek:DEEPSEEK_V2",
+    "deepseek_v3": _P + "deepseek:DEEPSEEK_V3",
     "mixtral": _P + "moe:MIXTRAL",
     "qwen2_moe": _P + "moe:QWEN2_MOE",
     "qwen3_moe": _P + "moe:QWEN3_MOE",
@@ -36,7 +38,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "phi3": "phi3",
     "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3",
     # The multimodal Gemma 3: its family refuses it, saying to import the text model.
-    "gemma3": "gemma3",
+    "gemma3": "gemma3", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
 }
 
 
