@@ -169,7 +169,8 @@ class CompiledDecode:
                 h = self._block(layer, h.view(-1).view(h.shape), rope, kv, x.positions, x.rows)
         h = model.norm(h)
         weight = model.tok_embeddings.weight if model.output is None else model.output.weight
-        return F.linear(h, weight).transpose(0, 1)[..., :model.config.vocab_size]
+        logits = model.soft_capped(F.linear(h, weight))  # Gemma's final soft cap, if any
+        return logits.transpose(0, 1)[..., :model.config.vocab_size]
 
     def __call__(self, x: StaticInputs) -> torch.Tensor:
         """Logits `(b, 1, vocab)` of the pass in `x` (one of `self.inputs`, filled)."""

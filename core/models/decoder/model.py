@@ -334,7 +334,7 @@ class GPTModel(nn.Module):
         self.embedding_hook: nn.Module | None = None  # set by prompt tuning
         self.final_softcap = getattr(config.options, "final_logit_softcapping", None)
 
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+    def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma 2's `cap * tanh(logits / cap)` of the output logits (as is without a cap)."""
         if self.final_softcap is None:
             return logits
@@ -453,7 +453,7 @@ class GPTModel(nn.Module):
         if labels is not None:
             return self.head_loss(h, weight, labels, seq, sp)
         logits = column_parallel_linear(h, weight, None, self.groups.tp_group, sp)  # (T,B,V/tp)
-        logits = self._softcap(logits).transpose(0, 1)
+        logits = self.soft_capped(logits).transpose(0, 1)
         if local_logits:
             return logits
         return gather_from_tp(logits, self.groups.tp_group)[..., : self.config.vocab_size]
@@ -476,7 +476,7 @@ class GPTModel(nn.Module):
                 return loss
             total = loss
         else:
-            logits = self._softcap(column_parallel_linear(h, weight, None, self.groups.tp_group,
+            logits = self.soft_capped(column_parallel_linear(h, weight, None, self.groups.tp_group,
                                                           sp))
             total = vocab_parallel_cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), targets, self.groups.tp_group,

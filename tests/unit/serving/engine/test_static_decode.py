@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from tessera.core import ModelConfig, build_model
 from tessera.core.checkpoint import save_checkpoint
 from tessera.core.fingerprint import base_fingerprint
 from tessera.core.lora_format import AdapterConfig, lora_names, save_adapter
+from tessera.core.models.decoder.gemma_options import Gemma2Options
 from tessera.core.parallel.sharding import global_param_shapes
 from tessera.serving.engine import LLMEngine
 from tessera.serving.engine.adapters import LoRAServing
@@ -131,6 +134,29 @@ def test_adapters_change_the_static_step_output(world, eager_outputs):
                                                            ignore_eos=True), adapter=a)
             for name, a in (("base", None), ("tuned", "a"))])
     assert base.token_ids != tuned.token_ids
+
+
+def test_the_static_step_soft_caps_the_logits_as_the_eager_step():
+    """Gemma 2's final logit soft cap applies in the static step too: sampled tokens' logprobs
+    equal the eager engine's (greedy tokens alone would not show a missing cap: tanh keeps the
+    order)."""
+    config = dataclasses.replace(
+        ModelConfig.from_name("gemma2-2b"), hidden_size=32, ffn_hidden_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=32,
+        sliding_window=None, sliding_window_layers=None, init_std=0.3,
+        options=Gemma2Options(query_pre_attn_scalar=12, final_logit_softcapping=3.0))
+    request = GenerationRequest("r", [5, 9, 17, 3], SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+
+    def logprobs(compile_decode: bool | str) -> list[float]:
+        runner = ModelRunner(build_model(config, seed=0).eval(), 1, compile_decode=compile_decode)
+        with LLMEngine(LocalExecutor(runner)) as engine:
+            (result,) = collect(engine, [request])
+        return [entry.logprob for entry in result.logprobs]
+
+    eager = logprobs(False)
+    assert max(abs(v) for v in eager) > 0.01  # the cap leaves real probability elsewhere
+    assert logprobs("static") == pytest.approx(eager, abs=1e-5)
 
 
 def test_a_thousand_decode_steps_of_varying_batch_and_length_compile_nothing_new():
