@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.core.config import ModelConfig
-from tessera.core.moe.shapes import moe_layers
 
 GIB = 2**30
 
@@ -116,8 +115,9 @@ def parameter_counts(
     router (E x h, and an (E,) routing bias with `moe.expert_bias`), E routed experts of FFN
     size `moe.ffn_hidden_size` (no biases, `core.moe.shapes.moe_param_shapes`) and, with
     `moe.shared_ffn_hidden_size` = Fs, a shared expert (a bias-free MLP of FFN size Fs) with,
-    when `moe.shared_expert_gated`, its (1, h) sigmoid gate; a token uses `moe.top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
-    routed, active and shared expert parameters alike]. The other layers are dense.
+    when `moe.shared_expert_gated`, its (1, h) sigmoid gate; a token uses `moe.top_k` routed
+    experts [Megatron-Core theoretical_memory_usage.py counts routed, active and shared expert
+    parameters alike]. The other layers are dense.
     """
     h, hd = model.hidden_size, model.head_dim
     qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
@@ -136,7 +136,12 @@ def parameter_counts(
         shared = (mlp_parameters(h, fs, model.gated, False) + gate) if fs else 0
         router = h * E + (E if model.moe.expert_bias else 0)
         moe_dense = attn + 2 * norm + router + shared
-        moe = dict(num_moe_layers=len(moe_layers(model)), moe_layer_freq=model.moe.layer_freq,
+        # The layers `core.moe.shapes.is_moe_layer` makes MoE, also when `num_experts` is given
+        # here for a dense `model`.
+        m = model.moe
+        num_moe = sum(1 for i in range(m.first_dense_layers, model.num_layers)
+                      if (i + 1) % m.layer_freq == 0)
+        moe = dict(num_moe_layers=num_moe, moe_layer_freq=model.moe.layer_freq,
                    moe_first_layer=model.moe.first_dense_layers,
                    moe_layer_dense=moe_dense, moe_layer_experts=E * expert,
                    moe_layer_active=moe_dense + k * expert)
