@@ -33,7 +33,7 @@ from tessera.core.checkpoint import atomic_directory, read_manifest
 from tessera.core.config import ModelConfig
 from tessera.core.files import save_safetensors
 from tessera.core.fingerprint import base_fingerprint
-from tessera.core.lora import adaptable_modules
+from tessera.core.lora import MLA_PROJECTIONS, adaptable_modules
 from tessera.core.lora_format import CONFIG_FILE as ADAPTER_CONFIG
 from tessera.core.lora_format import (
     AdapterConfig,
@@ -49,7 +49,8 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_WEIGHTS_BIN = "adapter_model.bin"  # older peft versions
 FINGERPRINT_KEY = "tessera_base_fingerprint"  # safetensors metadata of an exported adapter
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF *ForCausalLM
-LORA_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2")
+LORA_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+                *MLA_PROJECTIONS)
 _LAYER_MODULE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<factor>lora_A|lora_B)\.weight$")
 
@@ -95,7 +96,7 @@ def _linear_map(config: ModelConfig) -> dict[str, tuple[str, ...]]:
         raise PeftLoraError(f"family {config.family!r} has no per-layer Hugging Face name map "
                             f"for LoRA; families with one: {', '.join(with_maps)}")
     return {leaf: tuple(n.removesuffix(".weight") for n in names[f"layers.{{}}.{leaf}.weight"])
-            for leaf in LORA_LINEARS}
+            for leaf in LORA_LINEARS if f"layers.{{}}.{leaf}.weight" in names}
 
 
 def hf_modules(config: ModelConfig, module: str) -> list[tuple[str, int]]:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from tessera.core.errors import ConfigError
 from tessera.core.expert_config import expert_layout_problems
 from tessera.core.flat_model_fields import FLAT_MOE, FLAT_OPTIONS, as_dict, nest_flat_fields
+from tessera.core.mla_config import MLAConfig, mla_problems
 from tessera.core.models.registry import family as model_family
 from tessera.core.moe.config import MoEConfig
 from tessera.core.rope_config import RopeScaling, rope_scaling_problems
@@ -74,6 +75,8 @@ class ModelConfig:
     sliding_window_layers: tuple[int, ...] | None = None
     # Mixture-of-Experts, a block option of the decoder (`core.moe`); the default is dense.
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # Multi-head latent attention (DeepSeek-V2/V3, `core.mla_config`); None: the fused-QKV one.
+    mla: MLAConfig | None = None
     # What only this family says (`Family.options`, e.g. `T5Options`, `BertOptions`): None
     # becomes the family's defaults; a family without options takes only None.
     options: Any = None
@@ -83,6 +86,11 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.qkv_bias is None:
             self.qkv_bias = self.bias
+        if self.mla is not None and not isinstance(self.mla, MLAConfig):
+            raise ConfigError(f"mla must be an MLAConfig (core.mla_config) or None, got "
+                              f"{self.mla!r}")
+        if self.head_dim is None and self.mla is not None:
+            self.head_dim = self.mla.qk_head_dim
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -95,6 +103,11 @@ class ModelConfig:
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                 f"{self.num_kv_heads}; grouped-query attention needs whole groups."
             )
+        if self.mla is not None:
+            problems = mla_problems(self)
+            if problems:
+                raise ConfigError("invalid multi-head latent attention config: "
+                                  + "; ".join(problems))
         if self.position == "rope" and self.rotary_dim % 2:
             raise ConfigError(
                 f"rotary dims {self.rotary_dim} (head_dim {self.head_dim} x rotary_fraction "
@@ -172,6 +185,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:  # the rotary part of each query head and the shared key
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.rotary_fraction)
 
     @property
@@ -196,6 +211,8 @@ class ModelConfig:
             raise ConfigError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
         if "moe" in data:
             data["moe"] = _sub_config(MoEConfig, data["moe"], "moe")
+        if data.get("mla") is not None:
+            data["mla"] = _sub_config(MLAConfig, data["mla"], "mla")
         if "rope_scaling" in data:
             data["rope_scaling"] = _sub_config(RopeScaling, data["rope_scaling"], "rope_scaling")
         if data.get("options") is not None and options is not None:
@@ -211,7 +228,7 @@ class ModelConfig:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         data = {**PRESETS[name], "name": name}
         for key, value in overrides.items():
-            if key in ("moe", "options", "rope_scaling") and isinstance(value, dict):
+            if key in ("moe", "options", "rope_scaling", "mla") and isinstance(value, dict):
                 value = {**as_dict(data.get(key)), **value}
             data[key] = value
         return cls.from_dict(data)
@@ -222,9 +239,9 @@ class ModelConfig:
         `moe.<field>` and `options.<field>` (the family's options), and the flat names of older
         manifests (`num_experts`, `moe_top_k`, ...)."""
         types = {k: v for k, v in typing.get_type_hints(cls).items()
-                 if k not in ("moe", "options", "rope_scaling")}
+                 if k not in ("moe", "options", "rope_scaling", "mla")}
         subs = {"moe": MoEConfig, "options": model_family(family).options,
-                "rope_scaling": RopeScaling}
+                "rope_scaling": RopeScaling, "mla": MLAConfig}
         for prefix, kind in subs.items():
             if kind is not None:
                 types.update({f"{prefix}.{k}": v for k, v in typing.get_type_hints(kind).items()})

@@ -40,7 +40,8 @@ FLAT_OPTIONS: dict[str, Any] = {
 
 # Fields added after the flat form, with the default that says nothing new.
 _LATER_DEFAULTS: dict[str, Any] = {"qk_norm_width": "head", "norm_placement": "input",
-                                   "sliding_window": None, "sliding_window_layers": None}
+                                   "sliding_window": None, "sliding_window_layers": None,
+                                   "mla": None}
 # `MoEConfig` fields added after the flat form (flat names), likewise.
 _LATER_MOE_DEFAULTS: dict[str, Any] = {
     "moe_shared_expert_gated": True, "moe_first_dense_layers": 0, "moe_routed_scale": 1.0,
@@ -85,8 +86,8 @@ def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
     flat default where the family has no such option). Digests of a config hash this form,
     so they stay what they were (`core.fingerprint`): the fields added since (`rope_scaling`,
     `qkv_bias`, `qk_norm_width`, `norm_placement`, `sliding_window`, `sliding_window_layers`,
-    the MoE fields of `_LATER_MOE_DEFAULTS`) appear only where they say something the older
-    fields do not (a value other than their default)."""
+    `mla`, the MoE fields of `_LATER_MOE_DEFAULTS`) appear only where they say something the
+    older fields do not (a value other than their default)."""
     out = {k: v for k, v in data.items() if k not in ("moe", "options")}
     if as_dict(out.get("rope_scaling")) in ({}, _PLAIN_ROPE):
         out.pop("rope_scaling", None)

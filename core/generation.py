@@ -12,7 +12,7 @@ import torch
 
 from tessera.core.kv_cache import KVCache
 from tessera.core.models.decoder.model import GPTModel
-from tessera.core.parallel.sharding import local_kv_heads
+from tessera.core.parallel.sharding import kv_geometry
 from tessera.core.sampling import RowSettings, choose_tokens
 
 
@@ -51,8 +51,9 @@ def generate_ids(model: GPTModel, prompt: list[int], max_new_tokens: int, *,
                          f"{config.max_position_embeddings}")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    cache = KVCache(model.layer_ids, 1, total, local_kv_heads(config, model.groups.tp_size),
-                    config.head_dim, dtype, device)
+    entry = kv_geometry(config, model.groups.tp_size)
+    cache = KVCache(model.layer_ids, 1, total, entry.heads, entry.key_dim, dtype, device,
+                    value_dim=entry.value_dim)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     slots = torch.zeros(1, dtype=torch.long, device=device)
     ids = torch.tensor([prompt], device=device)

@@ -18,16 +18,18 @@ if TYPE_CHECKING:
 
 
 class KVCache:
-    """Keys and values for the layers `layer_ids`, shape `(slots, kv_heads, max_seq, head_dim)`."""
+    """Keys and values for the layers `layer_ids`, shape `(slots, kv_heads, max_seq, head_dim)`
+    (values `value_dim` wide instead when given: `core.parallel.sharding.kv_geometry`)."""
 
     attends = False  # attention runs over the keys `update` returns (see PagedKVCache.attend)
 
     def __init__(self, layer_ids: list[int], num_slots: int, max_seq: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", value_dim: int | None = None):
         shape = (num_slots, kv_heads, max_seq, head_dim)
+        value_shape = shape[:-1] + (value_dim or head_dim,)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.values = {i: torch.zeros(value_shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_slots, self.max_seq = num_slots, max_seq
         self._pass: tuple[int, int | None, torch.Tensor] | None = None
 

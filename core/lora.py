@@ -59,12 +59,27 @@ TARGETS_HELP = ("comma-separated: qkv, wo, w1, w2 (in every layer), attention (q
                 "(w1,w2), all, or a regular expression matched against the whole module name "
                 r"or the name after `layers.N.` (e.g. 'layers\.[01]\.attention\.wqkv')")
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.weight$")
+# Multi-head latent attention's projections (`core.models.decoder.mla`), where other
+# attentions have `attention.wqkv`: the short name `qkv` selects them.
+MLA_PROJECTIONS = ("attention.wq", "attention.wq_a", "attention.wq_b", "attention.wkv_a",
+                   "attention.wkv_b")
+
+
+def _block_linears(config: ModelConfig) -> list[str]:
+    """The linear layers of one block, in model order."""
+    if config.mla is None:
+        return list(SHORT_NAMES.values())
+    q = ["attention.wq"] if config.mla.q_lora_rank is None else ["attention.wq_a",
+                                                                 "attention.wq_b"]
+    return [*q, "attention.wkv_a", "attention.wkv_b", "attention.wo", "feed_forward.w1",
+            "feed_forward.w2"]
 
 
 def adaptable_modules(config: ModelConfig) -> list[str]:
-    """Every module LoRA may target, in model order: each block's qkv, wo, w1 and w2 (not w1 /
-    w2 of Mixture-of-Experts layers, whose experts are grouped weights, not linear layers)."""
-    return [f"layers.{i}.{m}" for i in range(config.num_layers) for m in SHORT_NAMES.values()
+    """Every module LoRA may target, in model order: each block's qkv (multi-head latent
+    attention: its q and kv projections), wo, w1 and w2 (not w1 / w2 of Mixture-of-Experts
+    layers, whose experts are grouped weights, not linear layers)."""
+    return [f"layers.{i}.{m}" for i in range(config.num_layers) for m in _block_linears(config)
             if not (m.startswith("feed_forward.") and is_moe_layer(config, i))]
 
 
@@ -83,6 +98,8 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
     for item in items:
         if item in GROUP_NAMES or item in SHORT_NAMES:
             suffixes = {SHORT_NAMES[s] for s in GROUP_NAMES.get(item, (item,))}
+            if SHORT_NAMES["qkv"] in suffixes:
+                suffixes.update(MLA_PROJECTIONS)
             matched = [m for m in modules if m.split(".", 2)[2] in suffixes]
         else:
             try:
@@ -174,6 +191,10 @@ def attach_lora(stages: Sequence[nn.Module], adapter: AdapterConfig, *,
             # with the other tp-partial gradients by `sync_sequence_parallel_grads`.
             partial = layer.lora_A if layer.parallel == "column" else layer.lora_B
             partial.weight.sequence_parallel = True
+            if getattr(layer.weight, "sequence_parallel", False):
+                # A base replicated over tp whose gradient is partial (`mla`'s down-projections):
+                # B's is partial too.
+                layer.lora_B.weight.sequence_parallel = True
             layer.adapter = LoRA(adapter.scaling, adapter.dropout)
             out[a_name], out[b_name] = layer.lora_A.weight, layer.lora_B.weight
     return out

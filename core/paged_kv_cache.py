@@ -38,12 +38,14 @@ class PagedKVCache:
 
     `max_seq` bounds the positions a pass may hold (the model's context). `windows`: the
     layers' sliding windows (None: whole context), one flex block mask per pass for each.
+    `value_dim`: the width of a value head when it differs from a key head's (multi-head
+    latent attention, `core.parallel.sharding.kv_geometry`).
     """
 
     def __init__(self, layer_ids: list[int], num_blocks: int, block_size: int, max_seq: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", decode_attention: str = "gather",
-                 windows: Iterable[int | None] = (None,)):
+                 windows: Iterable[int | None] = (None,), value_dim: int | None = None):
         if decode_attention not in KERNELS:
             raise ValueError(f"paged decode attention {decode_attention!r} is not one of "
                              f"{', '.join(KERNELS)}")
@@ -51,8 +53,9 @@ class PagedKVCache:
             raise ValueError(f"a paged cache needs at least one block of at least one token, "
                              f"got {num_blocks} blocks of {block_size}")
         shape = (num_blocks, block_size, kv_heads, head_dim)
+        value_shape = shape[:-1] + (value_dim or head_dim,)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
-        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.values = {i: torch.zeros(value_shape, dtype=dtype, device=device) for i in layer_ids}
         self.num_blocks, self.block_size, self.max_seq = num_blocks, block_size, max_seq
         self._pass: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.decode_attention = decode_attention
@@ -62,10 +65,12 @@ class PagedKVCache:
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-        """Bytes one block takes over `num_layers` layers (keys and values)."""
+                    dtype: torch.dtype, value_dim: int | None = None) -> int:
+        """Bytes one block takes over `num_layers` layers (keys and values; values
+        `value_dim` wide when given, else `head_dim`)."""
         item = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * kv_heads * block_size * head_dim * item
+        width = head_dim + (value_dim or head_dim)
+        return num_layers * kv_heads * block_size * width * item
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.keys, self.values)

@@ -20,6 +20,8 @@ _FAMILIES: dict[str, str] = {
     "phi3": _P + "phi3:PHI3",
     "olmo2": _P + "olmo2:OLMO2",
     "gemma2": _P + "gemma2:GEMMA2",
+    "deepseek_v2": _P + "deepseek:DEEPSEEK_V2",
+    "deepseek_v3": _P + "deepseek:DEEPSEEK_V3",
     "mixtral": _P + "moe:MIXTRAL",
     "qwen2_moe": _P + "moe:QWEN2_MOE",
     "qwen3_moe": _P + "moe:QWEN3_MOE",
@@ -33,7 +35,8 @@ _MODEL_TYPES: dict[str, str] = {
     "gpt2": "gpt2", "llama": "llama", "mistral": "llama", "nemotron": "nemotron", "t5": "t5",
     "bert": "bert", "mixtral": "mixtral", "qwen2": "qwen2", "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "phi3": "phi3",
-    "olmo2": "olmo2", "gemma2": "gemma2",
+    "olmo2": "olmo2", "gemma2": "gemma2", "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
 }
 
 

@@ -22,6 +22,8 @@ FAMILIES: dict[str, str] = {
     "phi3": f"{_DECODER}:PHI3",
     "olmo2": f"{_DECODER}:OLMO2",
     "gemma2": f"{_DECODER}:GEMMA2",
+    "deepseek_v2": f"{_DECODER}:DEEPSEEK_V2",
+    "deepseek_v3": f"{_DECODER}:DEEPSEEK_V3",
     "mixtral": f"{_DECODER}:MIXTRAL",
     "qwen2_moe": f"{_DECODER}:QWEN2_MOE",
     "qwen3_moe": f"{_DECODER}:QWEN3_MOE",

@@ -125,6 +125,29 @@ def local_kv_heads(config: ModelConfig, tp_size: int) -> int:
     return max(1, config.num_kv_heads // tp_size)
 
 
+class KVGeometry(NamedTuple):
+    """What one tp rank's KV cache stores per token and layer: `heads` heads of a
+    `key_dim`-wide key and a `value_dim`-wide value."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def token_values(self) -> int:
+        """Values cached per token and layer."""
+        return self.heads * (self.key_dim + self.value_dim)
+
+
+def kv_geometry(config: ModelConfig, tp_size: int) -> KVGeometry:
+    """The KV cache entry of one tp rank: its kv heads of `head_dim` keys and values, or with
+    multi-head latent attention one head holding the latent (as the key) and the shared rotary
+    key (as the value), whole on every rank (`core.models.decoder.mla`)."""
+    if config.mla is not None:
+        return KVGeometry(1, config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
+    return KVGeometry(local_kv_heads(config, tp_size), config.head_dim, config.head_dim)
+
+
 def _part_bounds(size: int, heads: int | None, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """`[start, stop)` within a fused part of `size` rows that `tp_rank` holds."""
     if heads is not None and tp_size > heads:  # fewer heads than ranks: one whole head each

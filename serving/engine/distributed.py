@@ -362,14 +362,15 @@ def _agree_on_blocks(kv: KVCacheConfig, stages: list[GPTModel], groups: Parallel
     blocks; a memory budget gives each rank its own count). Collective when distributed."""
     from dataclasses import replace
 
-    from tessera.core.parallel.sharding import local_kv_heads
+    from tessera.core.parallel.sharding import kv_geometry
 
     first = stages[0]
     c, param = first.config, next(first.parameters())
+    entry = kv_geometry(c, groups.tp_size)
     blocks = resolve_num_blocks(
-        kv, num_layers=sum(len(m.layer_ids) for m in stages),
-        kv_heads=local_kv_heads(c, groups.tp_size), head_dim=c.head_dim, dtype=param.dtype,
-        device=param.device, max_batch=max_batch, max_seq=c.max_position_embeddings)
+        kv, num_layers=sum(len(m.layer_ids) for m in stages), kv_heads=entry.heads,
+        head_dim=entry.key_dim, dtype=param.dtype, device=param.device, max_batch=max_batch,
+        max_seq=c.max_position_embeddings, value_dim=entry.value_dim)
     if dist.is_initialized() and dist.get_world_size() > 1:
         agreed = torch.tensor([blocks], dtype=torch.long, device=param.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)

@@ -80,8 +80,9 @@ def free_memory_bytes(device: torch.device | str) -> int:
 
 def resolve_num_blocks(config: KVCacheConfig, *, num_layers: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device | str, max_batch: int,
-                       max_seq: int) -> int:
-    """Blocks in the pool of one rank holding `num_layers` layers of `kv_heads` heads."""
+                       max_seq: int, value_dim: int | None = None) -> int:
+    """Blocks in the pool of one rank holding `num_layers` layers of `kv_heads` heads (values
+    `value_dim` wide when given, else `head_dim`)."""
     if config.num_blocks is not None:
         return config.num_blocks
     if config.memory is None:
@@ -89,7 +90,8 @@ def resolve_num_blocks(config: KVCacheConfig, *, num_layers: int, kv_heads: int,
     size, fraction = parse_memory(config.memory)
     if size is None:
         size = int(free_memory_bytes(device) * fraction)
-    per_block = PagedKVCache.block_bytes(num_layers, config.block_size, kv_heads, head_dim, dtype)
+    per_block = PagedKVCache.block_bytes(num_layers, config.block_size, kv_heads, head_dim, dtype,
+                                         value_dim)
     blocks = size // per_block
     if blocks < 2:
         raise ValueError(f"--kv-cache-memory {config.memory!r} holds {blocks} blocks of "

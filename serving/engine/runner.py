@@ -34,7 +34,7 @@ from tessera.core.models.decoder.model import GPTModel
 from tessera.core.paged_kv_cache import PagedKVCache
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.pipeline_forward import pipeline_forward
-from tessera.core.parallel.sharding import local_kv_heads
+from tessera.core.parallel.sharding import kv_geometry
 from tessera.core.prompts import VirtualPrompts, attach_prompts, fixed_prompts
 from tessera.serving.engine.adapters import AdapterRegistry, LoRAServing, detach_stacked
 from tessera.serving.engine.compiled import CompiledDecode, bucket_for
@@ -149,20 +149,22 @@ class ModelRunner:
         c, tp = self.config, self.groups.tp_size
         layer_ids = [i for m in self.stages for i in m.layer_ids]
         self.cache: KVCache | PagedKVCache
+        entry = kv_geometry(c, tp)  # what one token of one layer keeps
         if kv is not None and kv.kind == "paged":
             num_blocks = resolve_num_blocks(
-                kv, num_layers=len(layer_ids), kv_heads=local_kv_heads(c, tp),
-                head_dim=c.head_dim, dtype=self.dtype, device=self.device, max_batch=max_batch,
-                max_seq=self.max_seq)
+                kv, num_layers=len(layer_ids), kv_heads=entry.heads, head_dim=entry.key_dim,
+                dtype=self.dtype, device=self.device, max_batch=max_batch, max_seq=self.max_seq,
+                value_dim=entry.value_dim)
             self.cache = PagedKVCache(layer_ids, num_blocks, kv.block_size, self.max_seq,
-                                      local_kv_heads(c, tp), c.head_dim, self.dtype, self.device,
+                                      entry.heads, entry.key_dim, self.dtype, self.device,
                                       decode_attention=kv.decode_attention,
-                                      windows={c.layer_window(i) for i in layer_ids})
+                                      windows={c.layer_window(i) for i in layer_ids},
+                                      value_dim=entry.value_dim)
         else:
             # A static decode step pads its batches with rows that write to one more slot.
             slots = max_batch + 1 if compile_decode else max_batch
-            self.cache = KVCache(layer_ids, slots, self.max_seq, local_kv_heads(c, tp),
-                                 c.head_dim, self.dtype, self.device)
+            self.cache = KVCache(layer_ids, slots, self.max_seq, entry.heads, entry.key_dim,
+                                 self.dtype, self.device, value_dim=entry.value_dim)
         self.tasks = {n: int(tasks[n].shape[0]) for n in task_names(tasks)}
         self.hook: VirtualPrompts | None = None
         for m in self.stages:

@@ -51,3 +51,17 @@ GEMMA2 = decoder_family("gemma2", traits=dict(norm="rmsnorm1p", activation="gegl
 MIXTRAL = decoder_family("mixtral", traits=_LLAMA)
 QWEN2_MOE = decoder_family("qwen2_moe", traits=_LLAMA)
 QWEN3_MOE = decoder_family("qwen3_moe", traits=dict(_LLAMA, qk_norm=True))
+
+
+def _latent_attention_problems(config: Any) -> list[str]:
+    """DeepSeek's attention is multi-head latent attention: `mla` must be set."""
+    if config.mla is None:
+        return [f"mla=None (a {config.family} model's attention is multi-head latent attention: "
+                "give an MLAConfig)"]
+    return []
+
+
+# DeepSeek-V2 / V3: multi-head latent attention (`ModelConfig.mla`), Llama's norms and MLP.
+_DEEPSEEK = dict(_LLAMA, bias=False, qkv_bias=False, sliding_window=None)
+DEEPSEEK_V2 = decoder_family("deepseek_v2", traits=_DEEPSEEK, problems=_latent_attention_problems)
+DEEPSEEK_V3 = decoder_family("deepseek_v3", traits=_DEEPSEEK, problems=_latent_attention_problems)

@@ -23,6 +23,7 @@ from tessera.core import linear_cross_entropy as chunked_ce
 from tessera.core.attention_backends import cached_attention_backends
 from tessera.core.config import Layout, ModelConfig, TrainSchedule
 from tessera.core.kv_cache import KVCache
+from tessera.core.models.decoder.mla import LatentAttention
 from tessera.core.models.registry import family as model_family
 from tessera.core.moe.layer import MoEFeedForward
 from tessera.core.moe.shapes import is_moe_layer
@@ -217,7 +218,8 @@ class Block(nn.Module):
                  sp: bool, selective_recompute: bool):
         super().__init__()
         self.attention_norm = make_norm(config, sp)
-        self.attention = Attention(config, layer, groups, sp, selective_recompute)
+        attention = LatentAttention if config.mla is not None else Attention
+        self.attention = attention(config, layer, groups, sp, selective_recompute)
         self.ffn_norm = make_norm(config, sp)
         self.feed_forward = (MoEFeedForward(config, layer, groups, sp)  # Mixture-of-Experts
                              if is_moe_layer(config, layer) else MLP(config, layer, groups, sp))

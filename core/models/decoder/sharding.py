@@ -41,8 +41,11 @@ def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     for i in range(config.num_layers):
         norm(f"layers.{i}.attention_norm")
-        linear(f"layers.{i}.attention.wqkv", qkv_rows, c, config.qkv_bias)
-        linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
+        if config.mla is not None:  # multi-head latent attention (core.models.decoder.mla)
+            shapes.update(mla_param_shapes(config, i))
+        else:
+            linear(f"layers.{i}.attention.wqkv", qkv_rows, c, config.qkv_bias)
+            linear(f"layers.{i}.attention.wo", c, config.num_heads * hd)
         if config.qk_norm:  # q/k RMSNorm (core.qk_norm): per head, or over the projection
             wide = config.qk_norm_width == "projection"
             shapes[f"layers.{i}.attention.q_norm.weight"] = (config.num_heads * hd if wide else hd,)
@@ -64,6 +67,28 @@ def decoder_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mla_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s multi-head latent attention parameters and their shapes."""
+    m, c, nh, p = config.mla, config.hidden_size, config.num_heads, f"layers.{layer}.attention"
+    shapes: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank is None:
+        shapes[f"{p}.wq.weight"] = (nh * m.qk_head_dim, c)
+    else:
+        shapes[f"{p}.wq_a.weight"] = (m.q_lora_rank, c)
+        shapes[f"{p}.q_a_norm.weight"] = (m.q_lora_rank,)
+        shapes[f"{p}.wq_b.weight"] = (nh * m.qk_head_dim, m.q_lora_rank)
+    shapes[f"{p}.wkv_a.weight"] = (m.cache_dims, c)
+    shapes[f"{p}.kv_a_norm.weight"] = (m.kv_lora_rank,)
+    shapes[f"{p}.wkv_b.weight"] = (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    shapes[f"{p}.wo.weight"] = (c, nh * m.v_head_dim)
+    return shapes
+
+
+# Multi-head latent attention: the per-head projections split by heads (rows are head-major,
+# so even row chunks are whole heads); the down-projections and their norms replicated.
+_MLA_BY_HEADS = ("attention.wq.weight", "attention.wq_b.weight", "attention.wkv_b.weight")
+
+
 def decoder_shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     """How the global decoder parameter `name` is split over the tensor-parallel group."""
     if name in ("tok_embeddings.weight", "output.weight"):
@@ -74,6 +99,8 @@ def decoder_shard_spec(name: str, config: ModelConfig) -> ShardSpec:
     moe = moe_split(local, config)  # Mixture-of-Experts weights (core.moe.shapes)
     if moe is not None:
         return ShardSpec(**moe)
+    if config.mla is not None and local in _MLA_BY_HEADS:
+        return ShardSpec(dim=0)
     if local.startswith("attention.wqkv."):
         nh, nkv = config.num_heads, config.num_kv_heads
         return ShardSpec(dim=0, parts=(nh * hd, nkv * hd, nkv * hd), heads=(nh, nkv, nkv))
