@@ -6,8 +6,9 @@ Tiny random models built from configs (nothing downloaded): 3 layers, the first 
 shared experts; V2 with group-limited greedy softmax routing, V3 with sigmoid routing through a
 non-zero `e_score_correction_bias` and normalized weights, both with a routed scaling factor.
 Imported logits within 1e-4 (also from transformers' fused in-memory expert layout), each
-routing detail mattering to them, export giving the same config and logits, a tp2 reshard
-keeping them; the MoE fields Tessera cannot honour refused by name.
+routing detail mattering to them, greedy serving equal to `generate`, export giving the same
+config and logits, a tp2 reshard keeping them, a peft LoRA (on the attention) round-trip; the
+MoE fields Tessera cannot honour refused by name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.converters.hf_mapping import (  # noqa: E402
@@ -110,6 +112,20 @@ def test_fused_expert_layout_imports(imported, tmp_path):
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     model = load_checkpoint(tmp_path / "ckpt").eval()
     assert check.logit_diff(hf_model, model, check.ids(VOCAB, 24, batch=2)) <= 1e-4
+
+
+def test_greedy_serving_equals_generate(imported):
+    kind, hf_model, root = imported
+    model = load_checkpoint(root / "ckpt").eval()
+    prompt = check.ids(VOCAB, 12, seed=5)[0].tolist()
+    assert check.engine_greedy(model, prompt, 16) == check.hf_greedy(hf_model, prompt, 16)
+
+
+@pytest.mark.slow  # 20-30 s a version; the dense DeepSeek tests run peft in the default run
+def test_peft_lora_round_trips(imported, tmp_path):
+    kind, hf_model, root = imported
+    check.peft_round_trip(root / "hf", root / "ckpt", tmp_path, ["kv_b_proj", "o_proj"],
+                          check.ids(VOCAB, 16, batch=2), transformers, peft)
 
 
 def test_tp2_reshard_keeps_the_logits(imported, tmp_path):
