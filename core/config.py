@@ -539,6 +539,9 @@ def _layout_problems(
             f"divides it (e.g. {divisors(model.num_heads)})"
         )
     out += _kv_head_problems(model, lay.tp)
+    if model.mla is not None and lay.cp > 1:
+        out.append(f"cp {lay.cp}: multi-head latent attention (mla) has no context-parallel "
+                   "path; use cp 1 (tp, sequence parallelism and pp split it)")
     if model.ffn_hidden_size % lay.tp:
         out.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {lay.tp}")
     if model.moe.num_experts:  # Mixture-of-Experts

@@ -23,6 +23,14 @@ peft = pytest.importorskip("peft")
 from tessera.converters.hf_io import import_hf  # noqa: E402
 from tessera.converters.hf_mapping import ConversionError, config_from_hf  # noqa: E402
 from tessera.core.checkpoint import load_checkpoint  # noqa: E402
+from tessera.core.paged_kv_cache import PagedKVCache  # noqa: E402
+from tessera.core.parallel.sharding import kv_geometry  # noqa: E402
+from tessera.serving.engine import LLMEngine  # noqa: E402
+from tessera.serving.engine.executor import LocalExecutor  # noqa: E402
+from tessera.serving.engine.kv_config import KVCacheConfig  # noqa: E402
+from tessera.serving.engine.runner import ModelRunner  # noqa: E402
+from tessera.serving.types import GenerationRequest, SamplingParams  # noqa: E402
+from tests.serving_helper import collect  # noqa: E402
 
 from . import hf_family_checks as check  # noqa: E402
 
@@ -157,3 +165,31 @@ def test_context_parallel_and_packed_documents_are_refused(imported):
     with pytest.raises(NotImplementedError, match="multi-head latent attention runs without "
                                                   "context parallelism or packed documents"):
         model(tokens, document_ids=torch.zeros_like(tokens))
+
+
+def test_the_paged_kv_cache_holds_the_latent(imported):
+    """The paged pool keeps per token and layer the latent and the rotary key (not per-head K
+    and V), is sized by that for a memory budget, and serves greedy tokens equal to
+    `generate`; the block manager's peak counts the blocks those tokens took."""
+    kind, hf_model, root = imported
+    model = load_checkpoint(root / "ckpt").eval()
+    c, m = model.config, model.config.mla
+    per_token = c.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4  # fp32
+    per_head_kv = c.num_layers * c.num_heads * (m.qk_head_dim + m.v_head_dim) * 4
+    assert (per_token, per_head_kv) == (320, 1152)  # 3.6x less
+    kv = KVCacheConfig(kind="paged", block_size=8, memory="64KiB")
+    runner = ModelRunner(model, 2, kv=kv)
+    cache = runner.cache
+    assert cache.num_blocks == 64 * 1024 // (8 * per_token)
+    assert cache.nbytes() == cache.num_blocks * cache.block_size * per_token
+    entry = kv_geometry(c, tp_size=2)  # the latent is whole on every tp rank
+    assert entry.token_values == m.kv_lora_rank + m.qk_rope_head_dim
+    assert PagedKVCache.block_bytes(c.num_layers, 8, entry.heads, entry.key_dim, torch.float32,
+                                    entry.value_dim) == 8 * per_token
+    prompt = check.ids(VOCAB, 40, seed=5)[0].tolist()
+    with LLMEngine(LocalExecutor(runner), kv=kv) as engine:
+        result = collect(engine, [GenerationRequest("r", prompt, SamplingParams(
+            max_tokens=20, temperature=0, ignore_eos=True))])[0]
+        peak = engine.stats()["kv_blocks_peak_used"]
+    assert result.token_ids == check.hf_greedy(hf_model, prompt, 20)
+    assert peak == -(-(40 + 20 - 1) // 8)  # the last token's keys are never written
