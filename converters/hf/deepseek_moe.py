@@ -86,6 +86,9 @@ def deepseek_moe_config(hf: dict[str, Any]) -> MoEConfig:
         groups = hf.get("n_group") if method == "group_limited_greedy" else 1
     if not isinstance(groups, int) or groups < 1:
         _refuse(hf, "n_group", f"a whole number >= 1 for topk_method {method!r}")
+    kept = hf.get("topk_group") if groups > 1 else 1
+    if not isinstance(kept, int) or not 1 <= kept <= groups:
+        _refuse(hf, "topk_group", f"a whole number from 1 to n_group={groups}")
     ffn = hf["moe_intermediate_size"]
     return MoEConfig(
         num_experts=experts, top_k=hf["num_experts_per_tok"], ffn_hidden_size=ffn,
@@ -94,7 +97,7 @@ def deepseek_moe_config(hf: dict[str, Any]) -> MoEConfig:
         router_score="sigmoid" if v3 else "softmax", expert_bias=v3,
         norm_topk=bool(hf.get("norm_topk_prob")) if v3 else False,
         routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
-        num_groups=groups, topk_groups=(hf.get("topk_group") or 1) if groups > 1 else 1,
+        num_groups=groups, topk_groups=kept,
         group_score="top2_sum" if v3 else "max",
         aux_loss_coef=float(hf.get("aux_loss_alpha") or 0.0))
 

@@ -145,6 +145,8 @@ def test_tp2_reshard_keeps_the_logits(imported, tmp_path):
     ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported (supported: 1"),
     ("deepseek_v3", {"n_group": None}, "n_group=None is not supported (supported: a whole "
                                        "number >= 1"),
+    ("deepseek_v2", {"topk_group": None}, "topk_group=None is not supported (supported: a "
+                                          "whole number from 1 to n_group=2)"),
 ])
 def test_moe_fields_tessera_cannot_honour_are_refused(kind, change, message):
     with pytest.raises(ConversionError, match=re.escape(f"{kind} config: {message}")):
