@@ -133,6 +133,22 @@ def test_tp2_reshard_keeps_the_logits(imported, tmp_path):
     check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 16))
 
 
+def test_real_configs_have_the_published_sizes():
+    """DeepSeek-V2-Lite's and DeepSeek-V3's config fields give their published parameter
+    counts, 15.7B and 671B (V3 without its multi-token-prediction layer)."""
+    from tessera.core.parallel.sharding import num_parameters
+
+    lite = transformers.DeepseekV2Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, n_shared_experts=2, n_routed_experts=64,
+        num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+        topk_method="greedy", n_group=1, topk_group=1).to_dict()
+    v3 = {**transformers.DeepseekV3Config().to_dict(), "topk_method": "noaux_tc",
+          "scoring_func": "sigmoid", "moe_layer_freq": 1}
+    assert num_parameters(config_from_hf(lite)) == pytest.approx(15.7e9, rel=2e-3)
+    assert num_parameters(config_from_hf(v3)) == pytest.approx(671e9, rel=1e-3)
+
+
 @pytest.mark.parametrize("kind, change, message", [
     ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=True is not supported (supported: "
                                               "false: transformers' DeepSeek-V2 never"),
