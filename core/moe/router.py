@@ -49,7 +49,8 @@ class Routing:
     """One routing decision for n tokens over E experts (see the module docstring)."""
 
     expert_ids: torch.Tensor  # (n, k) int64, -1 for dropped assignments
-    weights: torch.Tensor  # (n, k) fp32 combine weights (unbiased scores, maybe normalized)
+    weights: torch.Tensor  # (n, k) fp32 combine weights (unbiased scores, maybe normalized,
+    # times routed_scale)
     logits: torch.Tensor  # (n, E) fp32 router logits (z-loss)
     scores: torch.Tensor  # (n, E) fp32 scores over all experts, summing to 1 per token (aux)
     chosen: torch.Tensor  # (n, k) int64 top-k choice before dropping (aux loss counts)
