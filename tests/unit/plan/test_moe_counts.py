@@ -36,7 +36,8 @@ def _built(config: ModelConfig) -> int:
         return sum(p.numel() for p in GPTModel(config).parameters())
 
 
-@pytest.mark.parametrize("name,fields", TINY, ids=[n + ("-" + list(f)[-1] if f else "") for n, f in TINY])
+@pytest.mark.parametrize("name,fields", TINY, ids=[
+    n + ("-freq2" if f.get("moe_layer_freq") else "-deepseek" if f else "") for n, f in TINY])
 def test_parameter_counts_equal_the_built_model(name, fields):
     """`parameter_counts(...).total` is every parameter Tessera builds; at tp 2 the planner's
     per-rank count differs from the shards Tessera holds (`local_shape`) by exactly what it
