@@ -77,20 +77,20 @@ def test_imported_logits_match(imported):
     assert check.logit_diff(hf_model, model, check.ids(VOCAB, 24, batch=2)) <= 1e-4
 
 
-@pytest.mark.parametrize("detail", ["num_groups", "routed_scale", "expert_bias"])
+@pytest.mark.parametrize("detail", ["num_groups", "routed_scale", "per_version"])
 def test_each_routing_detail_matters(imported, detail):
-    """Dropping the group limit, the routed scaling or V3's routing bias changes the logits:
-    the parity above covers each."""
+    """Dropping the group limit or the routed scaling, and V3's routing bias or V2's plain
+    (never renormalized) weights, change the logits: the parity above covers each."""
     kind, hf_model, root = imported
     model = load_checkpoint(root / "ckpt").eval()
-    if detail == "expert_bias" and kind == "deepseek_v2":
-        pytest.skip("V2 routes without a bias")
     for i in (1, 2):
         router = model.layers[str(i)].feed_forward.router
-        if detail == "expert_bias":
+        if detail != "per_version":
+            setattr(router, detail, 1)
+        elif kind == "deepseek_v3":
             router.expert_bias.data.zero_()
         else:
-            setattr(router, detail, 1)
+            router.norm_topk = True
     assert check.logit_diff(hf_model, model, check.ids(VOCAB, 24, batch=2)) > 1e-3
 
 
