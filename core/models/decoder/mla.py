@@ -30,7 +30,7 @@ from tessera.core.parallel.context_parallel import SequenceContext
 from tessera.core.parallel.groups import ParallelGroups
 from tessera.core.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tessera.core.parallel.mappings import copy_to_tp, gather_from_sequence
-from tessera.core.parallel.random import tracker
+from tessera.core.parallel.random import recompute, tracker
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -82,6 +82,7 @@ class LatentAttention(nn.Module):
         self.mla, self.layer, self.sp, self.tp_group = m, layer, sp, groups.tp_group
         self.n_heads = config.num_heads // tp
         self.dropout, self.scale = config.dropout, softmax_scale(config)
+        self.selective_recompute = selective_recompute  # recompute the scores in backward
         if m.q_lora_rank is None:
             self.wq = ColumnParallelLinear(c, self.n_heads * m.qk_head_dim, False, None)
         else:
@@ -100,6 +101,13 @@ class LatentAttention(nn.Module):
         if self.mla.q_lora_rank is None:
             return self.wq(x)
         return self.wq_b(self.q_a_norm(self.wq_a(x)))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        with tracker.fork() if p > 0 else contextlib.nullcontext():  # heads differ per tp rank
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                  is_causal=mask is None, scale=self.scale)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...] | None,
                 cache: KVCache | None, positions: torch.Tensor | None,
@@ -127,8 +135,8 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)  # (B, nh, L, .)
         k = torch.cat([k_nope, k_rot.expand(B, self.n_heads, L, m.qk_rope_head_dim)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
-        p = self.dropout if self.training else 0.0
-        with tracker.fork() if p > 0 else contextlib.nullcontext():  # heads differ per tp rank
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                               is_causal=mask is None, scale=self.scale)
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            y = recompute(self._core, q, k, v, mask)
+        else:
+            y = self._core(q, k, v, mask)
         return self.wo(y.permute(2, 0, 1, 3).reshape(T, B, self.n_heads * m.v_head_dim))

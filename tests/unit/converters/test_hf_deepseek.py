@@ -46,9 +46,7 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 SHAPES = {"deepseek_v2": dict(q_lora_rank=None), "deepseek_v3": dict(q_lora_rank=24)}
 # The attention's projections (peft's DeepSeek mapping also targets MoE expert parameters
 # when an MLP name is given, which a Tessera adapter does not map).
-PEFT_TARGETS = {"deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
-                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                "o_proj"]}
+PEFT_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 LONG = 60  # past the original rope length (32)
 
 
@@ -63,14 +61,29 @@ def _hf_model(config):
         config, attn_implementation="eager"), scale=0.3)
 
 
+_IMPORTED: dict[str, tuple] = {}
+
+
+def _imported(kind: str, tmp_path_factory) -> tuple:
+    """(kind, the HF model, the directory holding `hf` and its import `ckpt`), made once."""
+    if kind not in _IMPORTED:
+        root = tmp_path_factory.mktemp(kind)
+        hf_model = _hf_model(_hf_config(kind))
+        hf_model.save_pretrained(root / "hf")
+        import_hf(root / "hf", root / "ckpt")
+        _IMPORTED[kind] = kind, hf_model, root
+    return _IMPORTED[kind]
+
+
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def imported(request, tmp_path_factory):
-    kind = request.param
-    root = tmp_path_factory.mktemp(kind)
-    hf_model = _hf_model(_hf_config(kind))
-    hf_model.save_pretrained(root / "hf")
-    import_hf(root / "hf", root / "ckpt")
-    return kind, hf_model, root
+    return _imported(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def imported_v3(tmp_path_factory):
+    """V3 alone, for the slower checks (its attention is V2's with a q bottleneck)."""
+    return _imported("deepseek_v3", tmp_path_factory)
 
 
 def test_imported_logits_match(imported):
@@ -126,14 +139,14 @@ def test_tp2_reshard_keeps_the_logits(imported, tmp_path):
     check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 24))
 
 
-def test_tp2_pp2_reshard_keeps_the_logits(imported, tmp_path):
-    kind, hf_model, root = imported
+def test_tp2_pp2_reshard_keeps_the_logits(imported_v3, tmp_path):
+    kind, hf_model, root = imported_v3
     check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2pp2", check.ids(VOCAB, 24), pp=2)
 
 
-def test_peft_lora_round_trips(imported, tmp_path):
-    kind, hf_model, root = imported
-    check.peft_round_trip(root / "hf", root / "ckpt", tmp_path, PEFT_TARGETS[kind],
+def test_peft_lora_round_trips(imported_v3, tmp_path):
+    kind, hf_model, root = imported_v3
+    check.peft_round_trip(root / "hf", root / "ckpt", tmp_path, PEFT_TARGETS,
                           check.ids(VOCAB, 24, batch=2), transformers, peft)
 
 
@@ -167,11 +180,11 @@ def test_context_parallel_and_packed_documents_are_refused(imported):
         model(tokens, document_ids=torch.zeros_like(tokens))
 
 
-def test_the_paged_kv_cache_holds_the_latent(imported):
+def test_the_paged_kv_cache_holds_the_latent(imported_v3):
     """The paged pool keeps per token and layer the latent and the rotary key (not per-head K
     and V), is sized by that for a memory budget, and serves greedy tokens equal to
     `generate`; the block manager's peak counts the blocks those tokens took."""
-    kind, hf_model, root = imported
+    kind, hf_model, root = imported_v3
     model = load_checkpoint(root / "ckpt").eval()
     c, m = model.config, model.config.mla
     per_token = c.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4  # fp32
