@@ -25,6 +25,10 @@ FLAT_MOE: dict[str, str] = {
     "moe_aux_loss_coef": "aux_loss_coef", "moe_z_loss_coef": "z_loss_coef",
     "moe_capacity_factor": "capacity_factor", "moe_expert_bias": "expert_bias",
     "moe_expert_bias_rate": "expert_bias_rate", "moe_aux_loss_pooling": "aux_loss_pooling",
+    "moe_shared_expert_gated": "shared_expert_gated",
+    "moe_first_dense_layers": "first_dense_layers", "moe_routed_scale": "routed_scale",
+    "moe_num_groups": "num_groups", "moe_topk_groups": "topk_groups",
+    "moe_group_score": "group_score",
 }
 # flat name (the same name in the family's options) -> the value every flat manifest wrote for
 # a family that has no such option
@@ -38,6 +42,10 @@ FLAT_OPTIONS: dict[str, Any] = {
 _LATER_DEFAULTS: dict[str, Any] = {"qk_norm_width": "head", "norm_placement": "input",
                                    "sliding_window": None, "sliding_window_layers": None,
                                    "sliding_window_rope_theta": None, "mla": None}
+# `MoEConfig` fields added after the flat form (flat names), likewise.
+_LATER_MOE_DEFAULTS: dict[str, Any] = {
+    "moe_shared_expert_gated": True, "moe_first_dense_layers": 0, "moe_routed_scale": 1.0,
+    "moe_num_groups": 1, "moe_topk_groups": 1, "moe_group_score": "max"}
 
 
 def as_dict(value: Any) -> dict[str, Any]:
@@ -78,8 +86,8 @@ def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
     flat default where the family has no such option). Digests of a config hash this form,
     so they stay what they were (`core.fingerprint`): the fields added since (`rope_scaling`,
     `qkv_bias`, `qk_norm_width`, `norm_placement`, `sliding_window`, `sliding_window_layers`,
-    `sliding_window_rope_theta`, `mla`) appear only where they say something the older fields
-    do not (a value other than their default)."""
+    `sliding_window_rope_theta`, `mla`, the MoE fields of `_LATER_MOE_DEFAULTS`) appear only
+    where they say something the older fields do not (a value other than their default)."""
     out = {k: v for k, v in data.items() if k not in ("moe", "options")}
     if as_dict(out.get("rope_scaling")) in ({}, _PLAIN_ROPE):
         out.pop("rope_scaling", None)
@@ -89,7 +97,8 @@ def flat_fields(data: dict[str, Any]) -> dict[str, Any]:
         if out.get(key, default) == default:
             out.pop(key, None)
     moe = as_dict(data.get("moe"))
-    out.update({flat: moe[name] for flat, name in FLAT_MOE.items() if name in moe})
+    out.update({flat: moe[name] for flat, name in FLAT_MOE.items() if name in moe
+                and moe[name] != _LATER_MOE_DEFAULTS.get(flat, object())})
     options = as_dict(data.get("options"))
     out.update({flat: options.get(flat, default) for flat, default in FLAT_OPTIONS.items()})
     return out

@@ -46,7 +46,8 @@ class ParameterCounts:
     """Parameters of a model by where they live.
 
     A model has `num_layers` layers, `num_moe_layers` of them MoE layers (every
-    `moe.layer_freq`-th, `core.moe.shapes.is_moe_layer`), the rest dense. Per layer kind:
+    `moe.layer_freq`-th from layer `moe_first_layer` on, `core.moe.shapes.is_moe_layer`), the
+    rest dense. Per layer kind:
     `layer_dense` is one dense layer (attention, norms, dense MLP); `moe_layer_dense` one MoE
     layer's parameters outside the routed experts (attention, norms, router, the shared expert
     and its gate); `moe_layer_experts` its routed experts (all of them); `moe_layer_active`
@@ -64,6 +65,7 @@ class ParameterCounts:
     moe_layer_experts: int = 0
     moe_layer_active: int = 0
     moe_layer_freq: int = 1
+    moe_first_layer: int = 0  # `moe.first_dense_layers`: the layers before it are dense
 
     @property
     def num_dense_layers(self) -> int:
@@ -108,13 +110,14 @@ def parameter_counts(
 
     MoE, from `model.moe` (`moe.num_experts`, `moe.top_k`, `moe.ffn_hidden_size`,
     `moe.shared_ffn_hidden_size`, `moe.layer_freq`, `moe.expert_bias`; the arguments, when
-    given, override the first three): every `moe.layer_freq`-th layer (counting from 1,
-    `core.moe.shapes.is_moe_layer`) replaces its MLP with a router (E x h, and an (E,) routing
-    bias with `moe.expert_bias`), E routed experts of FFN size `moe.ffn_hidden_size` (no
-    biases, `core.moe.shapes.moe_param_shapes`) and, with `moe.shared_ffn_hidden_size` = Fs,
-    Qwen2-MoE's shared expert (a bias-free MLP of FFN size Fs) with its (1, h) sigmoid gate; a
-    token uses `moe.top_k` routed experts [Megatron-Core theoretical_memory_usage.py counts
-    routed, active and shared expert parameters alike]. The other layers are dense.
+    given, override the first three): every `moe.layer_freq`-th layer (counting from 1) from
+    layer `moe.first_dense_layers` on (`core.moe.shapes.is_moe_layer`) replaces its MLP with a
+    router (E x h, and an (E,) routing bias with `moe.expert_bias`), E routed experts of FFN
+    size `moe.ffn_hidden_size` (no biases, `core.moe.shapes.moe_param_shapes`) and, with
+    `moe.shared_ffn_hidden_size` = Fs, a shared expert (a bias-free MLP of FFN size Fs) with,
+    when `moe.shared_expert_gated`, its (1, h) sigmoid gate; a token uses `moe.top_k` routed
+    experts [Megatron-Core theoretical_memory_usage.py counts routed, active and shared expert
+    parameters alike]. The other layers are dense.
     """
     h, hd = model.hidden_size, model.head_dim
     qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
@@ -129,12 +132,17 @@ def parameter_counts(
         f = moe_ffn_hidden_size or model.moe.ffn_hidden_size or model.ffn_hidden_size
         expert = mlp_parameters(h, f, model.gated, False)
         fs = model.moe.shared_ffn_hidden_size
-        shared = (mlp_parameters(h, fs, model.gated, False) + h) if fs else 0
+        gate = h if model.moe.shared_expert_gated else 0
+        shared = (mlp_parameters(h, fs, model.gated, False) + gate) if fs else 0
         router = h * E + (E if model.moe.expert_bias else 0)
         moe_dense = attn + 2 * norm + router + shared
-        # Layers i with (i + 1) % freq == 0 in range(L): L // freq of them.
-        moe = dict(num_moe_layers=model.num_layers // model.moe.layer_freq,
-                   moe_layer_freq=model.moe.layer_freq,
+        # The layers `core.moe.shapes.is_moe_layer` makes MoE, also when `num_experts` is given
+        # here for a dense `model`.
+        m = model.moe
+        num_moe = sum(1 for i in range(m.first_dense_layers, model.num_layers)
+                      if (i + 1) % m.layer_freq == 0)
+        moe = dict(num_moe_layers=num_moe, moe_layer_freq=model.moe.layer_freq,
+                   moe_first_layer=model.moe.first_dense_layers,
                    moe_layer_dense=moe_dense, moe_layer_experts=E * expert,
                    moe_layer_active=moe_dense + k * expert)
     embedding = model.vocab_size * h + (model.max_position_embeddings * h
@@ -148,15 +156,17 @@ def parameter_counts(
 def max_stage_moe_layers(counts: ParameterCounts, pp: int) -> float:
     """MoE layers on the pipeline stage holding the most of them, stages taking contiguous
     blocks of L/p layers (`core.parallel.sharding.stage_layers`) and layer i being MoE when
-    (i + 1) % freq == 0: stage j has `floor((j + 1) L/(p freq)) - floor(j L/(p freq))`.
+    i >= `moe_first_layer` and (i + 1) % freq == 0, counted stage by stage.
     When every stage holds as many (all layers alike, or freq dividing L/p) this is the
     average `num_moe_layers / p`, returned as that float. Virtual stages (interleaving) are
     not modelled: a rank is taken to hold one contiguous block."""
     m, L, freq = counts.num_moe_layers, counts.num_layers, counts.moe_layer_freq
     per_stage = L // pp
-    if m in (0, L) or per_stage % freq == 0:
+    if m in (0, L) or (per_stage % freq == 0 and counts.moe_first_layer == 0):
         return m / pp
-    return float(max((j + 1) * per_stage // freq - j * per_stage // freq for j in range(pp)))
+    return float(max(sum(1 for i in range(j * per_stage, (j + 1) * per_stage)
+                         if i >= counts.moe_first_layer and (i + 1) % freq == 0)
+                     for j in range(pp)))
 
 
 def expert_params_per_rank(counts: ParameterCounts, pp: int, ep: int = 1, etp: int = 1

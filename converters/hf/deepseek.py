@@ -1,5 +1,5 @@
 """The Hugging Face <-> Tessera contract of DeepSeek-V2 and DeepSeek-V3 (`DeepseekV2ForCausalLM`,
-`DeepseekV3ForCausalLM`; families `deepseek_v2`, `deepseek_v3`), their dense layers.
+`DeepseekV3ForCausalLM`; families `deepseek_v2`, `deepseek_v3`).
 
 Both are Llama with multi-head latent attention (`ModelConfig.mla`,
 `core.models.decoder.mla`): each `self_attn.*` projection maps to one Tessera tensor
@@ -8,15 +8,21 @@ Both are Llama with multi-head latent attention (`ModelConfig.mla`,
 form); V3 does when `rope_interleave`, else the halves. The score scale follows yarn's
 `mscale_all_dim` as transformers does (`mla.softmax_scale`).
 
-Their Mixture-of-Experts layers (every layer from `first_k_dense_replace` on) are not mapped
-yet: a config with any is refused, as are attention biases, an MLP bias, grouped kv heads and
-a partial rotary factor.
+Their Mixture-of-Experts layers (every layer from `first_k_dense_replace` on) map as
+`converters.hf.deepseek_moe` says. Attention biases, an MLP bias, grouped kv heads and a partial
+rotary factor are refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tessera.converters.hf.deepseek_moe import (
+    DEEPSEEK_MOE_NAMES,
+    deepseek_moe_config,
+    deepseek_moe_fields,
+    deepseek_moe_problems,
+)
 from tessera.converters.hf.family import (
     ConversionError,
     HfFamily,
@@ -26,6 +32,7 @@ from tessera.converters.hf.family import (
     with_shared_fields,
 )
 from tessera.converters.hf.llama import LLAMA_LIKE, ROTARY_BUFFERS, SWIGLU_MLP, rope, rope_to_hf
+from tessera.converters.hf.moe import moe_pairs
 from tessera.core.config import ModelConfig
 from tessera.core.mla_config import MLAConfig
 
@@ -53,11 +60,6 @@ def deepseek_config(hf: dict[str, Any]) -> ModelConfig:
     require(hf, "hidden_act", ("silu",), "silu")
     require(hf, "attention_bias", (False,), False)
     require(hf, "mlp_bias", (False,), False)
-    dense = hf.get("first_k_dense_replace") or 0
-    if dense < layers:
-        _refuse(hf, "first_k_dense_replace", hf.get("first_k_dense_replace"),
-                f">= num_hidden_layers={layers}: DeepSeek's Mixture-of-Experts layers are not "
-                "converted yet, only dense ones")
     heads = hf["num_attention_heads"]
     if (hf.get("num_key_value_heads") or heads) != heads:
         _refuse(hf, "num_key_value_heads", hf["num_key_value_heads"],
@@ -82,7 +84,7 @@ def deepseek_config(hf: dict[str, Any]) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, bias=False, qkv_bias=False,
         tied_embeddings=hf.get("tie_word_embeddings", False),
         dropout=hf.get("attention_dropout") or 0.0, init_std=hf.get("initializer_range", 0.02),
-        mla=mla)
+        mla=mla, moe=deepseek_moe_config(hf))
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
@@ -96,7 +98,7 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
                   rope_parameters=rope_to_hf(c), q_lora_rank=m.q_lora_rank,
                   kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                   qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                  first_k_dense_replace=c.num_layers)
+                  **deepseek_moe_fields(c))
     if c.family == "deepseek_v2":
         fields["mlp_bias"] = False
     else:
@@ -112,18 +114,16 @@ def _check_exportable(c: ModelConfig) -> None:
         clash["mla.rope_interleave"] = False  # V2's complex RoPE always pairs neighbours
     elif c.mla.latent_norm_eps != MLAConfig.latent_norm_eps:
         clash["mla.latent_norm_eps"] = c.mla.latent_norm_eps  # transformers fixes it
-    if c.moe.num_experts:
-        clash["moe.num_experts"] = c.moe.num_experts
-    check_traits(c, clash)
+    check_traits(c, {**clash, **deepseek_moe_problems(c)})
 
 
 _NAMES: NameMap = {**{k: v for k, v in LLAMA_LIKE.items() if ".wqkv." not in k},
-                   **SWIGLU_MLP, **MLA_NAMES}
+                   **SWIGLU_MLP, **MLA_NAMES, **DEEPSEEK_MOE_NAMES}
 DEEPSEEK_V2 = HfFamily(
     family="deepseek_v2", config_from_hf=deepseek_config, check_exportable=_check_exportable,
-    config_to_hf=_config_to_hf, name_map=_NAMES, ignored=ROTARY_BUFFERS,
+    config_to_hf=_config_to_hf, name_map=_NAMES, pairs=moe_pairs(_NAMES), ignored=ROTARY_BUFFERS,
     fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
 DEEPSEEK_V3 = HfFamily(
     family="deepseek_v3", config_from_hf=deepseek_config, check_exportable=_check_exportable,
-    config_to_hf=_config_to_hf, name_map=_NAMES, ignored=ROTARY_BUFFERS,
+    config_to_hf=_config_to_hf, name_map=_NAMES, pairs=moe_pairs(_NAMES), ignored=ROTARY_BUFFERS,
     fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")

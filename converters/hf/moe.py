@@ -97,7 +97,7 @@ _QWEN3_MOE_NAMES: NameMap = {**_DENSE, **QK_NORM_NAMES, **_QWEN_EXPERTS}
 
 # The fused layout's names (every family), replacing the per-expert ones when the files hold it;
 # Mixtral's router is then named as Qwen's.
-_FUSED_EXPERTS: NameMap = {
+FUSED_EXPERTS: NameMap = {
     "layers.{}.feed_forward.experts.w1": (f"{_QWEN_MLP}.experts.gate_up_proj",),
     "layers.{}.feed_forward.experts.w2": (f"{_QWEN_MLP}.experts.down_proj",),
     "layers.{}.feed_forward.router.weight": (f"{_QWEN_MLP}.gate.weight",),
@@ -116,10 +116,11 @@ def expand_experts(patterns: tuple[str, ...], num_experts: int) -> list[str]:
     return [p.replace("{e}", str(e)) for e in range(num_experts) for p in patterns]
 
 
-def _pairs(names: NameMap) -> Callable[[ModelConfig, Set[str] | None], TensorPairs]:
-    """The tensor listing of one family: experts one by one, or fused when the files are."""
+def moe_pairs(names: NameMap) -> Callable[[ModelConfig, Set[str] | None], TensorPairs]:
+    """The tensor listing of one family with `names` (per-expert `{e}` patterns and the
+    `_QWEN_MLP` prefix): experts one by one, or fused when the files are."""
     def pairs(config: ModelConfig, hf_names: Set[str] | None) -> TensorPairs:
-        chosen = {**names, **_FUSED_EXPERTS} if hf_names and has_fused_experts(hf_names) else names
+        chosen = {**names, **FUSED_EXPERTS} if hf_names and has_fused_experts(hf_names) else names
         return mapped_pairs(config, chosen,
                             expand=lambda p: expand_experts(p, config.moe.num_experts))
     return pairs
@@ -287,7 +288,7 @@ def _moe_family(family: str, config_from_hf: Callable[[dict[str, Any]], ModelCon
     return HfFamily(family=family, config_from_hf=config_from_hf,
                     check_exportable=_checker(qk_norm, problems, qkv_bias),
                     config_to_hf=_writer(fields),
-                    name_map=names, pairs=_pairs(names), ignored=ROTARY_BUFFERS,
+                    name_map=names, pairs=moe_pairs(names), ignored=ROTARY_BUFFERS,
                     fp8_refusal="its experts are grouped weights, not the linears the FP8 "
                                 "loaders quantize")
 

@@ -7,6 +7,7 @@ parallelism) and returns the same shape:
     xs, counts = dispatcher.dispatch(x, routing.expert_ids, routing.weights)
     out = dispatcher.combine(experts(xs, counts))         # core.moe.dispatch, core.moe.experts
     out += sigmoid(x @ shared_expert_gate^T) * shared_expert(x)   # Qwen2-MoE, when configured
+    out += shared_expert(x)                # DeepSeek's ungated shared experts, when configured
 
 Tensor parallelism at expert parallelism 1: the router and the routed experts are replicated
 over tp and run on the tokens this rank holds. Without sequence parallelism every tp rank holds
@@ -71,7 +72,7 @@ class SharedExpert(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Router, routed experts, optional gated shared expert (see the module docstring)."""
+    """Router, routed experts, optional (gated) shared expert (see the module docstring)."""
 
     def __init__(self, config, layer: int, groups, sp: bool):
         super().__init__()
@@ -98,7 +99,9 @@ class MoEFeedForward(nn.Module):
         self.router = Router(c.hidden_size, c.moe.num_experts, c.moe.top_k,
                              score=c.moe.router_score, norm_topk=c.moe.norm_topk,
                              capacity_factor=c.moe.capacity_factor,
-                             expert_bias=c.moe.expert_bias)
+                             expert_bias=c.moe.expert_bias, routed_scale=c.moe.routed_scale,
+                             num_groups=c.moe.num_groups, topk_groups=c.moe.topk_groups,
+                             group_score=c.moe.group_score)
         self.dispatcher = make_dispatcher(groups, c)
         # Expert parallelism: this rank's E / ep experts, each FFN sliced over etp.
         expert_grid = groups.ep_size * groups.etp_size > 1
@@ -108,7 +111,8 @@ class MoEFeedForward(nn.Module):
         if c.moe.shared_ffn_hidden_size:
             self.shared_expert = SharedExpert(c.hidden_size, c.moe.shared_ffn_hidden_size,
                                               c.activation, groups, sp)
-            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+            if c.moe.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         replicated = [self.router.weight]
         if not expert_grid:  # else expert pieces: gradients reduced over edp, never over tp
             replicated += self.experts.parameters()
@@ -130,8 +134,10 @@ class MoEFeedForward(nn.Module):
         xs, counts = self.dispatcher.dispatch(flat, routing.expert_ids, routing.weights)
         out = self.dispatcher.combine(self.experts(xs, counts)).to(x.dtype)
         if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(flat))
-            out = out + gate * self.shared_expert(x).reshape(flat.shape)
+            shared = self.shared_expert(x).reshape(flat.shape)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         out = out.reshape(shape)
         if not self.training:
             return out

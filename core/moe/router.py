@@ -10,7 +10,13 @@ the per-expert scores over all experts).
   decisions are discrete, and bf16 ties flip them).
 - The k experts with the highest `score + expert_bias` are chosen; the bias (aux-loss-free
   balancing, Wang et al. 2024, arXiv 2408.15664) only steers the choice, the weights are the
-  unbiased scores. With `moe.norm_topk` the k weights are divided by their sum.
+  unbiased scores. With `moe.norm_topk` the k weights are divided by their sum; then all are
+  multiplied by `moe.routed_scale`.
+- Group-limited choice (`moe.num_groups` > 1, DeepSeek-V2/V3): the experts form `num_groups`
+  contiguous equal groups; a group's score is the best of its (bias-added) choice scores
+  (`group_score` "max", V2's group_limited_greedy) or the sum of its best two ("top2_sum", V3's
+  noaux_tc); each token picks its k experts only among its `moe.topk_groups` best groups. As
+  transformers' DeepseekV2/V3 routers compute it.
 - Capacity (`moe.capacity_factor`, None: dropless): each expert takes at most
   `ceil(n * k / E * factor)` of the n local tokens' assignments, first choices before second
   ones and earlier tokens before later ones (GShard's priority); the rest are dropped (`-1`)
@@ -43,7 +49,8 @@ class Routing:
     """One routing decision for n tokens over E experts (see the module docstring)."""
 
     expert_ids: torch.Tensor  # (n, k) int64, -1 for dropped assignments
-    weights: torch.Tensor  # (n, k) fp32 combine weights (unbiased scores, maybe normalized)
+    weights: torch.Tensor  # (n, k) fp32 combine weights (unbiased scores, maybe normalized,
+    # times routed_scale)
     logits: torch.Tensor  # (n, E) fp32 router logits (z-loss)
     scores: torch.Tensor  # (n, E) fp32 scores over all experts, summing to 1 per token (aux)
     chosen: torch.Tensor  # (n, k) int64 top-k choice before dropping (aux loss counts)
@@ -54,10 +61,13 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  norm_topk: bool = True, capacity_factor: float | None = None,
-                 expert_bias: bool = False):
+                 expert_bias: bool = False, routed_scale: float = 1.0, num_groups: int = 1,
+                 topk_groups: int = 1, group_score: str = "max"):
         super().__init__()
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
         self.norm_topk, self.capacity_factor = norm_topk, capacity_factor
+        self.routed_scale = routed_scale
+        self.num_groups, self.topk_groups, self.group_score = num_groups, topk_groups, group_score
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         # A parameter (so checkpoints, sharding and converters carry it like any weight) that no
         # gradient trains: `core.moe.stats.update_expert_bias` moves it after each step.
@@ -71,10 +81,14 @@ class Router(nn.Module):
         else:
             scores = torch.sigmoid(logits)
         select = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.num_groups > 1:
+            select = self._limit_to_groups(select)
         chosen = torch.topk(select, self.top_k, dim=-1).indices  # (n, k)
         weights = scores.gather(1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         if self.score == "sigmoid":  # the aux loss wants a distribution per token
             scores = scores / scores.sum(dim=-1, keepdim=True)
         expert_ids = chosen
@@ -83,6 +97,19 @@ class Router(nn.Module):
                                             capacity(x.shape[0], self.top_k, self.num_experts,
                                                      self.capacity_factor))
         return Routing(expert_ids, weights, logits, scores, chosen)
+
+    def _limit_to_groups(self, select: torch.Tensor) -> torch.Tensor:
+        """`select (n, E)` with every expert outside each token's `topk_groups` best groups set
+        to -inf (never chosen)."""
+        n = select.shape[0]
+        grouped = select.view(n, self.num_groups, -1)
+        if self.group_score == "max":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.topk(group_scores, self.topk_groups, dim=-1).indices  # (n, topk_groups)
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(n, -1)
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:

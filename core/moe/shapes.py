@@ -10,9 +10,10 @@ checkpoints and the expert-parallel dispatchers), for an MoE layer i:
 - `layers.{i}.feed_forward.experts.w1` `(E, F * (2 if gated else 1), hidden)`: each expert's first
   projection, `[gate; up]` stacked along dim 1 for SwiGLU like the dense `feed_forward.w1`;
 - `layers.{i}.feed_forward.experts.w2` `(E, hidden, F)`;
-- with a shared expert (`moe.shared_ffn_hidden_size = Fs > 0`, Qwen2-MoE):
+- with a shared expert (`moe.shared_ffn_hidden_size = Fs > 0`):
   `layers.{i}.feed_forward.shared_expert.w1.weight` `(Fs * (2 if gated else 1), hidden)`,
-  `...shared_expert.w2.weight` `(hidden, Fs)` and `...shared_expert_gate.weight` `(1, hidden)`.
+  `...shared_expert.w2.weight` `(hidden, Fs)`, and when it is gated (`moe.shared_expert_gated`,
+  Qwen2-MoE; DeepSeek's is not) `...shared_expert_gate.weight` `(1, hidden)`.
 
 MoE weights have no biases. At expert parallelism 1 the router, the routed experts and the
 shared expert's gate are replicated over tp (every tp rank runs every expert on its tokens); the
@@ -32,8 +33,11 @@ def moe_ffn_size(config: Any) -> int:
 
 def is_moe_layer(config: Any, layer: int) -> bool:
     """Whether global layer `layer` is an MoE layer: every `moe.layer_freq`-th, counting from 1
-    (Qwen2-MoE's `(layer + 1) % decoder_sparse_step == 0`)."""
-    return config.moe.num_experts > 0 and (layer + 1) % config.moe.layer_freq == 0
+    (Qwen2-MoE's `(layer + 1) % decoder_sparse_step == 0`), from layer `moe.first_dense_layers`
+    on (DeepSeek's `first_k_dense_replace`)."""
+    m = config.moe
+    return (m.num_experts > 0 and layer >= m.first_dense_layers
+            and (layer + 1) % m.layer_freq == 0)
 
 
 def moe_layers(config: Any) -> list[int]:
@@ -54,7 +58,8 @@ def moe_param_shapes(config: Any, layer: int) -> dict[str, tuple[int, ...]]:
     if fs:
         shapes[f"{p}.shared_expert.w1.weight"] = (fs * gate, c)
         shapes[f"{p}.shared_expert.w2.weight"] = (c, fs)
-        shapes[f"{p}.shared_expert_gate.weight"] = (1, c)
+        if config.moe.shared_expert_gated:
+            shapes[f"{p}.shared_expert_gate.weight"] = (1, c)
     return shapes
 
 

@@ -51,6 +51,13 @@ MIXTRAL = {"moe_aux_loss_coef": 0.5, "moe_z_loss_coef": 0.1}
 QWEN = {**MIXTRAL, "moe_ffn_hidden_size": 16, "moe_shared_ffn_hidden_size": 32,
         "moe_layer_freq": 2}
 CAPACITY = {**MIXTRAL, "moe_capacity_factor": 1.0}
+# DeepSeek-V3 style: layer 0 dense, an ungated shared expert, sigmoid scores chosen among the 2
+# best of 4 expert groups, scaled weights. (Its routing bias takes no gradient, which these
+# gradient comparisons cannot hold; `test_reshard_experts.py` carries it through expert grids.)
+DEEPSEEK = {**MIXTRAL, "moe_ffn_hidden_size": 16, "moe_shared_ffn_hidden_size": 32,
+            "moe_shared_expert_gated": False, "moe_first_dense_layers": 1,
+            "moe_router_score": "sigmoid", "moe_num_groups": 4,
+            "moe_topk_groups": 2, "moe_group_score": "top2_sum", "moe_routed_scale": 2.5}
 SP = {"tp": 2, "dp": 2, "sequence_parallel": True}
 CASES = [
     Case("ep4", "mixtral-tiny", {"dp": 4, "ep": 4}, model=MIXTRAL),
@@ -60,6 +67,7 @@ CASES = [
     Case("ep4-capacity-allgather", "mixtral-tiny",
          {"dp": 4, "ep": 4, "moe_dispatcher": "allgather"}, model=CAPACITY),
     Case("ep2-tp2-sp-etp1", "qwen-moe-tiny", {**SP, "ep": 2}, model=QWEN),
+    Case("ep2-tp2-sp-deepseek", "qwen-moe-tiny", {**SP, "ep": 2}, model=DEEPSEEK),
     # Hugging Face's load-balancing loss pooled over the MoE layers (`core.moe.pooled_aux`).
     Case("ep2-tp2-sp-pooled-aux", "qwen-moe-tiny", {**SP, "ep": 2},
          model={**QWEN, "moe_aux_loss_pooling": "model"}),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tessera.core.mla_config import MLAConfig
 from tessera.core.moe.router import Router, Routing
 from tessera.core.parallel.context_parallel import zigzag_index
 from tests.distributed._parity import Case, check_case, spawn_cases
@@ -23,8 +24,19 @@ from tests.distributed._parity import Case, check_case, spawn_cases
 MIXTRAL = {"moe_aux_loss_coef": 0.5, "moe_z_loss_coef": 0.1}
 QWEN = {**MIXTRAL, "moe_ffn_hidden_size": 16, "moe_shared_ffn_hidden_size": 32,
         "moe_layer_freq": 2}
+# DeepSeek-V3: latent attention, layer 0 dense, 8 experts in 4 groups of which each token uses
+# 2 (top-2-sum group scores on sigmoid scores), scaled weights, an ungated shared expert.
+DEEPSEEK_V3 = {**MIXTRAL, "family": "deepseek_v3", "num_kv_heads": 4, "num_experts": 8,
+               "mla": MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                v_head_dim=6, q_lora_rank=12),
+               "moe_ffn_hidden_size": 16, "moe_shared_ffn_hidden_size": 32,
+               "moe_shared_expert_gated": False, "moe_first_dense_layers": 1,
+               "moe_router_score": "sigmoid", "moe_num_groups": 4, "moe_topk_groups": 2,
+               "moe_group_score": "top2_sum", "moe_routed_scale": 2.5}
 CASES = [
     Case("mixtral-tp2", "mixtral-tiny", {"tp": 2}, model=MIXTRAL),
+    Case("deepseek_v3-moe-tp2-sp", "llama-tiny", {"tp": 2, "sequence_parallel": True},
+         model=DEEPSEEK_V3),
     Case("mixtral-tp2-sp", "mixtral-tiny", {"tp": 2, "sequence_parallel": True}, model=MIXTRAL),
     # Capacity is decided on the tokens a rank routes: the same tokens on every tp rank.
     Case("mixtral-tp2-capacity", "mixtral-tiny", {"tp": 2, "micro_batches": 2},

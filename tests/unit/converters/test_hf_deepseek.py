@@ -152,8 +152,6 @@ def test_peft_lora_round_trips(imported_v3, tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(SHAPES))
 @pytest.mark.parametrize("change, message", [
-    ({"first_k_dense_replace": 1}, "first_k_dense_replace=1 is not supported (supported: >= "
-                                   "num_hidden_layers=2: DeepSeek's Mixture-of-Experts layers"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported (supported: 'silu')"),
     ({"attention_bias": True}, "attention_bias=True is not supported (supported: False)"),
     ({"num_key_value_heads": 2}, "num_key_value_heads=2 is not supported (supported: "

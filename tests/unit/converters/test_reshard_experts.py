@@ -212,6 +212,34 @@ def test_qwen_moe_with_shared_expert_round_trips(tmp_path):
     assert fp8_reader.raw_shards("layers.0.attention.wqkv.weight")[0].dtype == torch.float8_e4m3fn
 
 
+def test_deepseek_moe_with_routing_bias_round_trips(tmp_path):
+    """DeepSeek-shaped: layer 0 dense, an ungated shared expert, group-limited sigmoid routing
+    with a (non-zero) routing bias, which the checkpoint keeps and every reshard carries."""
+    config = ModelConfig.from_name(
+        "qwen-moe-tiny", num_layers=3, moe_first_dense_layers=1, moe_shared_expert_gated=False,
+        moe_shared_ffn_hidden_size=64, moe_router_score="sigmoid", moe_expert_bias=True,
+        moe_num_groups=2, moe_topk_groups=1, moe_group_score="top2_sum", moe_routed_scale=2.5)
+    model = build_model(config, seed=3)
+    bias = torch.linspace(-0.5, 0.5, 8)
+    with torch.no_grad():
+        for i in (1, 2):
+            model.layers[str(i)].feed_forward.router.expert_bias.copy_(bias * i)
+    src = save_checkpoint(tmp_path / "single", model)
+    original = _global_bytes(src)
+    assert "layers.2.feed_forward.router.expert_bias" in original
+    assert "layers.1.feed_forward.shared_expert_gate.weight" not in original
+    a = reshard_checkpoint(src, tmp_path / "a", ep=4, etp=2, tp=2, dp=4,
+                           progress=False).destination
+    c = reshard_checkpoint(a, tmp_path / "c", ep=1, tp=1, progress=False).destination
+    assert _global_bytes(a) == original and _global_bytes(c) == original
+    _check_pieces_like_training(Path(a), src, tmp_path / "trained")
+    loaded = load_checkpoint(c)
+    assert torch.equal(loaded.layers["2"].feed_forward.router.expert_bias, bias * 2)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids), model.eval()(ids))
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"ep": 3, "dp": 3}, r"num_experts 4 is not divisible by ep 3; .* use ep in \[1, 2, 4\]"),
     ({"ep": 2, "etp": 3, "dp": 6}, r"expert FFN size 128 is not divisible by etp 3; use etp in"),

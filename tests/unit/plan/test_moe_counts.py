@@ -25,6 +25,9 @@ TINY = [
     ("qwen-moe-tiny", {}),  # shared expert with its sigmoid gate
     ("qwen-moe-tiny", dict(num_layers=4, moe_layer_freq=2, moe_expert_bias=True)),  # dense + MoE
     ("qwen3-moe-tiny", {}),  # q/k norms, no shared expert
+    # DeepSeek: layer 0 dense, ungated shared expert, routing groups
+    ("qwen-moe-tiny", dict(num_layers=3, moe_first_dense_layers=1, moe_shared_expert_gated=False,
+                           moe_num_groups=2, moe_expert_bias=True)),
 ]
 
 
@@ -33,7 +36,8 @@ def _built(config: ModelConfig) -> int:
         return sum(p.numel() for p in GPTModel(config).parameters())
 
 
-@pytest.mark.parametrize("name,fields", TINY, ids=[n + ("-freq2" if f else "") for n, f in TINY])
+@pytest.mark.parametrize("name,fields", TINY, ids=[
+    n + ("-freq2" if f.get("moe_layer_freq") else "-deepseek" if f else "") for n, f in TINY])
 def test_parameter_counts_equal_the_built_model(name, fields):
     """`parameter_counts(...).total` is every parameter Tessera builds; at tp 2 the planner's
     per-rank count differs from the shards Tessera holds (`local_shape`) by exactly what it
@@ -48,8 +52,9 @@ def test_parameter_counts_equal_the_built_model(name, fields):
                      if n.startswith("layers.") and not is_expert_param(n)
                      and local_shape(n, config, 2) == s)
     assert F.params_per_rank(counts, tp=2, pp=1) == held - replicated // 2
-    if fields:  # layers 1 and 3 are MoE, 0 and 2 dense
-        assert (counts.num_moe_layers, counts.num_dense_layers) == (2, 2)
+    if fields:  # layers 1 and 3 are MoE, 0 and 2 dense; or layer 0 dense, 1 and 2 MoE
+        assert counts.num_moe_layers == 2
+        assert counts.num_dense_layers == config.num_layers - 2
 
 
 def test_qwen_freq2_counts_by_hand():
