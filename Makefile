@@ -34,9 +34,12 @@ lint:
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
-# Exit code 5 means pytest collected nothing: a broken tree, never a pass.
+# Exit code 5 means pytest collected nothing: a broken tree, never a pass. PYTEST_ARGS adds flags,
+# e.g. `make test PYTEST_ARGS="-n 2 --dist loadgroup"` (two pytest-xdist workers; the rank-spawning
+# tests stay on one of them, see tests/conftest.py).
+PYTEST_ARGS =
 test: install lint
-	$(PYTHON) -m pytest -q; rc=$$?; \
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
 	exit $$rc
 

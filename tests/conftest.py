@@ -15,7 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Few threads: CPU results stay reproducible and spawned gloo ranks don't fight over 2 cores.
-torch.set_num_threads(2)
+# Under pytest-xdist (`-n 2`) each worker takes one, so that two workers fill 2 cores, not 4.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 # The suite runs the eager formulas: compiling the fused kernels costs seconds in every process
 # that trains (each spawned rank too, and all of it again on a clean checkout's cold Inductor
@@ -25,14 +26,21 @@ torch.set_num_threads(2)
 os.environ.setdefault("TESSERA_FUSED_KERNELS", "off")
 
 GPU_DIR = Path(__file__).parent / "gpu"
+# Their tests spawn ranks that fill the cores: under `pytest -n 2 --dist loadgroup` one worker
+# runs them all in turn, beside the other worker's in-process tests, never two spawns at once.
+SPAWNING_DIR = Path(__file__).parent / "distributed"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark everything under tests/gpu as `gpu`, and skip `gpu` tests when CUDA is absent."""
+    """Mark everything under tests/gpu as `gpu`, and skip `gpu` tests when CUDA is absent; put
+    everything under tests/distributed in one xdist group (inert without pytest-xdist)."""
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if GPU_DIR in item.path.parents:
             item.add_marker(pytest.mark.gpu)
+        if SPAWNING_DIR in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("spawns-ranks"))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import os
+import json
 import subprocess
 import sys
 
@@ -22,12 +22,23 @@ from tessera.tuning.config import TuneRunConfig
 HELP_WITHOUT_TORCH = sorted(VERBS)
 
 
-def _help(*argv: str, columns: int = 80, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run([sys.executable, "-m", "tessera", *argv, "--help"], capture_output=True,
-                          text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": str(columns), **(env or {})})
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+@pytest.fixture
+def help_text(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`tessera ARGV --help` run in this process (argparse reads COLUMNS when it formats); a fresh
+    interpreter is what test_help_imports_no_torch is about, not what these tests check."""
+
+    def run(*argv: str, columns: int = 80, env: dict[str, str] | None = None) -> str:
+        with monkeypatch.context() as patch:
+            for name, value in {"COLUMNS": str(columns), **(env or {})}.items():
+                patch.setenv(name, value)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_info:
+                main([*argv, "--help"])
+            out, err = capsys.readouterr()
+        assert exit_info.value.code in (0, None), err
+        return out
+
+    return run
 
 
 def _option_blocks(text: str) -> dict[str, str]:
@@ -45,23 +56,51 @@ def _option_blocks(text: str) -> dict[str, str]:
     return {flag: " ".join(" ".join(lines).split()) for flag, lines in blocks.items()}
 
 
+# One fresh interpreter prints every verb's help in turn, each followed by a line naming the torch
+# modules loaded so far: a verb that imports torch shows in its own line (and hides any later
+# verb that would too, until it is fixed).
+_NO_TORCH_CHILD = """
+import json, sys
+from tessera.__main__ import main
+for verb in sys.argv[1:]:
+    try:
+        main([verb, "--help"])
+    except SystemExit:
+        pass
+    torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))[:3]
+    print("TORCH-AFTER " + json.dumps([verb, torch]))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_in_one_fresh_process() -> dict[str, tuple[str, list[str]]]:
+    """Each verb's `--help` text and the torch modules loaded once it had printed."""
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH_CHILD, *HELP_WITHOUT_TORCH],
+                          capture_output=True, text=True, timeout=120, check=True)
+    by_verb, text = {}, []
+    for line in done.stdout.splitlines():
+        if line.startswith("TORCH-AFTER "):
+            verb, torch = json.loads(line.removeprefix("TORCH-AFTER "))
+            by_verb[verb] = ("\n".join(text), torch)
+            text = []
+        else:
+            text.append(line)
+    return by_verb
+
+
 @pytest.mark.parametrize("verb", HELP_WITHOUT_TORCH)
-def test_help_imports_no_torch(verb):
-    code = ("import sys\nfrom tessera.__main__ import main\ntry:\n"
-            f"    main([{verb!r}, '--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True)
-    assert "usage: tessera" in done.stdout
-    assert done.stdout.splitlines()[-1] == "[]", f"`tessera {verb} --help` imported torch"
+def test_help_imports_no_torch(verb, help_in_one_fresh_process):
+    text, torch = help_in_one_fresh_process[verb]
+    assert "usage: tessera" in text
+    assert torch == [], f"`tessera {verb} --help` imported torch"
 
 
 @pytest.mark.parametrize("verb, sections, defaults", [
     ("pretrain", SECTIONS, PretrainConfig()),
     ("tune", TUNE_SECTIONS, TuneRunConfig()),
 ])
-def test_every_field_shows_its_own_default_once(verb, sections, defaults):
-    blocks = _option_blocks(_help(verb))
+def test_every_field_shows_its_own_default_once(verb, sections, defaults, help_text):
+    blocks = _option_blocks(help_text(verb))
     for section, owner in sections.items():
         for f in dataclasses.fields(owner):
             flag = f"--{f.name.replace('_', '-')}"
@@ -79,8 +118,8 @@ def test_every_field_shows_its_own_default_once(verb, sections, defaults):
 
 
 @pytest.mark.parametrize("verb", ["pretrain", "tune", "serve", "convert", "generate"])
-def test_no_flag_prints_two_defaults(verb):
-    for block in _option_blocks(_help(verb)).values():
+def test_no_flag_prints_two_defaults(verb, help_text):
+    for block in _option_blocks(help_text(verb)).values():
         assert block.count("(default:") <= 1, block
 
 
@@ -91,15 +130,15 @@ def test_no_flag_prints_two_defaults(verb):
     ("convert", "  tessera convert --input ckpt/tp8pp4 --output ckpt/serve-fp8 --tp 1 --pp 1 --fp8\n"),
     ("generate", '  tessera generate "Return the" --url http://127.0.0.1:8000 --model demo:qa\n'),
 ])
-def test_examples_keep_their_lines(verb, example):
-    text = _help(verb, columns=60)  # narrower than the example: it must not be reflowed
+def test_examples_keep_their_lines(verb, example, help_text):
+    text = help_text(verb, columns=60)  # narrower than the example: it must not be reflowed
     assert example in text
     assert "\nexamples:\n" in text
 
 
-def test_help_never_prints_the_api_key():
+def test_help_never_prints_the_api_key(help_text):
     for verb in ("generate", "serve"):
-        text = _help(verb, env={"TESSERA_API_KEY": "s3cret-key"})
+        text = help_text(verb, env={"TESSERA_API_KEY": "s3cret-key"})
         assert "s3cret-key" not in text and "$TESSERA_API_KEY" in text
 
 
