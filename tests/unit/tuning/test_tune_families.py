@@ -7,7 +7,9 @@ full forward pass of the base with the prompts or the adapter attached.
 
 The families' traits: Qwen2's q/k/v biases and tied output, Phi-3's partial rotary, OLMo-2's
 output norms and projection qk-norm, Gemma 2's soft caps, scaled embeddings and sandwich norms,
-Qwen2-MoE's biases and shared-expert MoE layer, Mistral's window (8, shorter than the tuned
+Gemma 3's local layers (window 8, their own RoPE base) and q/k norms, DeepSeek-V3's latent
+attention with a group-routed MoE layer and shared expert, Qwen2-MoE's biases and shared-expert
+MoE layer, Mistral's window (8, shorter than the tuned
 rows), and Llama with llama3 and yarn rope past an original length of 16.
 """
 
@@ -52,6 +54,14 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(qkv_bias=True, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=16, decoder_sparse_step=2,
                                          shared_expert_intermediate_size=32)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=12,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        rope_local_base_freq=100.0)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        moe_intermediate_size=16)),
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "llama3-rope": ("LlamaConfig", dict(rope_parameters=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
