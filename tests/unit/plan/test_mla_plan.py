@@ -141,3 +141,20 @@ def test_serving_plan_holds_the_latent_cache():
     counts = F.parameter_counts(config)
     whole = counts.num_layers * counts.layer_replicated * 2 / GIB
     assert options[2, 1].weights_gib - options[1, 1].weights_gib / 2 == pytest.approx(whole / 2)
+
+
+@pytest.mark.parametrize("name, gpus", [("deepseek-v2-lite", "8"), ("deepseek-v3", "256")])
+def test_tessera_plan_takes_the_deepseek_presets(capsys, name, gpus):
+    """`tessera plan --model NAME` plans training (no context parallelism: MLA refuses it) and
+    serving on one node of H200s (V3 in FP8, 84 GiB a GPU at tp 8)."""
+    import json
+
+    from tessera.__main__ import main
+
+    train = ["--gpus", gpus, "--gpu", "h100-80gb", "--global-batch", "512", "--seq-len", "4096"]
+    assert main(["plan", "--model", name, *train, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert best["fits"] and best["cp"] == 1 and best["ep"] > 1
+    serve = ["--serve", "--gpus", "8", "--gpu", "h200", "--context", "32768", "--precision", "fp8"]
+    assert main(["plan", "--model", name, *serve]) == 0
+    assert f"{name} (fp8) fits on 8 x h200" in capsys.readouterr().out
