@@ -147,7 +147,8 @@ def parameter_counts(
     moe_ffn_hidden_size: int | None = None,
 ) -> ParameterCounts:
     """Parameter counts of `model` by shape, as `core.parallel.sharding.global_param_shapes`
-    lays the weights out (fused QKV with kv heads, gated MLP halves, norm biases for layernorm).
+    lays the weights out (fused QKV with kv heads, biases on it alone with `qkv_bias`, gated MLP
+    halves, norm biases for layernorm, q/k norms, sandwich norms).
 
     MoE, from `model.moe` (`moe.num_experts`, `moe.top_k`, `moe.ffn_hidden_size`,
     `moe.shared_ffn_hidden_size`, `moe.layer_freq`, `moe.expert_bias`; the arguments, when
@@ -163,13 +164,18 @@ def parameter_counts(
     h, hd = model.hidden_size, model.head_dim
     qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
     projections = attention_projections(model)
-    attn = sum(p.n * p.k for p in projections) + ((qkv_out + h) if model.bias else 0)
-    attn += 2 * hd if model.qk_norm else 0  # Qwen3's per-head q/k norm weights (core.qk_norm)
+    attn = sum(p.n * p.k for p in projections)
+    attn += (qkv_out if model.qkv_bias else 0) + (h if model.bias else 0)
+    if model.qk_norm:  # q/k norm weights (core.qk_norm): per head (Qwen3) or projection (OLMo-2)
+        attn += (model.num_heads + model.num_kv_heads) * hd if (
+            model.qk_norm_width == "projection") else 2 * hd
     # Multi-head latent attention's RMSNorms of the kv (and q) latents, replicated over tp.
     latent_norms = (model.mla.kv_lora_rank + (model.mla.q_lora_rank or 0)) if model.mla else 0
     attn += latent_norms
     replicated = sum(p.n * p.k for p in projections if p.split is None) + latent_norms
-    norm = h * (1 if model.norm == "rmsnorm" else 2)
+    norm = h * (1 if model.norm in ("rmsnorm", "rmsnorm1p") else 2)  # weight, and bias
+    # Gemma 2/3's sandwich norms: after the attention in every layer, after a dense MLP too.
+    sandwich = model.norm_placement == "sandwich"
     dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
     E = model.moe.num_experts if num_experts is None else num_experts
     k = model.moe.top_k if experts_per_token is None else experts_per_token
@@ -181,7 +187,7 @@ def parameter_counts(
         gate = h if model.moe.shared_expert_gated else 0
         shared = (mlp_parameters(h, fs, model.gated, False) + gate) if fs else 0
         router = h * E + (E if model.moe.expert_bias else 0)
-        moe_dense = attn + 2 * norm + router + shared
+        moe_dense = attn + (3 if sandwich else 2) * norm + router + shared
         # The layers `core.moe.shapes.is_moe_layer` makes MoE, also when `num_experts` is given
         # here for a dense `model`.
         m = model.moe
@@ -195,7 +201,8 @@ def parameter_counts(
                                         if model.position == "learned" else 0)
     output = 0 if model.tied_embeddings else model.vocab_size * h
     return ParameterCounts(embedding=embedding, word_embedding=model.vocab_size * h,
-                           output=output, final_norm=norm, layer_dense=attn + 2 * norm + dense_mlp,
+                           output=output, final_norm=norm,
+                           layer_dense=attn + (4 if sandwich else 2) * norm + dense_mlp,
                            num_layers=model.num_layers, layer_replicated=replicated, **moe)
 
 
