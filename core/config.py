@@ -444,6 +444,37 @@ PRESETS.update({
 })
 
 
+# DeepSeek-V2-Lite (15.7B, 2.4B active) and DeepSeek-V3 (671B without its multi-token-prediction
+# layer), their config.json shapes: multi-head latent attention (`mla`), yarn rope to 160k, the
+# first layers dense, then shared experts beside group-limited routed ones (V3: sigmoid scores
+# through a routing bias, normalized and scaled weights); `converters.hf` reads their
+# config.json to these same fields.
+_DEEPSEEK = dict(_LLAMA, norm_eps=1e-6, max_position_embeddings=163840, rope_theta=10000.0)
+_DEEPSEEK_YARN = dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                      beta_fast=32.0, beta_slow=1.0)
+PRESETS.update({
+    "deepseek-v2-lite": {
+        **_DEEPSEEK, "family": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+        "num_layers": 27, "num_heads": 16, "num_kv_heads": 16, "ffn_hidden_size": 10944,
+        "rope_scaling": {**_DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "mla": dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    q_lora_rank=None),
+        "moe": dict(num_experts=64, top_k=6, ffn_hidden_size=1408, shared_ffn_hidden_size=2816,
+                    shared_expert_gated=False, first_dense_layers=1, norm_topk=False,
+                    aux_loss_coef=0.001)},
+    "deepseek-v3": {
+        **_DEEPSEEK, "family": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "num_layers": 61, "num_heads": 128, "num_kv_heads": 128, "ffn_hidden_size": 18432,
+        "rope_scaling": {**_DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "mla": dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    q_lora_rank=1536),
+        "moe": dict(num_experts=256, top_k=8, ffn_hidden_size=2048, shared_ffn_hidden_size=2048,
+                    shared_expert_gated=False, first_dense_layers=3, router_score="sigmoid",
+                    norm_topk=True, routed_scale=2.5, num_groups=8, topk_groups=4,
+                    group_score="top2_sum", expert_bias=True, aux_loss_coef=0.001)},
+})
+
+
 Placement = Literal["looped", "v"]
 DataParallel = Literal["ddp", "fsdp", "zero1"]
 CPComm = Literal["allgather", "ring"]

@@ -293,15 +293,17 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
     and the shared expert in place of the dense MLP)."""
     model, hw, s, b = job.model, job.hardware, job.seq_len, c.micro_batch
     peak = hw.peak(job.precision) * 1e12
-    h, hd, a, kv = model.hidden_size, model.head_dim, model.num_heads, model.num_kv_heads
+    h, a, kv = model.hidden_size, model.num_heads, model.num_kv_heads
     tp, cp = c.tp, c.cp
     sl = s // cp
     T = b * sl  # tokens of one micro-batch on this rank
     experts, topk, moe_ffn = moe_fields(model)
     shared = model.moe.shared_ffn_hidden_size if moe else 0
-    qkv_n = (a + 2 * kv) * hd / tp
-    gemm = (_gemm_time(2 * T * h * qkv_n, (T, qkv_n, h), peak, hw)
-            + _gemm_time(2 * T * a * hd / tp * h, (T, h, a * hd / tp), peak, hw))
+    gemm = sum(_gemm_time(2 * T * p.n * p.k / (tp if p.split else 1),
+                          (T, p.n / tp if p.split == "out" else p.n,
+                           p.k / tp if p.split == "in" else p.k), peak, hw)
+               for p in F.attention_projections(model))
+    qk, v = F.attention_head_dims(model)
     up = 2 if model.gated else 1
     # Tokens a rank brings to an MoE layer (`core.moe.layer`): its own sequence chunk under
     # sequence parallelism (required with tp > 1 and ep x etp > 1), else the whole micro-batch
@@ -320,7 +322,7 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
         f = model.ffn_hidden_size
         gemm += (_gemm_time(2 * T * h * up * f / tp, (T, up * f / tp, h), peak, hw)
                  + _gemm_time(2 * T * f / tp * h, (T, h, f / tp), peak, hw))
-    att_flops = 4 * T * s * (a / tp) * hd
+    att_flops = 2 * T * s * (a / tp) * (qk + v)
     if job.flash_attention:  # one fused kernel: its own achievable rate, no score tensors
         attention = att_flops / (peak * hw.attention_efficiency)
     else:  # batched GEMMs per head around a separate softmax
@@ -352,7 +354,7 @@ def _kind_times(job: Job, c: Config, moe: bool) -> _LayerTimes:
     cp_time = 0.0
     if cp > 1:
         local_kv = max(1, kv // tp)  # kv heads of this tp rank (replicated when tp > kv)
-        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, hd, cp, job.act_bytes)
+        cp_bytes = F.cp_layer_comm_bytes(s, b, local_kv, (qk + v) / 2, cp, job.act_bytes)
         comm = _collective_time(cp_bytes, cp, hw, _bandwidth(hw, tp * cp <= node), ops=cp - 1)
         cp_time = max(0.0, comm - attention)  # ring exchange hidden behind attention compute
     ep_time = 0.0

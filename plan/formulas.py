@@ -66,6 +66,9 @@ class ParameterCounts:
     moe_layer_active: int = 0
     moe_layer_freq: int = 1
     moe_first_layer: int = 0  # `moe.first_dense_layers`: the layers before it are dense
+    # Of each layer's parameters (dense and MoE layers alike), those every tp rank holds whole:
+    # multi-head latent attention's down-projections and their norms.
+    layer_replicated: int = 0
 
     @property
     def num_dense_layers(self) -> int:
@@ -99,6 +102,44 @@ def mlp_parameters(hidden: int, ffn: int, gated: bool, bias: bool) -> int:
     return hidden * up + ffn * hidden + ((up + hidden) if bias else 0)
 
 
+@dataclass(frozen=True)
+class Projection:
+    """One attention weight GEMM, `T x k -> T x n`. `split`: how tensor parallelism cuts it:
+    "out" its n output columns, "in" its k input rows, None not at all (every tp rank holds it
+    whole and runs it on the whole, gathered, sequence)."""
+
+    n: int
+    k: int
+    split: str | None
+
+
+def attention_projections(model: ModelConfig) -> tuple[Projection, ...]:
+    """The weight GEMMs of one attention layer, as `core.parallel.sharding` shapes them: the
+    fused QKV (a + 2 kv heads of `head_dim`) and the output projection; with multi-head latent
+    attention (`core.mla_config`) the query down-projection (`q_lora_rank`, when set) and
+    per-head up-projection, the kv down-projection to the latent and the shared rotary key
+    (`kv_lora_rank + qk_rope_head_dim`), its per-head up-projection to the unrotated keys and
+    the values, and the output projection from `v_head_dim` per head."""
+    h, a, hd = model.hidden_size, model.num_heads, model.head_dim
+    m = model.mla
+    if m is None:
+        return (Projection((a + 2 * model.num_kv_heads) * hd, h, "out"),
+                Projection(h, a * hd, "in"))
+    q_down = (Projection(m.q_lora_rank, h, None),) if m.q_lora_rank else ()
+    return (*q_down, Projection(a * m.qk_head_dim, m.q_lora_rank or h, "out"),
+            Projection(m.cache_dims, h, None),
+            Projection(a * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "out"),
+            Projection(h, a * m.v_head_dim, "in"))
+
+
+def attention_head_dims(model: ModelConfig) -> tuple[int, int]:
+    """(query and key dims, value dims) of one attention head: `head_dim` twice, or with
+    multi-head latent attention `qk_nope_head_dim + qk_rope_head_dim` and `v_head_dim`."""
+    if model.mla is not None:
+        return model.mla.qk_head_dim, model.mla.v_head_dim
+    return model.head_dim, model.head_dim
+
+
 def parameter_counts(
     model: ModelConfig,
     num_experts: int | None = None,
@@ -106,7 +147,8 @@ def parameter_counts(
     moe_ffn_hidden_size: int | None = None,
 ) -> ParameterCounts:
     """Parameter counts of `model` by shape, as `core.parallel.sharding.global_param_shapes`
-    lays the weights out (fused QKV with kv heads, gated MLP halves, norm biases for layernorm).
+    lays the weights out (fused QKV with kv heads, biases on it alone with `qkv_bias`, gated MLP
+    halves, norm biases for layernorm, q/k norms, sandwich norms).
 
     MoE, from `model.moe` (`moe.num_experts`, `moe.top_k`, `moe.ffn_hidden_size`,
     `moe.shared_ffn_hidden_size`, `moe.layer_freq`, `moe.expert_bias`; the arguments, when
@@ -121,9 +163,19 @@ def parameter_counts(
     """
     h, hd = model.hidden_size, model.head_dim
     qkv_out = (model.num_heads + 2 * model.num_kv_heads) * hd
-    attn = h * qkv_out + model.num_heads * hd * h + ((qkv_out + h) if model.bias else 0)
-    attn += 2 * hd if model.qk_norm else 0  # Qwen3's per-head q/k norm weights (core.qk_norm)
-    norm = h * (1 if model.norm == "rmsnorm" else 2)
+    projections = attention_projections(model)
+    attn = sum(p.n * p.k for p in projections)
+    attn += (qkv_out if model.qkv_bias else 0) + (h if model.bias else 0)
+    if model.qk_norm:  # q/k norm weights (core.qk_norm): per head (Qwen3) or projection (OLMo-2)
+        attn += (model.num_heads + model.num_kv_heads) * hd if (
+            model.qk_norm_width == "projection") else 2 * hd
+    # Multi-head latent attention's RMSNorms of the kv (and q) latents, replicated over tp.
+    latent_norms = (model.mla.kv_lora_rank + (model.mla.q_lora_rank or 0)) if model.mla else 0
+    attn += latent_norms
+    replicated = sum(p.n * p.k for p in projections if p.split is None) + latent_norms
+    norm = h * (1 if model.norm in ("rmsnorm", "rmsnorm1p") else 2)  # weight, and bias
+    # Gemma 2/3's sandwich norms: after the attention in every layer, after a dense MLP too.
+    sandwich = model.norm_placement == "sandwich"
     dense_mlp = mlp_parameters(h, model.ffn_hidden_size, model.gated, model.bias)
     E = model.moe.num_experts if num_experts is None else num_experts
     k = model.moe.top_k if experts_per_token is None else experts_per_token
@@ -135,7 +187,7 @@ def parameter_counts(
         gate = h if model.moe.shared_expert_gated else 0
         shared = (mlp_parameters(h, fs, model.gated, False) + gate) if fs else 0
         router = h * E + (E if model.moe.expert_bias else 0)
-        moe_dense = attn + 2 * norm + router + shared
+        moe_dense = attn + (3 if sandwich else 2) * norm + router + shared
         # The layers `core.moe.shapes.is_moe_layer` makes MoE, also when `num_experts` is given
         # here for a dense `model`.
         m = model.moe
@@ -149,8 +201,9 @@ def parameter_counts(
                                         if model.position == "learned" else 0)
     output = 0 if model.tied_embeddings else model.vocab_size * h
     return ParameterCounts(embedding=embedding, word_embedding=model.vocab_size * h,
-                           output=output, final_norm=norm, layer_dense=attn + 2 * norm + dense_mlp,
-                           num_layers=model.num_layers, **moe)
+                           output=output, final_norm=norm,
+                           layer_dense=attn + (4 if sandwich else 2) * norm + dense_mlp,
+                           num_layers=model.num_layers, layer_replicated=replicated, **moe)
 
 
 def max_stage_moe_layers(counts: ParameterCounts, pp: int) -> float:
@@ -192,13 +245,15 @@ def params_per_rank(counts: ParameterCounts, tp: int, pp: int, ep: int = 1, etp:
     layers mixed the body is that of the stage holding the most MoE layers
     (`max_stage_moe_layers`), and that stage is given the larger end (embedding or output): an
     upper bound, exact when the heaviest stage is an end stage. Routed experts split over the
-    expert grid (`expert_params_per_rank`), not over tp."""
+    expert grid (`expert_params_per_rank`), not over tp; multi-head latent attention's
+    down-projections (`layer_replicated`) are whole on every tp rank."""
     layers = counts.num_layers / pp
     moe = max_stage_moe_layers(counts, pp)
     per_layer = (counts.body_dense / counts.num_layers if moe * pp == counts.num_moe_layers
                  else ((layers - moe) * counts.layer_dense + moe * counts.moe_layer_dense)
                  / layers)  # the first form is exact when all stages are alike
-    body = layers * (per_layer / tp) + expert_params_per_rank(counts, pp, ep, etp)
+    whole = counts.layer_replicated * (1 - 1 / tp)  # what every tp rank holds in full
+    body = layers * (per_layer / tp + whole) + expert_params_per_rank(counts, pp, ep, etp)
     emb = counts.embedding / tp
     out = (counts.output or (counts.word_embedding if pp > 1 else 0)) / tp
     if pp == 1:
@@ -281,6 +336,7 @@ class LayerActivations:
     replicated: float
     split: float
     scores: float
+    whole: float = 0.0  # kept for the whole sequence on every tp rank, sequence parallel or not
 
 
 def layer_activation_units(model: ModelConfig, flash_attention: bool = False,
@@ -292,13 +348,20 @@ def layer_activation_units(model: ModelConfig, flash_attention: bool = False,
     (2 ffn/h each, 16 at ffn = 4h). With grouped-query attention K and V shrink to kv/a of Q;
     a gated MLP also stores its two halves (6 ffn/h in all). A fused (flash) attention kernel
     keeps no s^2 scores but its output's softmax statistics (negligible). `ffn`: the FFN size
-    of the tp-split MLP (default `ffn_hidden_size`; an MoE layer's shared expert, 0 for none)."""
-    h = model.hidden_size
-    q = model.num_heads * model.head_dim / h
-    kv = model.num_kv_heads * model.head_dim / h
+    of the tp-split MLP (default `ffn_hidden_size`; an MoE layer's shared expert, 0 for none).
+
+    Multi-head latent attention: Q and K of `qk_head_dim`, V and the projection input of
+    `v_head_dim` per head (split); each latent's norm input and normed output (2 + 2 units of
+    `kv_lora_rank / h`, and of `q_lora_rank / h` when set) are computed from the gathered
+    sequence by replicated weights, so every tp rank keeps them whole (`whole`)."""
+    h, a, kv = model.hidden_size, model.num_heads, model.num_kv_heads
+    qk, v = attention_head_dims(model)
     mlp = (6 if model.gated else 4) * (model.ffn_hidden_size if ffn is None else ffn) / h
-    split = 2 * q + 4 * kv + 2 * q + mlp
-    return LayerActivations(replicated=10.0, split=split, scores=0.0 if flash_attention else 5.0)
+    split = 2 * a * qk / h + 2 * kv * qk / h + 2 * kv * v / h + 2 * a * v / h + mlp
+    whole = (4 * (model.mla.kv_lora_rank + (model.mla.q_lora_rank or 0)) / h
+             if model.mla is not None else 0.0)
+    return LayerActivations(replicated=10.0, split=split, scores=0.0 if flash_attention else 5.0,
+                            whole=whole)
 
 
 def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
@@ -317,7 +380,7 @@ def layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
     u = units or layer_activation_units(model, flash_attention)
     scores = 0.0 if recompute == "selective" else u.scores * model.num_heads * s / model.hidden_size
     replicated = u.replicated / (t if sequence_parallel else 1)
-    return sbh * (replicated + (u.split + scores) / t)
+    return sbh * (replicated + u.whole + (u.split + scores) / t)
 
 
 def moe_layer_activation_bytes(model: ModelConfig, s: int, b: int, t: int = 1,
@@ -518,15 +581,17 @@ class LayerFlops:
 def layer_forward_flops(model: ModelConfig, tokens: float, s: int, active_mlp_params: float
                         | None = None) -> LayerFlops:
     """Forward FLOPs of one layer [PTD-P section 5.1: 24 B s h^2 + 4 B s^2 h for GPT]:
-    2 FLOPs per multiply-add over the QKV, projection and MLP weights (`active_mlp_params` with
-    MoE) and `4 s a d` per token for the two attention batched GEMMs over the full sequence
+    2 FLOPs per multiply-add over the attention projections (`attention_projections`), and
+    the MLP weights (`active_mlp_params` with MoE) and `2 s a (d_qk + d_v)` per token for the
+    two attention batched GEMMs over the full sequence, `4 s a d` when the head dims are equal
     (Megatron counts causal attention in full, as here)."""
-    h, hd = model.hidden_size, model.head_dim
-    attn_w = h * (model.num_heads + 2 * model.num_kv_heads) * hd + model.num_heads * hd * h
+    h = model.hidden_size
+    qk, v = attention_head_dims(model)
+    attn_w = sum(p.n * p.k for p in attention_projections(model))
     mlp_w = (active_mlp_params if active_mlp_params is not None
              else model.ffn_hidden_size * h * (3 if model.gated else 2))
     return LayerFlops(dense=2 * tokens * (attn_w + mlp_w),
-                      attention=4 * tokens * s * model.num_heads * hd)
+                      attention=2 * tokens * s * model.num_heads * (qk + v))
 
 
 def moe_active_mlp_weights(model: ModelConfig) -> int:
@@ -667,5 +732,24 @@ def ep_layer_comm_bytes(tokens: float, h: int, experts_per_token: int, ep: int,
 
 def kv_cache_bytes(model: ModelConfig, tokens: int, dtype_bytes: float = 2) -> float:
     """KV cache of `tokens` tokens (batch x context): `2 L kv d` values per token [Pope et al.,
-    "Efficiently Scaling Transformer Inference", arXiv 2211.05102, section 2]."""
+    "Efficiently Scaling Transformer Inference", arXiv 2211.05102, section 2]; with multi-head
+    latent attention the latent and the shared rotary key, `L (kv_lora_rank +
+    qk_rope_head_dim)` (`MLAConfig.cache_dims`)."""
+    if model.mla is not None:
+        return model.num_layers * model.mla.cache_dims * tokens * dtype_bytes
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * tokens * dtype_bytes
+
+
+def kv_cache_tp_copies(model: ModelConfig, tp: int) -> int:
+    """How many copies of the KV cache `tp` ranks hold together (`core.parallel.sharding.
+    kv_geometry`): 1 when they split the kv heads, tp / kv when kv heads are replicated, tp
+    with multi-head latent attention (the latent is whole on every rank)."""
+    if model.mla is not None:
+        return tp
+    return max(1, tp // model.num_kv_heads)
+
+
+def kv_cache_bytes_per_rank(model: ModelConfig, tokens: int, tp: int, pp: int = 1,
+                            dtype_bytes: float = 2) -> float:
+    """KV cache of `tokens` tokens on one rank of a tp x pp replica (L/p layers each)."""
+    return kv_cache_bytes(model, tokens, dtype_bytes) * kv_cache_tp_copies(model, tp) / (tp * pp)

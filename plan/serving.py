@@ -58,17 +58,20 @@ class ServingPlan:
     message: str = ""
 
 
-def _weight_bytes(model: ModelConfig, precision: str) -> tuple[float, float, float]:
-    """(transformer-body, embedding, output) bytes of the whole model; a tied output layer
-    counts as a second copy (the last pipeline stage holds one when pp > 1)."""
+def _weight_bytes(model: ModelConfig, precision: str) -> tuple[float, float, float, float]:
+    """(transformer-body, embedding, output, tp-replicated) bytes of the whole model; a tied
+    output layer counts as a second copy (the last pipeline stage holds one when pp > 1); the
+    last is the part of the body every tp rank holds whole (multi-head latent attention's
+    down-projections)."""
     if precision not in WEIGHT_BYTES:
         raise PlanError(f"unknown serving precision {precision!r}; choose one of "
                         f"{sorted(WEIGHT_BYTES)}")
     counts = F.parameter_counts(model)
     body = counts.body_dense + counts.body_experts + counts.final_norm
     edge_bytes = 2.0 if precision == "fp8" else WEIGHT_BYTES[precision]
+    replicated = counts.num_layers * counts.layer_replicated
     return (body * WEIGHT_BYTES[precision], counts.embedding * edge_bytes,
-            counts.output * edge_bytes)
+            counts.output * edge_bytes, replicated * WEIGHT_BYTES[precision])
 
 
 def plan_serving(
@@ -108,7 +111,7 @@ def plan_serving(
     context = context or model.max_position_embeddings
     options = _options(model, gpus, hardware, precision, batch, context, gpus_per_node,
                        kv_precision, tp, pp)
-    body, emb, out = _weight_bytes(model, precision)
+    body, emb, out, _ = _weight_bytes(model, precision)
     edge = emb + out
     ok = [o for o in options if o.fits
           and (max_latency_ms is None or o.time_per_token_s * 1e3 <= max_latency_ms)
@@ -172,23 +175,25 @@ def _options(model: ModelConfig, gpus: int, hardware: Hardware, precision: str, 
                         f"divide the {gpus_per_node}-GPU node and the heads, pp the layers, and "
                         f"tp x pp the GPUs; valid (tp, pp): "
                         + ", ".join(f"({t}, {p})" for t, p in layouts))
-    body, emb, out = _weight_bytes(model, precision)
+    body, emb, out, whole = _weight_bytes(model, precision)
     edge = emb + out
     kv_bytes = WEIGHT_BYTES[kv_precision or "bf16"]
     kv_per_seq = F.kv_cache_bytes(model, context, kv_bytes)
     bw = hardware.memory_gbps * 1e9
     options = []
     for tp, pp in chosen:
-        kv_rep = max(1, tp // model.num_kv_heads)  # replicated kv heads are stored twice
+        # Replicated kv heads, or an MLA latent, are stored on several tp ranks.
+        kv_rep = F.kv_cache_tp_copies(model, tp)
+        split_body = body - whole + whole * tp  # the tp-replicated part once per rank
         # The first stage holds the embedding, the last the output layer (pp 1: both).
-        w = body / (tp * pp) + (edge if pp == 1 else max(emb, out or emb)) / tp
+        w = split_body / (tp * pp) + (edge if pp == 1 else max(emb, out or emb)) / tp
         kv = batch * kv_per_seq * kv_rep / (tp * pp)
         cap = hardware.memory_gib * F.GIB
         over = hardware.framework_overhead_gib * F.GIB
         fits = w + kv + over <= cap
         free = cap - w - over
         max_batch = max(0, int(free // (kv_per_seq * kv_rep / (tp * pp))))
-        step = (body / tp + edge / tp + batch * kv_per_seq * kv_rep / tp) / bw
+        step = (split_body / tp + edge / tp + batch * kv_per_seq * kv_rep / tp) / bw
         if tp > 1:
             msg = F.allreduce_bytes(batch * model.hidden_size * 2, tp)
             per = msg / (hardware.intra_node_gbps * 1e9 * hardware.comm_efficiency) + \

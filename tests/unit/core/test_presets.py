@@ -1,5 +1,8 @@
 """`core.presets.model_from_spec`: the one preset loader of `tessera pretrain` and `tessera plan`."""
 
+import dataclasses
+import math
+
 import pytest
 
 from tessera.core.config import ConfigError, ModelConfig
@@ -46,3 +49,49 @@ def test_real_size_presets_of_llama3_2_and_qwen2_5_and_the_families_listed():
     assert num_parameters(qwen) == 494_032_768
     table = presets_table()
     assert "llama3.2-1b" in table and "Families: gpt2, llama, nemotron, qwen2," in table
+
+
+_YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+             beta_slow=1)
+_DEEPSEEK = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+                 moe_layer_freq=1, hidden_act="silu", max_position_embeddings=163840,
+                 rms_norm_eps=1e-6, rope_theta=10000, aux_loss_alpha=0.001, seq_aux=True,
+                 tie_word_embeddings=False, attention_bias=False)
+# The published config.json files of deepseek-ai/DeepSeek-V2-Lite and DeepSeek-V3 (their shape
+# and routing fields).
+DEEPSEEK_CONFIG_JSON = {
+    "deepseek-v2-lite": dict(
+        _DEEPSEEK, model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+        num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=None, topk_method="greedy",
+        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+        scoring_func="softmax", rope_scaling={**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "deepseek-v3": dict(
+        _DEEPSEEK, model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, q_lora_rank=1536,
+        topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+        routed_scaling_factor=2.5, scoring_func="sigmoid", num_nextn_predict_layers=1,
+        rope_scaling={**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
+
+
+@pytest.mark.parametrize("name, total", [("deepseek-v2-lite", 15_706_484_224),
+                                         ("deepseek-v3", 671_026_419_200)])
+def test_deepseek_presets_are_their_config_json_at_the_published_sizes(name, total):
+    """The DeepSeek presets are the models the HF converter reads from the published
+    config.json, with the published totals (15.7B; 671B without V3's multi-token-prediction
+    layer) counted from the parameter shapes a built model has."""
+    from tessera.converters.hf_mapping import config_from_hf
+    from tessera.core.parallel.sharding import global_param_shapes
+    from tessera.core.presets import presets_table
+
+    preset = ModelConfig.from_name(name)
+    assert dataclasses.replace(config_from_hf(DEEPSEEK_CONFIG_JSON[name]), name=name) == preset
+    shapes = global_param_shapes(preset)
+    assert sum(math.prod(s) for s in shapes.values()) == total
+    assert round(total / 1e9, 1) == {"deepseek-v2-lite": 15.7, "deepseek-v3": 671.0}[name]
+    assert any(line.split()[:3] == [name, preset.family, f"{total / 1e9:.1f}B"]
+               for line in presets_table().splitlines())

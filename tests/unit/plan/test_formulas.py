@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.core.config import ModelConfig
+from tessera.core.config import PRESETS, ModelConfig
 from tessera.plan import estimate as E
 from tessera.plan import formulas as F
 from tessera.plan.hardware import load_hardware
@@ -203,3 +203,15 @@ def test_kv_cache_bytes_nemotron4_340b():
     model = ModelConfig.from_name("nemotron4-340b")
     assert F.kv_cache_bytes(model, 1) == 589_824
     assert F.kv_cache_bytes(model, 4096, 1) == 589_824 * 4096 / 2
+
+
+@pytest.mark.parametrize("name", [n for n, fields in PRESETS.items()
+                                  if fields.get("family") not in ("t5", "bert")])
+def test_parameter_counts_equal_every_decoder_preset(name):
+    """The planner's total is the parameter shapes Tessera builds for every decoder preset:
+    Qwen2's q/k/v-only biases, OLMo-2's projection-wide q/k norms, Gemma's weight-only
+    (1 + w) RMSNorms and sandwich norms, multi-head latent attention included."""
+    from tessera.core.parallel.sharding import num_parameters
+
+    model = ModelConfig.from_name(name)
+    assert F.parameter_counts(model).total == num_parameters(model)

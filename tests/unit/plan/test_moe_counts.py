@@ -82,8 +82,7 @@ def test_qwen_freq2_counts_by_hand():
 ])
 def test_real_presets_match_published_totals(name, total, active):
     """Billions, to the published figures' one decimal, rounded or cut (Qwen3-30B-A3B's
-    active 3.353B is published as 3.3B): within 0.06B. Qwen1.5-MoE's preset lacks only its
-    q/k/v biases, 147k parameters."""
+    active 3.353B is published as 3.3B): within 0.06B."""
     c = E.counts_of(ModelConfig.from_name(name))
     assert abs(c.total / 1e9 - total) < 0.06 and abs(c.active / 1e9 - active) < 0.06
     if name == "mixtral-8x7b":  # the exact figures of test_formulas, now from the preset
