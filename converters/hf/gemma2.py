@@ -81,18 +81,23 @@ def gemma2_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | Non
     return window, (None if len(layers) == n else layers)
 
 
+def gemma_fields_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """The config.json fields Gemma 2 and Gemma 3 write alike (shapes, GeGLU, score scale,
+    final soft cap); each adds its attention soft cap, windows and RoPE."""
+    return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
+                max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
+                attention_bias=False, attention_dropout=c.dropout,
+                query_pre_attn_scalar=c.options.query_pre_attn_scalar,
+                final_logit_softcapping=c.options.final_logit_softcapping)
+
+
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
-    o = c.options
     fields = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
-                  vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                  intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
-                  num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                  head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
-                  max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
-                  attention_bias=False, attention_dropout=c.dropout,
-                  query_pre_attn_scalar=o.query_pre_attn_scalar,
-                  attn_logit_softcapping=o.attn_logit_softcapping,
-                  final_logit_softcapping=o.final_logit_softcapping,
+                  **gemma_fields_to_hf(c),
+                  attn_logit_softcapping=c.options.attn_logit_softcapping,
                   **_window_to_hf(c),
                   rope_parameters=rope_to_hf(c))
     return with_shared_fields(fields, c, **shared)

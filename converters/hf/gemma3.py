@@ -26,7 +26,7 @@ from tessera.converters.hf.family import (
     require,
     with_shared_fields,
 )
-from tessera.converters.hf.gemma2 import GELU_TANH, GEMMA2_NAMES
+from tessera.converters.hf.gemma2 import GELU_TANH, GEMMA2_NAMES, gemma_fields_to_hf
 from tessera.converters.hf.llama import ROTARY_BUFFERS, llama_like_fields, rope_to_hf
 from tessera.converters.hf.qwen3 import QK_NORM_NAMES
 from tessera.core.config import ModelConfig
@@ -136,19 +136,12 @@ def gemma3_config(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
-    o, full = c.options, rope_to_hf(c)
+    full = rope_to_hf(c)
     sliding = [c.layer_window(i) is not None for i in range(c.num_layers)]
     local = full if c.sliding_window_rope_theta is None else {
         "rope_type": "default", "rope_theta": c.sliding_window_rope_theta}
     fields = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-                  vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                  intermediate_size=c.ffn_hidden_size, num_hidden_layers=c.num_layers,
-                  num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                  head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
-                  max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
-                  attention_bias=False, attention_dropout=c.dropout,
-                  query_pre_attn_scalar=o.query_pre_attn_scalar, attn_logit_softcapping=None,
-                  final_logit_softcapping=o.final_logit_softcapping,
+                  **gemma_fields_to_hf(c), attn_logit_softcapping=None,
                   use_bidirectional_attention=False,
                   # transformers always builds the sliding mask: with no local layer, a window
                   # as wide as the context (it masks nothing and no layer uses it).
