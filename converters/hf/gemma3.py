@@ -167,5 +167,4 @@ def _check_exportable(c: ModelConfig) -> None:
 GEMMA3 = HfFamily(
     family="gemma3", config_from_hf=gemma3_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map={**GEMMA2_NAMES, **QK_NORM_NAMES},
-    ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    ignored=ROTARY_BUFFERS, fp8_export=True)

@@ -1,5 +1,6 @@
 """FP8 export of the families with fused or extra-normed HF layouts (Phi-3's fused `qkv_proj` and
-`gate_up_proj`, OLMo-2's post-sublayer and q/k norms, Gemma 2's four norms and soft-capping),
+`gate_up_proj`, OLMo-2's post-sublayer and q/k norms, Gemma 2's four norms and soft-capping, Gemma 3's q/k
+norms and local layers),
 block and per tensor, against transformers' own FP8 loaders (nothing downloaded).
 
 Each tiny random HF model is imported, exported with `--fp8`, and loaded by transformers, which
@@ -37,6 +38,10 @@ CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(
         **_COMMON, head_dim=16, sliding_window=64, query_pre_attn_scalar=12,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # Gemma 3: its q/k norms too, local layers with their own RoPE base and a window.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **_COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=12,
+        layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=100.0),
 }
 # The HF linears each family stores (Phi-3 fuses q/k/v and gate/up in the file).
 LINEARS = {
@@ -44,7 +49,7 @@ LINEARS = {
     "olmo2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
-LINEARS["gemma2"] = LINEARS["olmo2"]
+LINEARS["gemma2"] = LINEARS["gemma3"] = LINEARS["olmo2"]
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
