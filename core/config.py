@@ -343,10 +343,18 @@ PRESETS["qwen2.5-0.5b"] = {
     "num_heads": 14, "num_kv_heads": 2, "ffn_hidden_size": 4864,
     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "norm_eps": 1e-6,
     "tied_embeddings": True, "qkv_bias": True}
-# Phi-3-mini at its real size (3.8B; Phi-3.5-mini is the same shape with longrope to 128k).
+# Qwen3-0.6B at its real size (596M, 440M without the tied embedding): per-head q/k norms.
+PRESETS["qwen3-0.6b"] = {
+    **_LLAMA, "family": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "num_layers": 28,
+    "num_heads": 16, "num_kv_heads": 8, "head_dim": 128, "ffn_hidden_size": 3072,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "norm_eps": 1e-6,
+    "tied_embeddings": True, "qk_norm": True}
+# Phi-3-mini-4k at its real size (3.8B; Phi-3.5-mini is the same shape with longrope to 128k),
+# with the 2047-token window its config.json sets on every layer.
 PRESETS["phi3-mini"] = {
     **_LLAMA, "family": "phi3", "vocab_size": 32064, "hidden_size": 3072, "num_layers": 32,
-    "num_heads": 32, "ffn_hidden_size": 8192, "max_position_embeddings": 4096, "norm_eps": 1e-5}
+    "num_heads": 32, "ffn_hidden_size": 8192, "max_position_embeddings": 4096, "norm_eps": 1e-5,
+    "sliding_window": 2047}
 # OLMo-2 1B (OLMo-2-0425-1B's config.json): norms on the sublayer outputs, q/k norm over the
 # whole projections.
 PRESETS["olmo2-1b"] = {

@@ -51,6 +51,26 @@ def test_real_size_presets_of_llama3_2_and_qwen2_5_and_the_families_listed():
     assert "llama3.2-1b" in table and "Families: gpt2, llama, nemotron, qwen2," in table
 
 
+# The published config.json of Qwen/Qwen3-0.6B (its shape fields).
+QWEN3_CONFIG_JSON = dict(
+    model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, head_dim=128,
+    hidden_act="silu", hidden_size=1024, intermediate_size=3072, max_position_embeddings=40960,
+    max_window_layers=28, num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8,
+    rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000, sliding_window=None,
+    tie_word_embeddings=True, use_sliding_window=False, vocab_size=151936)
+
+
+def test_qwen3_preset_is_its_config_json_at_the_published_size():
+    """0.6B, 0.44B without the (tied) embedding, as Qwen's model card counts them."""
+    from tessera.converters.hf_mapping import config_from_hf
+    from tessera.core.parallel.sharding import num_parameters
+
+    preset = ModelConfig.from_name("qwen3-0.6b")
+    assert dataclasses.replace(config_from_hf(QWEN3_CONFIG_JSON), name="qwen3-0.6b") == preset
+    assert num_parameters(preset) == 596_049_920
+    assert num_parameters(preset) - preset.vocab_size * preset.hidden_size == 440_467_456
+
+
 _YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
              beta_slow=1)
 _DEEPSEEK = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
