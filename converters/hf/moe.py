@@ -25,8 +25,7 @@ Tessera places MoE layers only by `decoder_sparse_step`, its `moe.layer_freq`). 
 convert (`qwen2.qwen_window`): Qwen2-MoE's on the layers `max_window_layers` / `layer_types`
 pick, Qwen3-MoE's on every layer (transformers' `Qwen3MoeModel` builds one sliding mask for all
 layers and reads neither field; a `layer_types` that names full layers is refused). Qwen's dense
-layers
-(`decoder_sparse_step > 1`) use the model's `intermediate_size`, the routed experts
+layers (`decoder_sparse_step > 1`) use the model's `intermediate_size`, the routed experts
 `moe_intermediate_size`.
 
 The load-balancing loss: Hugging Face computes one loss over the router logits of all MoE layers
@@ -240,12 +239,13 @@ def _qwen2_moe_problems(c: ModelConfig) -> list[str]:
 
 
 def _qwen3_moe_problems(c: ModelConfig) -> list[str]:
+    out = []
     if c.sliding_window_layers is not None:
-        return [f"sliding_window_layers={list(c.sliding_window_layers)}: Qwen3-MoE's window "
-                "covers every layer (supported: None)"]
+        out.append(f"sliding_window_layers={list(c.sliding_window_layers)}: Qwen3-MoE's window "
+                   "covers every layer (supported: None)")
     if c.moe.shared_ffn_hidden_size:
-        return ["Qwen3-MoE has no shared expert: set moe_shared_ffn_hidden_size to 0"]
-    return []
+        out.append("Qwen3-MoE has no shared expert: set moe_shared_ffn_hidden_size to 0")
+    return out
 
 
 def _checker(qk_norm: bool, problems: Callable[[ModelConfig], list[str]], qkv_bias: bool
