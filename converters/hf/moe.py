@@ -21,9 +21,11 @@ So both directions remain pure re-arrangements: HF -> Tessera -> HF is bit-ident
 Qwen2-MoE's `qkv_bias` (biases on q/k/v alone) is `ModelConfig.qkv_bias`. Config fields Tessera
 cannot compute exactly are errors that name the field: Mixtral's router jitter noise, Qwen's
 `mlp_only_layers` (Qwen3-MoE's converts only when it names layers that are dense anyway:
-Tessera places MoE layers only by `decoder_sparse_step`, its `moe.layer_freq`) and Qwen3-MoE's
-sliding window. Qwen2-MoE's window converts (`qwen2.qwen_window`). Qwen's dense layers
-(`decoder_sparse_step > 1`) use the model's `intermediate_size`, the routed experts
+Tessera places MoE layers only by `decoder_sparse_step`, its `moe.layer_freq`). Both Qwen windows
+convert (`qwen2.qwen_window`): Qwen2-MoE's on the layers `max_window_layers` / `layer_types`
+pick, Qwen3-MoE's on every layer (transformers' `Qwen3MoeModel` builds one sliding mask for all
+layers and reads neither field; a `layer_types` that names full layers is refused). Qwen's dense
+layers (`decoder_sparse_step > 1`) use the model's `intermediate_size`, the routed experts
 `moe_intermediate_size`.
 
 The load-balancing loss: Hugging Face computes one loss over the router logits of all MoE layers
@@ -166,8 +168,21 @@ def _qwen2_moe_slides(hf: dict[str, Any], layer: int) -> bool:
     return layer % 2 == 0 and layer < hf.get("max_window_layers", 28)
 
 
+def _qwen3_moe_window(hf: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
+    """Qwen3-MoE's (window, layers): with `use_sliding_window`, every layer, whatever
+    `max_window_layers` says, as transformers' `Qwen3MoeModel` applies it."""
+    types = hf.get("layer_types")
+    if hf.get("use_sliding_window") and types is not None and set(types) != {
+            "sliding_attention"}:
+        raise ConversionError(
+            f"qwen3_moe config: layer_types={types} is not supported with use_sliding_window "
+            "(supported: no layer_types, or every entry sliding_attention: transformers windows "
+            "every Qwen3-MoE layer)")
+    return qwen_window(hf, lambda _hf, _layer: True)
+
+
 def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
-    require(hf, "use_sliding_window", (False, None), False)
+    window, layers = _qwen3_moe_window(hf)
     step = hf.get("decoder_sparse_step", 1)
     sparse_anyway = [i for i in hf.get("mlp_only_layers") or [] if (i + 1) % step == 0]
     if sparse_anyway:
@@ -183,7 +198,8 @@ def _qwen3_moe_config(hf: dict[str, Any]) -> ModelConfig:
                     norm_topk=bool(hf.get("norm_topk_prob", False)),
                     aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                     aux_loss_pooling=HF_AUX_LOSS_POOLING)
-    return ModelConfig.from_dict({**qwen3_base(hf), "moe": moe})
+    return ModelConfig.from_dict({**qwen3_base(hf), "moe": moe, "sliding_window": window,
+                                  "sliding_window_layers": layers})
 
 
 def _common_problems(c: ModelConfig, qk_norm: bool, qkv_bias: bool = False) -> list[str]:
@@ -200,8 +216,6 @@ def _common_problems(c: ModelConfig, qk_norm: bool, qkv_bias: bool = False) -> l
         out.append("router must be softmax, dropless, without expert bias or z-loss")
     if c.qk_norm != qk_norm:  # Qwen3's per-head q/k norm (core.qk_norm)
         out.append(f"qk_norm must be {qk_norm} for {c.family}")
-    if c.sliding_window is not None and c.family == "qwen3_moe":
-        out.append(f"sliding_window={c.sliding_window}: {c.family} is written without one")
     if c.qkv_bias and not qkv_bias:
         out.append(f"{c.family} has no q/k/v biases: qkv_bias must be False")
     return out
@@ -225,9 +239,13 @@ def _qwen2_moe_problems(c: ModelConfig) -> list[str]:
 
 
 def _qwen3_moe_problems(c: ModelConfig) -> list[str]:
+    out = []
+    if c.sliding_window_layers is not None:
+        out.append(f"sliding_window_layers={list(c.sliding_window_layers)}: Qwen3-MoE's window "
+                   "covers every layer (supported: None)")
     if c.moe.shared_ffn_hidden_size:
-        return ["Qwen3-MoE has no shared expert: set moe_shared_ffn_hidden_size to 0"]
-    return []
+        out.append("Qwen3-MoE has no shared expert: set moe_shared_ffn_hidden_size to 0")
+    return out
 
 
 def _checker(qk_norm: bool, problems: Callable[[ModelConfig], list[str]], qkv_bias: bool
@@ -271,8 +289,9 @@ def _qwen3_moe_fields(c: ModelConfig) -> dict[str, Any]:
     return dict(architectures=["Qwen3MoeForCausalLM"], num_experts=c.moe.num_experts,
                 moe_intermediate_size=c.moe.ffn_hidden_size or c.ffn_hidden_size,
                 decoder_sparse_step=c.moe.layer_freq, mlp_only_layers=[],
-                norm_topk_prob=c.moe.norm_topk, attention_bias=False, use_sliding_window=False,
-                sliding_window=None)
+                norm_topk_prob=c.moe.norm_topk, attention_bias=False,
+                use_sliding_window=c.sliding_window is not None,
+                sliding_window=c.sliding_window)
 
 
 def _writer(fields: Callable[[ModelConfig], dict[str, Any]]) -> Callable[..., dict[str, Any]]:

@@ -5,9 +5,9 @@ Qwen3 is Llama plus a per-head RMSNorm of q and k before RoPE (`ModelConfig.qk_n
 `core.qk_norm`), whose `(head_dim,)` weights map one to one:
 `model.layers.{i}.self_attn.{q,k}_norm.weight` <-> `layers.{i}.attention.{q,k}_norm.weight`.
 `head_dim` is explicit and may differ from hidden_size / num_heads. Qwen3's sliding window is
-read as Qwen2's (`qwen2.qwen_window`); Qwen3-MoE's (every layer, transformers ignoring
-`max_window_layers`) is refused, and so are q/k/v-only biases (`attention_bias`; Tessera has
-one bias flag for every linear layer): errors, never approximations.
+read as Qwen2's (`qwen2.qwen_window`); Qwen3-MoE's covers every layer (transformers ignoring
+`max_window_layers`, see `converters.hf.moe`). q/k/v-only biases (`attention_bias`; Tessera has
+one bias flag for every linear layer) are refused: errors, never approximations.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The sliding windows Gemma 2, Phi-3, Qwen3 and Qwen2-MoE define, against transformers, with a
-window of 8 and prompts and generations well past it.
+"""The sliding windows Gemma 2, Phi-3, Qwen3, Qwen2-MoE and Qwen3-MoE define, against
+transformers, with a window of 8 and prompts and generations well past it.
 
 Tiny random models built from a config (nothing downloaded), each with the window on the layers
 transformers gives it: Gemma 2's every other layer (its default `layer_types`), Phi-3's every
 layer, Qwen3's every layer (`max_window_layers=0`), Qwen2-MoE's layer 0 (every other layer
-below `max_window_layers`). Imported logits within 1e-4 (fp32), greedy serving through the paged
-cache equal to `generate` for 20 tokens, paged blocks outside the window freed where every layer
-slides, the export giving the same config and logits; the window fields transformers would not
-honour refused by name.
+below `max_window_layers`), Qwen3-MoE's every layer (its `max_window_layers` unread).
+Imported logits within 1e-4 (fp32), greedy serving through the paged cache equal to `generate`
+for 20 tokens, paged blocks outside the window freed where every layer slides, the export giving
+the same config and logits; the window fields transformers would not honour refused by name.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ MODELS = {
                                          moe_intermediate_size=16,
                                          shared_expert_intermediate_size=32,
                                          tie_word_embeddings=False), (0,)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, **_QWEN_WINDOW, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16,
+                                         tie_word_embeddings=False),
+                  None),
 }
 
 
@@ -119,15 +123,33 @@ def test_window_fields_transformers_would_not_honour_are_refused(name, change, m
         config_from_hf({**_hf_config(name).to_dict(), **change})
 
 
-def test_qwen3_moe_window_is_refused():
-    hf = transformers.Qwen3MoeConfig(**_COMMON, **_QWEN_WINDOW, num_experts=4,
-                                     num_experts_per_tok=2, moe_intermediate_size=16).to_dict()
+@pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
+def test_qwen3_moe_serving_from_a_long_prompt_and_a_tp2_reshard_keep_the_window(imported,
+                                                                               tmp_path):
+    _, hf_model, root = imported
+    prompt = check.ids(VOCAB, 40)[0].tolist()
+    model = load_checkpoint(root / "ckpt").eval()
+    assert check.engine_greedy(model, prompt, 12) == check.hf_greedy(hf_model, prompt, 12)
+    check.tp2_keeps_logits(root / "ckpt", tmp_path / "tp2", check.ids(VOCAB, 40))
+    assert load_checkpoint(tmp_path / "tp2").config.sliding_window == WINDOW
+
+
+def test_qwen3_moe_windows_every_layer_and_refuses_layer_types_naming_full_ones():
+    # max_window_layers=1 windows layer 0 alone in Qwen2-MoE; Qwen3-MoE never reads the field
+    assert config_from_hf({**_hf_config("qwen3_moe").to_dict(), "max_window_layers": 1}
+                          ).sliding_window_layers is None
+    hf = {**_hf_config("qwen3_moe").to_dict(),
+          "layer_types": ["full_attention", "sliding_attention"]}
     with pytest.raises(ConversionError, match=re.escape(
-            "qwen3_moe config: use_sliding_window=True is not supported (supported: False")):
+            "qwen3_moe config: layer_types=['full_attention', 'sliding_attention'] is not "
+            "supported with use_sliding_window (supported: no layer_types, or every entry "
+            "sliding_attention")):
         config_from_hf(hf)
+    assert config_from_hf({**hf, "layer_types": ["sliding_attention"] * 2}) == config_from_hf(
+        _hf_config("qwen3_moe").to_dict())
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_a_window_covering_every_position_is_no_window(name):
     config = config_from_hf(_hf_config(name, sliding_window=128).to_dict())
     assert (config.sliding_window, config.sliding_window_layers) == (None, None)

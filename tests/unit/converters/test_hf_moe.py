@@ -186,8 +186,6 @@ def test_unconvertible_fields_are_named(tmp_path):
         config_from_hf({**qwen3, "mlp_only_layers": [2, 3]})
     with pytest.raises(ConversionError, match="attention_bias"):
         config_from_hf({**qwen3, "attention_bias": True})
-    with pytest.raises(ConversionError, match="use_sliding_window"):
-        config_from_hf({**qwen3, "use_sliding_window": True})
     mixtral = json.loads(_hf_model("mixtral").config.to_json_string())
     with pytest.raises(ConversionError, match="router_jitter_noise"):
         config_from_hf({**mixtral, "router_jitter_noise": 0.1})

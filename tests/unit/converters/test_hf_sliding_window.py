@@ -226,8 +226,9 @@ def test_export_refuses_a_window_the_hf_model_cannot_hold():
         "'bias': True": ModelConfig(family="llama", sliding_window=WINDOW, bias=True),
         "'sliding_window_layers': (0,)": ModelConfig(family="phi3", sliding_window=WINDOW,
                                                      sliding_window_layers=(0,)),
-        "sliding_window=8: qwen3_moe is written without one":
-            ModelConfig.from_name("qwen3-moe-tiny", sliding_window=WINDOW),
+        "sliding_window_layers=[1]: Qwen3-MoE's window covers every layer":
+            ModelConfig.from_name("qwen3-moe-tiny", sliding_window=WINDOW,
+                                  sliding_window_layers=(1,)),
     }
     for message, config in refused.items():
         with pytest.raises(ConversionError, match=re.escape(message)):
