@@ -122,8 +122,8 @@ _NAMES: NameMap = {**{k: v for k, v in LLAMA_LIKE.items() if ".wqkv." not in k},
 DEEPSEEK_V2 = HfFamily(
     family="deepseek_v2", config_from_hf=deepseek_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map=_NAMES, pairs=moe_pairs(_NAMES), ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)
 DEEPSEEK_V3 = HfFamily(
     family="deepseek_v3", config_from_hf=deepseek_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map=_NAMES, pairs=moe_pairs(_NAMES), ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)
