@@ -11,6 +11,9 @@ form); V3 does when `rope_interleave`, else the halves. The score scale follows 
 Their Mixture-of-Experts layers (every layer from `first_k_dense_replace` on) map as
 `converters.hf.deepseek_moe` says. Attention biases, an MLP bias, grouped kv heads and a partial
 rotary factor are refused.
+
+FP8 export (`converters.hf_fp8`) quantizes the latent-attention, dense MLP and (shared) expert
+linears and keeps the routers high precision, as DeepSeek-V3's own FP8 checkpoint does.
 """
 
 from __future__ import annotations

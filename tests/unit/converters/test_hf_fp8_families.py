@@ -1,10 +1,11 @@
 """FP8 export of the families with fused or extra-normed HF layouts (Phi-3's fused `qkv_proj` and
 `gate_up_proj`, OLMo-2's post-sublayer and q/k norms, Gemma 2's four norms and soft-capping, Gemma 3's q/k
-norms and local layers),
-block and per tensor, against transformers' own FP8 loaders (nothing downloaded).
+norms and local layers, DeepSeek-V2/V3's latent attention and per-expert MoE linears with the
+router kept high precision), block and per tensor, against transformers' own FP8 loaders (nothing downloaded).
 
 Each tiny random HF model is imported, exported with `--fp8`, and loaded by transformers, which
-dequantizes on CPU: its logits equal those of Tessera's import of the export bit for bit, and sit
+dequantizes on CPU: its logits equal those of Tessera's import of the export bit for bit
+(DeepSeek-V2: within its fp32 import bound; the dequantized weights are equal), and sit
 near the original fp32 model's (each weight is off by at most 2^-4 of its block's amax; the
 errors of the linears in series stay well inside 1/8 of the logits' RMS). A fused tensor
 carries one scale per tensor (per tensor) or per block of the fused tensor, as vLLM loads it.
