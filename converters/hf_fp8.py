@@ -17,13 +17,18 @@ loads in vLLM natively and in transformers with the `compressed-tensors` package
 q/k/v and gate/up share one scale (the amax of Tessera's fused tensor), so vLLM, which fuses
 them and keeps the largest scale, has nothing to requantize.
 
-Only the four linear layers of every block are quantized (`weight_format.quantizable`, the
-rule Tessera's own FP8 checkpoints follow); embeddings, norms and the output layer keep the
-export dtype and are listed in `modules_to_not_convert` (`ignore` for compressed-tensors). The
+The linears quantized (`hf_quantizable`) are the four of every block (`weight_format.quantizable`,
+the rule Tessera's own FP8 checkpoints follow) and DeepSeek's latent-attention projections,
+routed experts (each expert's `gate/up/down_proj` in the file, per tensor one scale per
+expert) and shared experts, as DeepSeek-V3's own FP8 checkpoint stores them; embeddings, norms,
+routers (with their expert bias) and the output layer keep the export dtype and are listed in
+`modules_to_not_convert` (`ignore` for compressed-tensors). transformers 5 loads the per-expert
+FP8 tensors into its fused in-memory experts (dequantizing on CPU). The
 quantizer is `core.fp8.quantize` (scale `448 / amax`); its reciprocal is what is stored.
 Families: those whose mapping says `fp8_export` (`converters.hf`; Qwen3's per-head q/k norms
-are norms, so not converted either). The Mixture-of-Experts families are refused: their experts
-are grouped weights, not such linears.
+are norms, so not converted either). Calibrated static input scales cover the four block
+linears only, so DeepSeek's per-tensor export is dynamic. The other Mixture-of-Experts families
+are refused.
 
 Import (`dequantizing_reader`) reads either form, and vLLM's per-tensor `quant_method: "fp8"`
 too, dequantizing each weight to fp32 exactly as the loaders do (`q.float() * scale`).
@@ -31,6 +36,7 @@ too, dequantizing each weight to fp32 exactly as the loaders do (`q.float() * sc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,23 +89,45 @@ def fp8_families() -> list[str]:
 def check_fp8_exportable(config: ModelConfig, spec: Fp8Export) -> None:
     """Raise ConversionError if `config` cannot be written in `spec`'s form: a family whose HF
     linears the FP8 loaders do not quantize, or a dimension the block does not divide."""
-    if config.moe.num_experts:  # experts are grouped weights; `quantizable` covers dense linears
-        raise ConversionError(
-            f"FP8 Hugging Face export supports the dense families {', '.join(fp8_families())}, "
-            f"not the Mixture-of-Experts family {config.family!r}: its experts would stay "
-            "unquantized; export it without --fp8")
     family = hf_family(config.family)
+    if not family.fp8_export and config.moe.num_experts:
+        raise ConversionError(
+            f"FP8 Hugging Face export supports the families {', '.join(fp8_families())}, "
+            f"not the Mixture-of-Experts family {config.family!r}: {family.fp8_refusal}; "
+            "export it without --fp8")
     if not family.fp8_export:
         raise ConversionError(
             f"FP8 Hugging Face export supports the families {', '.join(fp8_families())}, not "
             f"{config.family!r}: {family.fp8_refusal}; export it without --fp8")
+    if spec.input_amax is not None:
+        uncalibrated = [name for name, _ in tensor_pairs(config)
+                        if hf_quantizable(name) and name not in spec.input_amax]
+        if uncalibrated:  # calibration sees the four block linears only, not MLA or experts
+            raise ConversionError(
+                f"--calibration-data records the inputs of the wqkv/wo/w1/w2 linears only, not "
+                f"{uncalibrated[0]} of {config.family!r}; export it with --fp8 tensor without "
+                "--calibration-data (dynamic activations) or with --fp8 block")
     if spec.block_shape is None:
         return
-    parts = [(hf_name, part.shape) for name, targets in tensor_pairs(config) if quantizable(name)
+    parts = [(hf_name, part.shape) for name, targets in tensor_pairs(config)
+             if hf_quantizable(name)
              for hf_name, part in hf_parts(config, name, torch.empty(
                  global_param_shapes(config)[name], device="meta"), targets)]
     for hf_name, shape in parts:
         check_blocks(shape, spec.block_shape, hf_name, [s for _, s in parts])
+
+
+_LATENT_AND_EXPERT_LINEARS = re.compile(
+    r"(^|\.)layers\.\d+\.(attention\.(wq|wq_a|wq_b|wkv_a|wkv_b)\.weight"
+    r"|feed_forward\.(experts\.(w1|w2)|shared_expert\.(w1|w2)\.weight))$")
+
+
+def hf_quantizable(name: str) -> bool:
+    """True for a Tessera weight whose HF linears the export quantizes: `quantizable`'s four
+    block linears, and the latent-attention projections, routed experts (each expert's
+    `gate/up/down_proj` in the file) and shared experts of the MoE families. Routers (and
+    their expert bias) are not: DeepSeek-V3's own FP8 checkpoint keeps them high precision."""
+    return quantizable(name) or _LATENT_AND_EXPERT_LINEARS.search(name) is not None
 
 
 def _module(hf_name: str) -> str:
@@ -111,7 +139,7 @@ def modules_to_not_convert(config: ModelConfig) -> list[str]:
     when its weight is tied to the embeddings), in model order."""
     names: dict[str, None] = {}
     for name, targets in tensor_pairs(config):
-        if not quantizable(name) and not name.endswith(".bias"):
+        if not hf_quantizable(name) and not name.endswith(".bias"):
             names.update((_module(hf_name), None) for hf_name, _ in targets)
     names["lm_head"] = None
     return list(names)
@@ -145,13 +173,11 @@ def export_fp8_tensors(config: ModelConfig, read: Read, spec: Fp8Export,
     check_fp8_exportable(config, spec)
     for name, targets in tensor_pairs(config):
         tensor = read(name)
-        if not quantizable(name):
+        if not hf_quantizable(name):
             for hf_name, part in hf_parts(config, name, tensor, targets):
                 yield hf_name, part.to(dtype)
             continue
-        # Per tensor: one amax for the whole fused tensor, so q/k/v (gate/up) share a scale.
-        amax = weight_amax(tensor) if spec.block_shape is None else None
-        for hf_name, part in hf_parts(config, name, tensor, targets):
+        for hf_name, part, amax in _parts_with_amax(config, name, tensor, targets, spec):
             q, scale = quantize(part, amax=amax, block=spec.block_shape)
             module = _module(hf_name)
             yield hf_name, q
@@ -161,6 +187,26 @@ def export_fp8_tensors(config: ModelConfig, read: Read, spec: Fp8Export,
             yield f"{module}.weight_scale", scale.reciprocal().reshape(1)
             if spec.input_amax is not None:
                 yield f"{module}.input_scale", input_scale(spec.input_amax[name], tensor.device)
+
+
+def _parts_with_amax(config: ModelConfig, name: str, tensor: torch.Tensor,
+                     targets: list[tuple[str, bool]], spec: Fp8Export
+                     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """`hf_parts` with the amax each part is quantized against: None per block (each block's
+    own); per tensor the fused tensor's, so q/k/v (gate/up) share a scale, and for grouped
+    experts `(E, out, in)` each expert's, so one expert's gate and up share one."""
+    parts = hf_parts(config, name, tensor, targets)
+    if spec.block_shape is not None:
+        yield from ((hf_name, part, None) for hf_name, part in parts)
+        return
+    if tensor.dim() != 3:
+        amax = weight_amax(tensor)
+        yield from ((hf_name, part, amax) for hf_name, part in parts)
+        return
+    per_expert = len(targets) // tensor.shape[0]
+    amaxes = tensor.abs().amax(dim=(1, 2)).float()
+    for i, (hf_name, part) in enumerate(parts):
+        yield hf_name, part, amaxes[i // per_expert]
 
 
 def input_scale(amax: float, device: torch.device | str = "cpu") -> torch.Tensor:

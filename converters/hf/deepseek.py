@@ -11,6 +11,9 @@ form); V3 does when `rope_interleave`, else the halves. The score scale follows 
 Their Mixture-of-Experts layers (every layer from `first_k_dense_replace` on) map as
 `converters.hf.deepseek_moe` says. Attention biases, an MLP bias, grouped kv heads and a partial
 rotary factor are refused.
+
+FP8 export (`converters.hf_fp8`) quantizes the latent-attention, dense MLP and (shared) expert
+linears and keeps the routers high precision, as DeepSeek-V3's own FP8 checkpoint does.
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ _NAMES: NameMap = {**{k: v for k, v in LLAMA_LIKE.items() if ".wqkv." not in k},
 DEEPSEEK_V2 = HfFamily(
     family="deepseek_v2", config_from_hf=deepseek_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map=_NAMES, pairs=moe_pairs(_NAMES), ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)
 DEEPSEEK_V3 = HfFamily(
     family="deepseek_v3", config_from_hf=deepseek_config, check_exportable=_check_exportable,
     config_to_hf=_config_to_hf, name_map=_NAMES, pairs=moe_pairs(_NAMES), ignored=ROTARY_BUFFERS,
-    fp8_refusal="its FP8 export is not yet checked against transformers' FP8 loader")
+    fp8_export=True)

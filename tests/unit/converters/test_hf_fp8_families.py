@@ -1,10 +1,11 @@
 """FP8 export of the families with fused or extra-normed HF layouts (Phi-3's fused `qkv_proj` and
 `gate_up_proj`, OLMo-2's post-sublayer and q/k norms, Gemma 2's four norms and soft-capping, Gemma 3's q/k
-norms and local layers),
-block and per tensor, against transformers' own FP8 loaders (nothing downloaded).
+norms and local layers, DeepSeek-V2/V3's latent attention and per-expert MoE linears with the
+router kept high precision), block and per tensor, against transformers' own FP8 loaders (nothing downloaded).
 
 Each tiny random HF model is imported, exported with `--fp8`, and loaded by transformers, which
-dequantizes on CPU: its logits equal those of Tessera's import of the export bit for bit, and sit
+dequantizes on CPU: its logits equal those of Tessera's import of the export bit for bit
+(DeepSeek-V2: within its fp32 import bound; the dequantized weights are equal), and sit
 near the original fp32 model's (each weight is off by at most 2^-4 of its block's amax; the
 errors of the linears in series stay well inside 1/8 of the logits' RMS). A fused tensor
 carries one scale per tensor (per tensor) or per block of the fused tensor, as vLLM loads it.
@@ -43,6 +44,20 @@ CONFIGS = {
         **_COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=12,
         layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=100.0),
 }
+# DeepSeek: layer 0 dense, layer 1 MoE (4 routed experts in 2 groups, one shared). kv_lora_rank
+# 16 + qk_rope_head_dim 16 keeps kv_a_proj_with_mqa's 32 rows whole blocks of 16.
+_MLA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8, max_position_embeddings=64,
+            initializer_range=0.1, pad_token_id=0, eos_token_id=2)
+CONFIGS["deepseek_v3"] = lambda: transformers.DeepseekV3Config(**_MLA, q_lora_rank=16)
+CONFIGS["deepseek_v2"] = lambda: transformers.DeepseekV2Config(
+    **_MLA, q_lora_rank=None, topk_method="group_limited_greedy")
+# Tessera's fp32 import of DeepSeek-V2 (complex-form RoPE) matches transformers within 1e-4,
+# not bit for bit (test_hf_deepseek.py): its FP8 logits inherit that bound.
+ROUNDS_APART = {"deepseek_v2"}
 # The HF linears each family stores (Phi-3 fuses q/k/v and gate/up in the file).
 LINEARS = {
     "phi3": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
@@ -50,6 +65,17 @@ LINEARS = {
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
 }
 LINEARS["gemma2"] = LINEARS["gemma3"] = LINEARS["olmo2"]
+_EXPERTS = tuple(f"mlp.{m}.{p}" for m in ("experts.0", "experts.3", "shared_experts")
+                 for p in ("gate_proj", "up_proj", "down_proj"))
+_MLA_LINEARS = ("self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj")
+# Per layer: DeepSeek's layer 0 has a dense MLP, layer 1 experts; the router `mlp.gate` (and
+# V3's e_score_correction_bias) is never quantized.
+LAYER_LINEARS = {f: (LINEARS[f], LINEARS[f]) for f in LINEARS}
+LAYER_LINEARS["deepseek_v3"] = tuple(
+    ("self_attn.q_a_proj", "self_attn.q_b_proj", *_MLA_LINEARS, *mlp)
+    for mlp in (LINEARS["olmo2"][-3:], _EXPERTS))
+LAYER_LINEARS["deepseek_v2"] = tuple(("self_attn.q_proj", *_MLA_LINEARS, *mlp)
+                                     for mlp in (LINEARS["olmo2"][-3:], _EXPERTS))
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -78,8 +104,21 @@ def test_fp8_export_loads_in_transformers(imported, scheme):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     skipped = qc["modules_to_not_convert" if scheme == "block" else "ignore"]
     t = _tensors(out)
+    quantized = {k.removesuffix(".weight") for k, v in t.items()
+                 if v.dtype == torch.float8_e4m3fn}
+    linears = {f"model.layers.{i}.{leaf}" for i in range(2) for leaf in LAYER_LINEARS[family][i]}
+    assert linears <= quantized and not quantized & set(skipped)
+    if family.startswith("deepseek"):  # every linear of the file: all 4 experts, never a router
+        assert quantized == linears | {f"model.layers.1.mlp.experts.{e}.{p}" for e in (1, 2)
+                                       for p in ("gate_proj", "up_proj", "down_proj")}
+        assert "model.layers.1.mlp.gate" in skipped
+        if scheme == "tensor":  # one scale per expert, shared by its gate and up (vLLM's w13)
+            scale = {e: [t[f"model.layers.1.mlp.experts.{e}.{p}.weight_scale"]
+                         for p in ("gate_proj", "up_proj")] for e in range(4)}
+            assert all(torch.equal(*pair) for pair in scale.values())
+            assert len({pair[0].item() for pair in scale.values()}) == 4
     for i in range(2):
-        for leaf in LINEARS[family]:
+        for leaf in LAYER_LINEARS[family][i]:
             module = f"model.layers.{i}.{leaf}"
             assert t[f"{module}.weight"].dtype == torch.float8_e4m3fn and module not in skipped
             rows, cols = t[f"{module}.weight"].shape
@@ -96,15 +135,46 @@ def test_fp8_export_loads_in_transformers(imported, scheme):
     ids = check.ids(VOCAB, 16, batch=2, seed=2)
     with torch.no_grad():
         fp8_logits, ref_logits = hf(ids).logits, original(ids).logits
-        assert torch.equal(fp8_logits, back(ids))
+        if family in ROUNDS_APART:  # the fp32 import's own bound: the same weights, other sums
+            assert (fp8_logits - back(ids)).abs().max() <= 1e-4
+        else:
+            assert torch.equal(fp8_logits, back(ids))
+    # Bit for bit the weights transformers dequantized are the ones Tessera imported.
+    check.convert("--to", "hf", "--input", root / f"back-{scheme}", "--output", root / f"re-{scheme}")
+    again = transformers.AutoModelForCausalLM.from_pretrained(root / f"re-{scheme}",
+                                                              dtype=torch.float32)
+    assert all(torch.equal(w, again.state_dict()[n]) for n, w in hf.state_dict().items())
     # The rounding errors are independent across weights, so their effect is bounded in RMS
     # (the extreme element of 8k logits wanders further under Gemma 2's and OLMo-2's post-norms).
     rms = lambda x: x.pow(2).mean().sqrt()  # noqa: E731
     assert rms(fp8_logits - ref_logits) <= rms(ref_logits) / 8
     ref_state, state = original.state_dict(), hf.state_dict()
     for name, ref in ref_state.items():
-        if name.endswith(tuple(f"{leaf}.weight" for leaf in LINEARS[family])):
+        if _dequantized(name, family):
             w = state[name]
             assert not torch.equal(w, ref) and (w - ref).abs().max() <= ref.abs().max() / 16, name
-        elif name in state:  # embeddings, every norm, lm_head: not quantized
+        elif name in state:  # embeddings, every norm, router, lm_head: not quantized
             assert torch.equal(state[name], ref), name
+
+
+def _dequantized(name: str, family: str) -> bool:
+    """Whether the HF model's parameter `name` was quantized in the export (transformers keeps
+    the routed experts of a layer fused as `mlp.experts.gate_up_proj` / `down_proj`)."""
+    leaves = {leaf for layer in LAYER_LINEARS[family] for leaf in layer}
+    return name.endswith(tuple(f"{leaf}.weight" for leaf in leaves)) or name.endswith(
+        ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_calibration_is_refused(family):
+    """Calibration records the four block linears' inputs only: a static per-tensor export of
+    DeepSeek's latent-attention and expert linears would lack their input scales."""
+    from tessera.converters.hf.deepseek import deepseek_config
+    from tessera.converters.hf_fp8 import Fp8Export, check_fp8_exportable
+    from tessera.converters.hf_mapping import ConversionError
+
+    config = deepseek_config(CONFIGS[family]().to_dict())
+    amax = {f"layers.{i}.attention.wo.weight": 1.0 for i in range(2)}
+    with pytest.raises(ConversionError, match=r"records the inputs of the wqkv/wo/w1/w2 linears "
+                       r"only, not layers\.0\.attention\.w.*--fp8 tensor without"):
+        check_fp8_exportable(config, Fp8Export("tensor", input_amax=amax))
