@@ -167,6 +167,8 @@ def _export_hf_fp8(args: argparse.Namespace) -> int:
     from tessera.converters.hf_fp8 import Fp8Export, check_fp8_exportable
     from tessera.converters.hf_io import export_hf
     from tessera.core.checkpoint import read_manifest
+    from tessera.core.parallel.sharding import global_param_shapes
+    from tessera.core.parallel.weight_format import quantizable
 
     if args.fp8 == "channel" or any(getattr(args, f) is not None for f in LAYOUT_FLAGS if f != "fp8"):
         print("tessera convert: error: --to hf takes --fp8 block or --fp8 tensor (no channel "
@@ -185,7 +187,9 @@ def _export_hf_fp8(args: argparse.Namespace) -> int:
         spec = Fp8Export(args.fp8, block=args.fp8_block or DEFAULT_FP8_BLOCK)
         config = read_manifest(args.input).model
         check_fp8_exportable(config, spec)  # before a possibly long calibration
-        if args.calibration_data:
+        if args.calibration_data:  # ... which records the inputs of the `quantizable` linears
+            check_fp8_exportable(config, Fp8Export("tensor", input_amax=dict.fromkeys(
+                filter(quantizable, global_param_shapes(config)), 0.0)))
             from tessera.converters.calibrate import calibrate_input_amax
 
             spec = Fp8Export("tensor", input_amax=calibrate_input_amax(

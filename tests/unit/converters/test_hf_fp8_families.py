@@ -178,3 +178,23 @@ def test_deepseek_calibration_is_refused(family):
     with pytest.raises(ConversionError, match=r"records the inputs of the wqkv/wo/w1/w2 linears "
                        r"only, not layers\.0\.attention\.w.*--fp8 tensor without"):
         check_fp8_exportable(config, Fp8Export("tensor", input_amax=amax))
+
+
+def test_deepseek_calibration_is_refused_before_calibrating(tmp_path, monkeypatch, capsys):
+    """`tessera convert` refuses it before reading any calibration text (which can take
+    minutes): the calibration pass never starts."""
+    from tessera.converters import calibrate
+    from tessera.converters.cli import main
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["deepseek_v3"]()).save_pretrained(
+        tmp_path / "hf")
+    check.convert("--from", "hf", "--input", tmp_path / "hf", "--output", tmp_path / "ckpt")
+    (tmp_path / "sample.txt").write_text("some text to calibrate on\n")
+    started = []
+    monkeypatch.setattr(calibrate, "calibrate_input_amax", lambda *a, **k: started.append(a))
+    assert main(["--to", "hf", "--fp8", "tensor", "--calibration-data",
+                 str(tmp_path / "sample.txt"), "--input", str(tmp_path / "ckpt"),
+                 "--output", str(tmp_path / "fp8")]) != 0
+    assert not started
+    assert "records the inputs of the wqkv/wo/w1/w2 linears only" in capsys.readouterr().err
