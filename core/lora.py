@@ -66,6 +66,11 @@ _IN_LAYER = re.compile(r"^(?:\w+\.)?layers\.\d+\.")
 MLA_PROJECTIONS = ("attention.wq", "attention.wq_a", "attention.wq_b", "attention.wkv_a",
                    "attention.wkv_b")
 
+# An encoder-decoder's cross-attention (T5): `qkv` selects its query and key-value projections
+# and `wo` its output, so `attention` and `all` adapt it with the self-attention.
+CROSS_ATTENTION = {"qkv": ("cross_attention.wq", "cross_attention.wkv"),
+                   "wo": ("cross_attention.wo",)}
+
 
 def _block_linears(config: ModelConfig) -> list[str]:
     """The linear layers of one decoder block, in model order."""
@@ -106,6 +111,9 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
             suffixes = {SHORT_NAMES[s] for s in GROUP_NAMES.get(item, (item,))}
             if SHORT_NAMES["qkv"] in suffixes:
                 suffixes.update(MLA_PROJECTIONS)
+            for short, linears in CROSS_ATTENTION.items():
+                if SHORT_NAMES[short] in suffixes:
+                    suffixes.update(linears)
             matched = [m for m in modules if _in_layer(m) in suffixes]
         else:
             try:
