@@ -117,6 +117,16 @@ def test_t5_refuses_what_it_cannot_tune(base, tmp_path, flags, words):
         prepare_inputs(cfg, train=cfg.tune.data)
 
 
+def test_t5_refuses_dpo(base, tmp_path):
+    from tessera.tuning.dpo_loop import prepare_dpo
+
+    root, train = base
+    cfg, _ = load_config(tune_argv(root / "base", tmp_path / "run", train, None,
+                                   "--method", "dpo"))
+    with pytest.raises(ConfigError, match="--method dpo needs a decoder"):
+        prepare_dpo(cfg)
+
+
 def test_t5_refuses_validation_data(base, tmp_path):
     root, train = base
     cfg, _ = load_config(tune_argv(root / "base", tmp_path / "run", train, train, *LORA))
