@@ -187,3 +187,17 @@ def test_t5_serving_refuses_runtime_adapters(base):
                                       "--allow-runtime-lora"])
     with pytest.raises(ValueError, match="drop --allow-runtime-lora"):
         app_for_family(args, served_names(args))
+
+
+def test_t5_tune_run_writes_an_adapter_of_encoder_and_decoder_modules(base, tmp_path):
+    from tessera.core.lora_format import load_adapter
+    from tessera.tuning.loop import tune
+
+    root, train = base
+    cfg, _ = load_config(tune_argv(root / "base", tmp_path / "run", train, None, *LORA,
+                                   "--steps", "3"))
+    summary = tune(cfg)
+    config, tensors = load_adapter(summary["adapter"])
+    assert {m.split(".")[0] for m in config.modules} == {"encoder", "decoder"}
+    assert len(tensors) == 2 * len(config.modules)
+    assert all(torch.isfinite(torch.tensor(summary["losses"])))
