@@ -56,8 +56,9 @@ from tessera.core.parallel.sharding import global_param_shapes, shard_tensor, un
 SHORT_NAMES = {"qkv": "attention.wqkv", "wo": "attention.wo", "w1": "feed_forward.w1",
                "w2": "feed_forward.w2"}
 GROUP_NAMES = {"attention": ("qkv", "wo"), "mlp": ("w1", "w2"), "all": ("qkv", "wo", "w1", "w2")}
-TARGETS_HELP = ("comma-separated: qkv, wo, w1, w2 (in every layer), attention (qkv,wo), mlp "
-                "(w1,w2), all, or a regular expression matched against the whole module name "
+TARGETS_HELP = ("comma-separated: qkv, wo, w1, w2 (in every layer), attention (qkv,wo, and "
+                "T5's cross-attention), mlp (w1,w2), all, or a regular expression matched "
+                "against the whole module name "
                 r"or the name after `layers.N.` (e.g. 'layers\.[01]\.attention\.wqkv')")
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.weight$")
 _IN_LAYER = re.compile(r"^(?:\w+\.)?layers\.\d+\.")
@@ -65,6 +66,10 @@ _IN_LAYER = re.compile(r"^(?:\w+\.)?layers\.\d+\.")
 # attentions have `attention.wqkv`: the short name `qkv` selects them.
 MLA_PROJECTIONS = ("attention.wq", "attention.wq_a", "attention.wq_b", "attention.wkv_a",
                    "attention.wkv_b")
+
+# An encoder-decoder's cross-attention (T5): the groups `attention` and `all` adapt it with the
+# self-attention (the short names `qkv` and `wo` stay the self-attention's).
+CROSS_ATTENTION = ("cross_attention.wq", "cross_attention.wkv", "cross_attention.wo")
 
 
 def _block_linears(config: ModelConfig) -> list[str]:
@@ -106,6 +111,8 @@ def resolve_targets(targets: str | Sequence[str], config: ModelConfig) -> tuple[
             suffixes = {SHORT_NAMES[s] for s in GROUP_NAMES.get(item, (item,))}
             if SHORT_NAMES["qkv"] in suffixes:
                 suffixes.update(MLA_PROJECTIONS)
+            if item in ("attention", "all"):
+                suffixes.update(CROSS_ATTENTION)
             matched = [m for m in modules if _in_layer(m) in suffixes]
         else:
             try:

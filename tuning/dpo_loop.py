@@ -22,6 +22,7 @@ from tessera.core.config import ConfigError
 from tessera.core.lora import resolve_targets
 from tessera.core.lora_format import save_adapter
 from tessera.training.loop import compute_context
+from tessera.training.objectives import require_decoder
 from tessera.training.optim import clip_gradients, learning_rate
 from tessera.tuning.config import TuneRunConfig
 from tessera.tuning.data import step_indices
@@ -85,6 +86,7 @@ def prepare_dpo(cfg: TuneRunConfig, data: str | None = None) -> DpoRun:
     if not data:
         raise ConfigError("no preference pairs: pass --data pairs.jsonl")
     model = read_manifest(t.checkpoint).model
+    require_decoder(model, "--method dpo")  # its log-probabilities are a decoder's
     lora = t.dpo_weights == "lora"
     modules = resolve_targets(t.lora_targets, model) if lora else ()
     tokenizer = base_tokenizer(t.checkpoint)

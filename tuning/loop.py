@@ -93,6 +93,7 @@ from tessera.tuning.prompts import (
     initial_embeddings,
     mark_only_prompt_as_trainable,
 )
+from tessera.tuning.seq2seq import is_seq2seq, longest_seq2seq, make_seq2seq_batch
 
 
 @dataclass
@@ -153,7 +154,11 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
     if not t.checkpoint:
         raise ConfigError("no base model: pass --checkpoint DIR (a Tessera checkpoint)")
     model = read_manifest(t.checkpoint).model
-    require_decoder(model, "prompt tuning (and LoRA tuning)")  # BERT: no generation to tune
+    seq2seq = is_seq2seq(model)
+    if seq2seq:
+        _check_seq2seq(cfg, train, valid)
+    else:
+        require_decoder(model, "prompt tuning (and LoRA tuning)")  # BERT: no generation to tune
     refused = packed_attention_problems(model, "--pack", "tune without --pack") if t.pack else []
     if refused:
         raise ConfigError(refused[0])
@@ -190,10 +195,14 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
                       t.all_tokens) if path else None
         for path in (train, valid))
     examples = [e for d in (train_data, valid_data) if d is not None for e in d.examples]
+    if seq2seq and any(e.trained is not None for e in examples):
+        raise ConfigError(f"{train}: conversations are not text-to-text; tune {model.family} on "
+                          'rows with an input and an answer ({"input": ..., "answer": ...})')
     multiple = math.lcm(8, layout.tp)  # sequence parallelism splits it over tp
     if layout.cp > 1:  # context parallelism cuts it into 2 x cp chunks (each split over tp)
         multiple = math.lcm(multiple, 2 * layout.cp * layout.tp)
-    seq_len = min(-(-longest(examples, n_virtual) // multiple) * multiple, context)
+    length = longest_seq2seq(examples) if seq2seq else longest(examples, n_virtual)
+    seq_len = min(-(-length // multiple) * multiple, context)
     packs = None
     if t.pack and train_data is not None:
         # Packed rows fill the context (a multiple of what the layout splits), not the longest.
@@ -201,6 +210,24 @@ def prepare_inputs(cfg: TuneRunConfig, specs: dict[str, TaskSpec] | None = None,
         packs = pack(train_data.examples, n_virtual, seq_len)
     return Inputs(tokenizer, specs, n_virtual, train_data, valid_data, seq_len, modules, model,
                   packs)
+
+
+def _check_seq2seq(cfg: TuneRunConfig, train: str | None, valid: str | None) -> None:
+    """Raise `ConfigError` for what encoder-decoder (T5) tuning does not support."""
+    t, layout = cfg.tune, cfg.parallel.layout()
+    if t.method != "lora":
+        raise ConfigError(f"--method {t.method} is not supported for a T5 base; T5 tunes with "
+                          "--method lora (the encoder reads the input, the decoder learns the "
+                          "answer)")
+    if t.pack:
+        raise ConfigError("--pack joins causal rows; T5 rows pair an encoder input with a "
+                          "decoder answer: drop --pack")
+    if valid:
+        raise ConfigError("validation (--valid, --evaluate) is not supported for a T5 base yet; "
+                          "tune without it and check the adapter with `tessera serve --lora`")
+    if layout.tp * layout.pp * layout.cp > 1:
+        raise ConfigError(f"T5 tuning runs data-parallel only, but the layout has tp "
+                          f"{layout.tp}, pp {layout.pp}, cp {layout.cp}: use --tp 1 --pp 1 --cp 1")
 
 
 def chat_template_for(t: TuneConfig) -> ChatTemplate:
@@ -281,7 +308,8 @@ def _initial_prompts(t: TuneConfig, inputs: Inputs, seed: int) -> VirtualPrompts
 
 
 def train_batch(t: Tuning, data: TaskData, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's share of global batch `step`, one example per row."""
+    """This data-parallel rank's share of global batch `step`, one example per row (a decoder
+    base; an encoder-decoder also needs the keyword inputs of `train_inputs`)."""
     tokens, labels, _ = train_inputs(t, data, step)
     return tokens, labels
 
@@ -296,6 +324,12 @@ def train_inputs(t: Tuning, data: TaskData, step: int, packs: list[list[int]] | 
     per_dp = plan.data.per_dp_batch
     mine = idx[g.dp_rank * per_dp: (g.dp_rank + 1) * per_dp]
     device = t.job.device
+    if is_seq2seq(plan.model):
+        encoder_ids, labels, extra = make_seq2seq_batch(
+            [data.examples[i] for i in mine], t.seq_len, t.tokenizer.pad_id,
+            plan.model.options.decoder_start_token_id)
+        return (encoder_ids.to(device), labels.to(device),
+                {k: v.to(device) for k, v in extra.items()})
     if packs:
         rows = [[data.examples[i] for i in packs[r]] for r in mine]
         tokens, labels, documents = make_packed_batch(rows, t.task_index, t.n_virtual, t.seq_len,

@@ -6,7 +6,9 @@ tokenizer does; `<extra_id_k>` in the text is sentinel k), and `core.models.t5.g
 decodes it, one request at a time on a worker thread, the whole completion delivered as one
 output. What it does not (refused with a clear `RequestError`): sampling (temperature > 0),
 logprobs and echo, stop strings, prompt-tuned tasks; nor does it batch requests or stream token
-by token. `LLMEngine` cannot serve T5 as it is: its runner, KV-cache slots and prefill/decode
+by token. LoRA adapters are fixed at start (`adapters`): each is a copy of the model sharing its
+base weights with the adapter attached unmerged, and a request names one by `adapter`.
+`LLMEngine` cannot serve T5 as it is: its runner, KV-cache slots and prefill/decode
 schedule assume one decoder-only stack, where a T5 request needs an encoder pass whose output
 (and cross-attention keys/values) must live beside its slot for the request's lifetime.
 """
@@ -14,11 +16,14 @@ schedule assume one decoder-only stack, where a T5 request needs an encoder pass
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from pathlib import Path
 
 import torch
 
+from tessera.core.lora import attach_lora
+from tessera.core.lora_format import AdapterConfig
 from tessera.core.models.t5.generate import t5_greedy
 from tessera.core.models.t5.model import T5Model
 from tessera.core.models.t5.tokens import SentinelTokenizer
@@ -30,10 +35,13 @@ class T5Engine:
     """Greedy T5 generation for the HTTP layer (see the module docstring)."""
 
     def __init__(self, model: T5Model, tokenizer: SentinelTokenizer | None = None, *,
-                 model_name: str = "tessera-t5", eos_id: int | None = None):
+                 model_name: str = "tessera-t5", eos_id: int | None = None,
+                 adapters: dict[str, tuple[AdapterConfig, dict[str, torch.Tensor]]] | None = None):
         if model.num_stages != 1:
             raise ValueError("the T5 engine serves a single pipeline stage (pp 1)")
         self.model, self.tokenizer, self.model_name = model.eval(), tokenizer, model_name
+        self._adapted = {name: adapted_copy(model, *adapter)
+                         for name, adapter in (adapters or {}).items()}
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
         self.pad_id = tokenizer.pad_id if tokenizer is not None else 0
         self.max_len = model.config.max_position_embeddings
@@ -59,6 +67,10 @@ class T5Engine:
     def tasks(self) -> list[str]:
         return []
 
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters a request may name."""
+        return list(self._adapted)
+
     def max_context(self) -> int:
         """Prompt (encoder) plus completion (decoder) tokens, each at most the model's length."""
         return 2 * self.max_len
@@ -82,6 +94,9 @@ class T5Engine:
                             "stop_token_ids, min_tokens or ignore_eos)")
         if request.task is not None:
             problems.append("the T5 engine serves no prompt-tuned tasks")
+        if request.adapter is not None and request.adapter not in self._adapted:
+            problems.append(f"no LoRA adapter named {request.adapter!r}; this engine serves "
+                            f"{self.adapter_names() or 'none'}")
         if len(request.prompt_ids) > self.max_len or p.max_tokens > self.max_len:
             problems.append(f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens "
                             f"({p.max_tokens}) must each be at most {self.max_len}")
@@ -113,7 +128,8 @@ class T5Engine:
                 if aborted.is_set():
                     return
                 ids = torch.tensor([request.prompt_ids])
-                out = t5_greedy(self.model, ids, max_new_tokens=request.params.max_tokens,
+                model = self._adapted.get(request.adapter, self.model)  # None: the base
+                out = t5_greedy(model, ids, max_new_tokens=request.params.max_tokens,
                                 eos_id=self.eos_id, pad_id=self.pad_id)[0].tolist()
         except Exception as exc:  # this request fails, the engine goes on
             sink.deliver(GenerationOutput(request.request_id, [], "", finished=True,
@@ -127,3 +143,13 @@ class T5Engine:
         sink.deliver(GenerationOutput(request.request_id, out, self.decode(out), finished=True,
                                       finish_reason="stop" if stopped else "length",
                                       prompt_tokens=prompt, completion_tokens=len(out)))
+
+
+def adapted_copy(model: T5Model, config: AdapterConfig, tensors: dict[str, torch.Tensor]
+                 ) -> T5Model:
+    """`model` with the adapter (`config`, global `tensors`) attached unmerged; the copy shares
+    every base parameter with `model`, so an adapter costs only its factors."""
+    shared = {id(p): p for p in model.parameters()}
+    adapted = copy.deepcopy(model, memo=shared)
+    attach_lora([adapted], config, tensors=tensors)
+    return adapted.eval()

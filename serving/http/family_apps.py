@@ -72,8 +72,28 @@ def _t5_app(args: argparse.Namespace, served_names: list[str]) -> Any:
         base = load_tokenizer(args.checkpoint)
         n = t5_sentinels(model.config.vocab_size, base.vocab_size, args.t5_sentinels)
         tok = SentinelTokenizer(base, n)
-    engine = T5Engine(model, tok, model_name=served_names[0])
+    engine = T5Engine(model, tok, model_name=served_names[0], adapters=t5_adapters(args))
     return create_app(engine, model_name=served_names[0], **app_limits(args, served_names))
+
+
+def t5_adapters(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--lora NAME=PATH` adapters for a T5 checkpoint: name -> (config, tensors), each
+    checked against the base. Runtime loading is refused (the T5 engine fixes them at start)."""
+    from tessera.core.lora_format import check_base, load_adapter
+    from tessera.core.prompt_table import base_fingerprint
+    from tessera.serving.adapter_cli import parse_lora_flags
+
+    if getattr(args, "allow_runtime_lora", False):
+        raise ValueError("a T5 checkpoint serves its LoRA adapters from start only: drop "
+                         "--allow-runtime-lora and name them with --lora NAME=PATH")
+    preload = parse_lora_flags(getattr(args, "lora", None) or [])
+    adapters = {}
+    fingerprint = base_fingerprint(args.checkpoint) if preload else ""
+    for name, path in preload:
+        config, tensors = load_adapter(path)
+        check_base(config, fingerprint, args.checkpoint)
+        adapters[name] = (config, tensors)
+    return adapters
 
 
 # The families the batching engine does not run: family name -> the builder of its app from
