@@ -114,15 +114,21 @@ def _window_to_hf(c: ModelConfig) -> dict[str, Any]:
                              for i in range(c.num_layers)])
 
 
-def _check_exportable(c: ModelConfig) -> None:
-    clash = {}
+def gemma_export_clashes(c: ModelConfig) -> dict[str, Any]:
+    """The fields Gemma 2 and Gemma 3 files cannot say otherwise: a tied output, scaled
+    embeddings and a `query_pre_attn_scalar` (field -> the value this model has)."""
+    clash: dict[str, Any] = {}
     if not c.tied_embeddings:
         clash["tied_embeddings"] = False
     if not c.options.scale_embeddings:
         clash["options.scale_embeddings"] = False
     if c.options.query_pre_attn_scalar is None:
         clash["options.query_pre_attn_scalar"] = None
-    check_traits(c, clash)
+    return clash
+
+
+def _check_exportable(c: ModelConfig) -> None:
+    check_traits(c, gemma_export_clashes(c))
 
 
 GEMMA2_NAMES = {**{k: v for k, v in LLAMA_LIKE.items() if not k.startswith("layers.{}.ffn_norm")},

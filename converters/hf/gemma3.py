@@ -26,7 +26,12 @@ from tessera.converters.hf.family import (
     require,
     with_shared_fields,
 )
-from tessera.converters.hf.gemma2 import GELU_TANH, GEMMA2_NAMES, gemma_fields_to_hf
+from tessera.converters.hf.gemma2 import (
+    GELU_TANH,
+    GEMMA2_NAMES,
+    gemma_export_clashes,
+    gemma_fields_to_hf,
+)
 from tessera.converters.hf.llama import ROTARY_BUFFERS, llama_like_fields, rope_to_hf
 from tessera.converters.hf.qwen3 import QK_NORM_NAMES
 from tessera.core.config import ModelConfig
@@ -152,14 +157,8 @@ def _config_to_hf(c: ModelConfig, **shared: Any) -> dict[str, Any]:
 
 
 def _check_exportable(c: ModelConfig) -> None:
-    clash: dict[str, Any] = {}
-    if not c.tied_embeddings:
-        clash["tied_embeddings"] = False
-    if not c.options.scale_embeddings:
-        clash["options.scale_embeddings"] = False
-    if c.options.query_pre_attn_scalar is None:
-        clash["options.query_pre_attn_scalar"] = None
-    if c.options.attn_logit_softcapping is not None:
+    clash = gemma_export_clashes(c)
+    if c.options.attn_logit_softcapping is not None:  # transformers' Gemma 3 does not apply it
         clash["options.attn_logit_softcapping"] = c.options.attn_logit_softcapping
     check_traits(c, clash)
 
