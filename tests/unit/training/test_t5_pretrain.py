@@ -94,7 +94,9 @@ def test_prompt_tuning_a_t5_is_refused(run12, tmp_path, capsys):
 
     assert tune_main(["--checkpoint", str(latest_checkpoint(run12)),
                       "--output", str(tmp_path / "tune")]) != 0
-    assert "needs a decoder (GPT-style) model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--method p-tuning is not supported for a T5 base" in err
+    assert "T5 tunes with --method lora" in err
 
 
 def test_demo_prints_span_fills(run12, capsys):
