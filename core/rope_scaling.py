@@ -102,9 +102,12 @@ def recompute_at(config: ModelConfig) -> int | None:
     """The cached length at which a generation re-encodes its whole sequence once: transformers'
     Phi-3 does so (its `prepare_inputs_for_generation`) when a sequence that started within
     `original_max_position_embeddings` first passes it, so every key gets longrope's long factors.
-    None for every other model."""
+    The family says whether it does (`Family.longrope_reencodes`); None for every other model."""
+    from tessera.core.models.registry import family  # the registry imports the models
+
     rope = config.rope_scaling
-    if config.family == "phi3" and config.position == "rope" and rope.type == "longrope":
+    if (config.position == "rope" and rope.type == "longrope"
+            and family(config.family).longrope_reencodes):
         return rope.original_max_position_embeddings
     return None
 

@@ -99,6 +99,9 @@ class Family:
       (`core.lora.adaptable_modules`); None: each decoder block's qkv, wo, w1 and w2.
     - `transformer_engine`: whether `build_model(backend="auto" | "te")` may swap its linears
       for Transformer Engine's.
+    - `longrope_reencodes`: whether a generation re-encodes its whole sequence once on first
+      passing longrope's original length (transformers' Phi-3 generate; `core.rope_scaling
+      .recompute_at`).
     """
 
     name: str
@@ -117,6 +120,7 @@ class Family:
     lora_modules: Callable[[Any], list[str]] | None = None
     transformer_engine: bool = True
     options: type | None = None
+    longrope_reencodes: bool = False
 
     def stage(self, config: Any, layout: Any = None, groups: Any = None, stage_id: int = 0,
               num_stages: int = 1, schedule: Any = None) -> Any:

@@ -34,9 +34,11 @@ NEMOTRON = decoder_family("nemotron", traits=dict(norm="layernorm1p", activation
 # Qwen2 / Qwen2.5: biases on q/k/v only.
 QWEN2 = decoder_family("qwen2", traits=dict(_LLAMA, bias=False, qkv_bias=True))
 QWEN3 = decoder_family("qwen3", traits=dict(_LLAMA, bias=False, qk_norm=True))
-# Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed.
+# Phi-3: Llama with fused q/k/v and gate/up in its files, a partial rotary allowed; its
+# generation re-encodes once on passing longrope's original length.
 PHI3 = decoder_family("phi3", traits=dict(norm="rmsnorm", activation="swiglu", position="rope",
-                                          bias=False, qkv_bias=False))
+                                          bias=False, qkv_bias=False),
+                      longrope_reencodes=True)
 # OLMo-2: norms on the sublayer outputs, an RMSNorm over the whole q and k projections.
 OLMO2 = decoder_family("olmo2", traits=dict(_LLAMA, bias=False, qkv_bias=False, qk_norm=True,
                                             qk_norm_width="projection", norm_placement="output",
